@@ -1,0 +1,1 @@
+"""kvsidecar core: layout model, hashing, keys, messages, config and the stage runner."""

@@ -1,0 +1,169 @@
+"""The sidecar's configuration: one frozen, typed tree loaded from YAML.
+
+Unknown keys are rejected and every error names the path of the bad key
+(``$.stages.batching.max_blocks``). Environment variables are read only here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from pipeline.errors import ConfigError
+
+__all__ = [
+    "BatchingStageConfig",
+    "CommitStageConfig",
+    "Config",
+    "ConfigError",
+    "EmbeddedStoreConfig",
+    "LoggingConfig",
+    "MooncakeStoreConfig",
+    "ServerConfig",
+    "StageConfig",
+    "StagesConfig",
+    "StagingConfig",
+    "StoreConfig",
+    "TransferStageConfig",
+    "default_endpoint",
+    "load_config",
+]
+
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+def default_endpoint() -> str:
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return f"ipc://{runtime_dir}/kvsidecar-{os.getuid()}.sock"
+
+
+class ServerConfig(_Section, frozen=True):
+    endpoint: str = msgspec.field(default_factory=default_endpoint)
+    rcvhwm: Positive = 1000
+    """Messages queued per engine before ZMQ pushes back on it."""
+    sndhwm: Positive = 1000
+    max_frame_bytes: Positive = 16 * 1024 * 1024
+    ipc_permissions: int = 0o600
+    allow_insecure_tcp: bool = False
+    """Allow tcp:// on a non-loopback address without CURVE authentication."""
+    heartbeat_timeout_s: PositiveFloat = 30.0
+    """An engine silent for this long is reaped and its mappings released."""
+    drain_timeout_s: PositiveFloat = 10.0
+    """On SIGTERM, how long in-flight work may take before it is aborted."""
+
+
+class StageConfig(_Section, frozen=True):
+    inbox_size: Positive = 64
+    """Bound of the stream feeding this stage."""
+    workers: Positive = 1
+
+
+class BatchingStageConfig(StageConfig, frozen=True):
+    max_blocks: Positive = 64
+    max_bytes: Positive = 64 * 1024 * 1024
+    deadline_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    """How long a partial batch may wait for more blocks."""
+
+
+class TransferStageConfig(StageConfig, frozen=True):
+    threads: Positive = 2
+    """Worker threads that copy between engine tensors and staging."""
+
+
+class CommitStageConfig(StageConfig, frozen=True):
+    overflow: Literal["block", "skip"] = "block"
+    """When staging is exhausted: wait for room, or skip the save with a reported reason."""
+
+
+class StagesConfig(_Section, frozen=True):
+    receive: StageConfig = StageConfig()
+    group_filter: StageConfig = StageConfig()
+    hashing: StageConfig = StageConfig()
+    dedup: StageConfig = StageConfig()
+    batching: BatchingStageConfig = BatchingStageConfig()
+    transfer: TransferStageConfig = TransferStageConfig()
+    commit: CommitStageConfig = CommitStageConfig()
+    fetch: StageConfig = StageConfig()
+    scatter: StageConfig = StageConfig()
+    completion: StageConfig = StageConfig()
+    lookup: StageConfig = StageConfig(workers=4)
+
+
+class StagingConfig(_Section, frozen=True):
+    pool_bytes: Positive = 256 * 1024 * 1024
+    """Fixed staging memory shared by saves and loads; exhausted means backpressure."""
+
+
+class EmbeddedStoreConfig(_Section, frozen=True):
+    capacity_bytes: Positive = 1024 * 1024 * 1024
+    """Byte budget of the preallocated arena; least recently used blocks are evicted."""
+
+
+class MooncakeStoreConfig(_Section, frozen=True):
+    master: str = "embedded"
+    """``embedded`` starts ``mooncake_master`` on loopback; else ``host:port`` of a cluster."""
+    metadata_server: str = ""
+    """Metadata server URL; empty with an embedded master means its HTTP metadata server."""
+    local_hostname: str = "127.0.0.1"
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device_name: str = ""
+    global_segment_bytes: Positive = 512 * 1024 * 1024
+    """Memory this sidecar contributes to the cluster."""
+    local_buffer_bytes: Positive = 128 * 1024 * 1024
+    replica_num: Positive = 1
+    tenant_id: str = ""
+    master_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """Port of an embedded master (0: pick a free one)."""
+    master_binary: str = "mooncake_master"
+    startup_timeout_s: PositiveFloat = 20.0
+    call_timeout_s: PositiveFloat = 10.0
+    max_concurrent_calls: Positive = 4
+
+
+class StoreConfig(_Section, frozen=True):
+    backend: Literal["embedded", "mooncake"] = "embedded"
+    embedded: EmbeddedStoreConfig = EmbeddedStoreConfig()
+    mooncake: MooncakeStoreConfig = MooncakeStoreConfig()
+
+
+class LoggingConfig(_Section, frozen=True):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "json", "console"] = "auto"
+    """``auto``: JSON when stderr is not a terminal."""
+
+
+class Config(_Section, frozen=True):
+    server: ServerConfig = ServerConfig()
+    stages: StagesConfig = StagesConfig()
+    staging: StagingConfig = StagingConfig()
+    store: StoreConfig = StoreConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+
+def load_config(path: str | Path | None = None, *, endpoint: str | None = None) -> Config:
+    """Load a YAML config (defaults when ``path`` is None); ``endpoint`` overrides the file's."""
+    config = Config()
+    if path is not None:
+        try:
+            raw = Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+        try:
+            config = msgspec.yaml.decode(raw or b"{}", type=Config) if raw.strip() else Config()
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if endpoint is not None:
+        config = msgspec.structs.replace(
+            config, server=msgspec.structs.replace(config.server, endpoint=endpoint)
+        )
+    return config

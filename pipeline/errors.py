@@ -1,0 +1,27 @@
+"""The error hierarchy, grouped by who handles each error."""
+
+from __future__ import annotations
+
+
+class KVSidecarError(Exception):
+    """Base of every error kvsidecar raises on purpose."""
+
+
+class ConfigError(KVSidecarError):
+    """A configuration file or value is invalid; the message names the key path."""
+
+
+class LayoutError(KVSidecarError):
+    """A KV-cache layout is malformed or cannot be stored; the message names the group."""
+
+
+class ProtocolError(KVSidecarError):
+    """A wire message is malformed, oversized, or violates the protocol."""
+
+
+class TransportError(KVSidecarError):
+    """A socket, shared-memory mapping or peer process failed."""
+
+
+class StoreError(KVSidecarError):
+    """A store backend failed as a whole (not a per-key outcome)."""

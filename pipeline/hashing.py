@@ -1,0 +1,148 @@
+"""Chained block hashes, byte-identical to vLLM 0.33 ``hash_block_tokens`` + ``sha256_cbor``.
+
+``h_i = sha256(cbor(parent, tuple(tokens_i), extra_keys_i))`` with ``parent = h_{i-1}``
+or ``NONE_HASH`` for the first block. ``NONE_HASH`` is ``sha256_cbor(seed)`` where the
+seed is ``"vllm-none-hash"`` unless the engine set ``PYTHONHASHSEED``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import cbor2
+
+__all__ = [
+    "DEFAULT_SEED",
+    "MMItem",
+    "RequestHasher",
+    "block_hashes",
+    "group_block_hashes",
+    "none_hash",
+    "sha256_cbor",
+]
+
+DEFAULT_SEED = "vllm-none-hash"
+
+MMItem = tuple[str, int, int]
+"""A multimodal item: (identifier, offset of its first placeholder token, length)."""
+
+_sha256 = hashlib.sha256
+_dumps = cbor2.dumps
+
+
+def sha256_cbor(value: Any) -> bytes:
+    return _sha256(_dumps(value, canonical=True)).digest()
+
+
+@functools.lru_cache(maxsize=64)
+def none_hash(seed: str | None = None) -> bytes:
+    """The parent hash of every request's first block, for a ``PYTHONHASHSEED``-style seed."""
+    return sha256_cbor(DEFAULT_SEED if seed is None else seed)
+
+
+class RequestHasher:
+    """Hashes one request's blocks incrementally: a growing request is never rehashed.
+
+    Extra keys are fixed per request (LoRA, multimodal items, cache salt), as in vLLM.
+    """
+
+    __slots__ = ("_block", "_extra_static", "_hashes", "_mm", "_mm_next", "_parent", "_salt")
+
+    def __init__(
+        self,
+        hash_block_size: int,
+        *,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        cache_salt: str | None = None,
+        mm_items: Sequence[MMItem] = (),
+        seed: str | None = None,
+    ) -> None:
+        if hash_block_size <= 0:
+            raise ValueError(f"hash_block_size must be positive, got {hash_block_size}")
+        self._block = hash_block_size
+        self._extra_static: tuple[Any, ...] = (
+            (("lora", lora_name, lora_path or ""),) if lora_name else ()
+        )
+        self._salt = cache_salt or None
+        self._mm = sorted((tuple(item) for item in mm_items), key=lambda item: item[1])
+        self._mm_next = 0
+        self._hashes: list[bytes] = []
+        self._parent = none_hash(seed)
+
+    @property
+    def hashes(self) -> list[bytes]:
+        """Hashes of every full block seen so far (the caller must not mutate it)."""
+        return self._hashes
+
+    def extend(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Hash the full blocks of ``token_ids`` not hashed yet; return all hashes.
+
+        ``token_ids`` is the whole request so far; its prefix must equal what was hashed.
+        """
+        size = self._block
+        hashes = self._hashes
+        parent = self._parent
+        simple = not (self._extra_static or self._salt or self._mm)
+        for start in range(len(hashes) * size, len(token_ids) - size + 1, size):
+            tokens = tuple(token_ids[start : start + size])
+            extra = None if simple else self._extra_keys(start, start + size)
+            parent = _sha256(_dumps((parent, tokens, extra), canonical=True)).digest()
+            hashes.append(parent)
+        self._parent = parent
+        return hashes
+
+    def _extra_keys(self, start: int, end: int) -> tuple[Any, ...] | None:
+        keys: list[Any] = list(self._extra_static)
+        mm = self._mm
+        index = self._mm_next
+        while index < len(mm):
+            identifier, offset, length = mm[index]
+            if offset >= end:
+                break
+            if offset + length > start:
+                keys.append(("mm", identifier, offset - start))
+            if offset + length <= end:
+                index += 1  # ends in this block: later blocks never see it again
+            else:
+                break
+        self._mm_next = index
+        if start == 0 and self._salt:
+            keys.append(("cache_salt", self._salt))
+        return tuple(keys) if keys else None
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    hash_block_size: int,
+    *,
+    lora_name: str | None = None,
+    lora_path: str | None = None,
+    cache_salt: str | None = None,
+    mm_items: Sequence[MMItem] = (),
+    seed: str | None = None,
+) -> list[bytes]:
+    """Fine block hashes of every full ``hash_block_size`` chunk of ``token_ids``."""
+    hasher = RequestHasher(
+        hash_block_size, lora_name=lora_name, lora_path=lora_path, cache_salt=cache_salt,
+        mm_items=mm_items, seed=seed,
+    )
+    return hasher.extend(token_ids)
+
+
+def group_block_hashes(
+    fine_hashes: Sequence[bytes], hash_block_size: int, group_block_size: int
+) -> list[bytes]:
+    """The coarse view for a group whose block spans k fine blocks: ``h[(j+1)*k - 1]``."""
+    if group_block_size % hash_block_size:
+        raise ValueError(
+            f"group block_size {group_block_size} is not a multiple of "
+            f"hash_block_size {hash_block_size}"
+        )
+    k = group_block_size // hash_block_size
+    if k == 1:
+        return list(fine_hashes)
+    return list(fine_hashes[k - 1 :: k])

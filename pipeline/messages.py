@@ -1,0 +1,231 @@
+"""Wire messages between engines and the sidecar: frozen msgspec structs, msgpack-encoded.
+
+Each direction is one tagged union decoded by one typed decoder. Tensors never travel
+through the socket: registration sends handles (shared-memory names, offsets, strides).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from pipeline.errors import ProtocolError
+from pipeline.store import BlockStatus
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "BlockReport",
+    "EngineMessage",
+    "ErrorCode",
+    "ErrorReply",
+    "Heartbeat",
+    "HeartbeatAck",
+    "HashSelfTest",
+    "Load",
+    "LoadDone",
+    "Lookup",
+    "LookupReply",
+    "Register",
+    "Registered",
+    "RequestKeys",
+    "Save",
+    "SaveDone",
+    "SidecarMessage",
+    "TensorHandle",
+    "Unregister",
+    "Unregistered",
+    "decode_engine_message",
+    "decode_sidecar_message",
+    "encode",
+]
+
+PROTOCOL_VERSION = 1
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Wire(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind"):
+    pass
+
+
+# -- engine -> sidecar -------------------------------------------------------------------
+
+
+class TensorHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where one layer's KV tensor lives, so the sidecar can map it without copying.
+
+    ``block_dim`` is 0 for blocks-first tensors ``[num_blocks, ...]`` and 1 for
+    K/V-first tensors ``[2, num_blocks, ...]``. Offsets are bytes, strides elements.
+    """
+
+    layer: str
+    shm_name: str
+    offset: NonNegative
+    shape: tuple[NonNegative, ...]
+    strides: tuple[int, ...]
+    dtype: str
+    block_dim: Annotated[int, msgspec.Meta(ge=0, le=1)] = 0
+    device: str = "cpu"
+
+
+class HashSelfTest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The engine's own hashes of a fixed token sequence: proves both sides hash alike."""
+
+    token_ids: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+
+
+class RequestKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Per-request inputs to block hashing besides the tokens."""
+
+    lora_name: str | None = None
+    lora_path: str | None = None
+    cache_salt: str | None = None
+    mm_items: tuple[tuple[str, NonNegative, NonNegative], ...] = ()
+
+
+class Register(_Wire, frozen=True, tag="register"):
+    engine_id: str
+    layout: dict[str, Any]
+    tensors: tuple[TensorHandle, ...]
+    self_test: HashSelfTest
+    hash_seed: str | None = None
+    version: int = PROTOCOL_VERSION
+
+
+class Heartbeat(_Wire, frozen=True, tag="heartbeat"):
+    seq: NonNegative = 0
+
+
+class Lookup(_Wire, frozen=True, tag="lookup"):
+    seq: NonNegative
+    token_ids: tuple[int, ...]
+    keys: RequestKeys = RequestKeys()
+
+
+class Save(_Wire, frozen=True, tag="save"):
+    seq: NonNegative
+    request_id: str
+    token_ids: tuple[int, ...]
+    block_ids: tuple[tuple[NonNegative, ...], ...]
+    """One list per kv-cache group, block j of the request at index j (0 = null block)."""
+    keys: RequestKeys = RequestKeys()
+
+
+class Load(_Wire, frozen=True, tag="load"):
+    seq: NonNegative
+    request_id: str
+    token_ids: tuple[int, ...]
+    block_ids: tuple[tuple[NonNegative, ...], ...]
+    num_tokens: NonNegative
+    """Tokens to load from the start of the request (the lookup's hit)."""
+    keys: RequestKeys = RequestKeys()
+
+
+class Unregister(_Wire, frozen=True, tag="unregister"):
+    seq: NonNegative = 0
+
+
+EngineMessage = Register | Heartbeat | Lookup | Save | Load | Unregister
+
+
+# -- sidecar -> engine -------------------------------------------------------------------
+
+
+class Registered(_Wire, frozen=True, tag="registered"):
+    engine_id: str
+    hash_block_size: int
+    lookup_alignment: int
+    store_group_ids: tuple[int, ...]
+    """kv-cache group ids that are stored, in store-group order."""
+    layout_fingerprint: str
+    save_capacity_blocks: int
+    """Blocks the staging pool can hold at once: a hint for skipping saves early."""
+    version: int = PROTOCOL_VERSION
+
+
+class HeartbeatAck(_Wire, frozen=True, tag="heartbeat_ack"):
+    seq: int = 0
+
+
+class LookupReply(_Wire, frozen=True, tag="lookup_reply"):
+    seq: int
+    hit_tokens: int
+
+
+class BlockReport(msgspec.Struct, frozen=True, array_like=True):
+    """The outcome of one engine block: (kv-cache group id, block index, block id, status)."""
+
+    group_id: int
+    block_index: int
+    block_id: int
+    status: BlockStatus
+    reason: str = ""
+
+
+class SaveDone(_Wire, frozen=True, tag="save_done"):
+    seq: int
+    request_id: str
+    blocks: tuple[BlockReport, ...]
+
+
+class LoadDone(_Wire, frozen=True, tag="load_done"):
+    seq: int
+    request_id: str
+    loaded_tokens: int
+    invalid_block_ids: tuple[int, ...]
+    blocks: tuple[BlockReport, ...]
+
+
+class Unregistered(_Wire, frozen=True, tag="unregistered"):
+    seq: int = 0
+
+
+class ErrorCode:
+    BAD_FRAME = "bad_frame"
+    TOO_LARGE = "too_large"
+    BAD_VERSION = "bad_version"
+    NOT_REGISTERED = "not_registered"
+    BAD_LAYOUT = "bad_layout"
+    BAD_TENSORS = "bad_tensors"
+    HASH_MISMATCH = "hash_mismatch"
+    BAD_REQUEST = "bad_request"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class ErrorReply(_Wire, frozen=True, tag="error"):
+    code: str
+    message: str
+    seq: int = 0
+
+
+SidecarMessage = (
+    Registered | HeartbeatAck | LookupReply | SaveDone | LoadDone | Unregistered | ErrorReply
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_engine_decoder = msgspec.msgpack.Decoder(EngineMessage)
+_sidecar_decoder = msgspec.msgpack.Decoder(SidecarMessage)
+
+
+def encode(message: EngineMessage | SidecarMessage) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_engine_message(frame: bytes, *, max_bytes: int) -> EngineMessage:
+    """Decode one engine frame; any problem becomes a ``ProtocolError`` naming it."""
+    if len(frame) > max_bytes:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        return _engine_decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed engine message: {exc}") from exc
+
+
+def decode_sidecar_message(frame: bytes) -> SidecarMessage:
+    try:
+        return _sidecar_decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed sidecar message: {exc}") from exc

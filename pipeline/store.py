@@ -1,0 +1,76 @@
+"""The block-store contract every backend implements (embedded, Mooncake, test fakes).
+
+A value is one stored block: a contiguous byte range inside a staging buffer that was
+registered with the store once (zero-copy backends register it for DMA). Every batch
+call returns one outcome per key, in order; a backend raises ``StoreError`` only when
+the store as a whole is unusable (down, closed), never for a single key.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import msgspec
+import torch
+
+__all__ = ["BlockStatus", "KVStore", "KeyOutcome"]
+
+
+class BlockStatus(enum.StrEnum):
+    STORED = "stored"
+    PRESENT = "present"
+    SKIPPED = "skipped"
+    FAILED = "failed"
+    LOADED = "loaded"
+    MISSING = "missing"
+
+
+class KeyOutcome(msgspec.Struct, frozen=True):
+    status: BlockStatus
+    reason: str = ""
+
+
+STORED = KeyOutcome(BlockStatus.STORED)
+PRESENT = KeyOutcome(BlockStatus.PRESENT)
+LOADED = KeyOutcome(BlockStatus.LOADED)
+MISSING = KeyOutcome(BlockStatus.MISSING, "missing")
+STORE_FULL = KeyOutcome(BlockStatus.SKIPPED, "store_full")
+
+
+def failed(reason: str) -> KeyOutcome:
+    return KeyOutcome(BlockStatus.FAILED, reason)
+
+
+@runtime_checkable
+class KVStore(Protocol):
+    """A byte store keyed by strings; all methods are safe to call from the event loop."""
+
+    async def register_buffer(self, buffer: torch.Tensor) -> None:
+        """Register a staging buffer (1-D uint8, contiguous) that values will live in."""
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored and readable."""
+
+    async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
+        """Store each value (a 1-D uint8 slice of a registered buffer) under its key.
+
+        Outcomes: ``STORED``, ``PRESENT`` (the key existed: not overwritten),
+        ``STORE_FULL`` (skipped: no room), or ``failed(reason)``.
+        """
+
+    async def get_into(
+        self, keys: Sequence[str], buffers: Sequence[torch.Tensor]
+    ) -> list[KeyOutcome]:
+        """Copy each key's value into its buffer (a 1-D uint8 slice of a registered buffer).
+
+        Outcomes: ``LOADED``, ``MISSING``, or ``failed(reason)`` (a size mismatch is a
+        failure). A buffer whose outcome is not ``LOADED`` holds undefined bytes.
+        """
+
+    async def remove(self, keys: Sequence[str]) -> int:
+        """Remove keys if present; return how many were removed."""
+
+    async def aclose(self) -> None:
+        """Release the backend's resources; idempotent."""

@@ -1,0 +1,1 @@
+"""kvsidecar pipeline stages: one small async stage per module."""

@@ -1,0 +1,1 @@
+"""kvsidecar transport: ZMQ server and client, shared tensors, store backends."""
