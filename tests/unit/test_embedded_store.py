@@ -1,0 +1,413 @@
+"""The embedded store: an LRU cache in one preallocated arena, copies in worker threads."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from anyio import wait_all_tasks_blocked
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.config import EmbeddedStoreConfig
+from pipeline.errors import StoreError
+from pipeline.store import (
+    LOADED,
+    MISSING,
+    PRESENT,
+    STORE_FULL,
+    STORED,
+    BlockStatus,
+    KVStore,
+    failed,
+)
+from transport.embedded_store import ArenaAllocator, EmbeddedStore
+
+WAIT_S = 10.0
+
+
+def value(size: int, seed: int) -> torch.Tensor:
+    """``size`` bytes whose content depends on ``seed``."""
+    return (torch.arange(size, dtype=torch.int64) * 7 + seed).remainder(256).to(torch.uint8)
+
+
+def make_store(capacity: int, limiter: anyio.CapacityLimiter | None = None) -> EmbeddedStore:
+    return EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=capacity), copy_limiter=limiter)
+
+
+async def read(store: EmbeddedStore, key: str, size: int) -> torch.Tensor | None:
+    buffer = torch.zeros(size, dtype=torch.uint8)
+    [outcome] = await store.get_into([key], [buffer])
+    return buffer if outcome == LOADED else None
+
+
+async def wait_for_waiters(limiter: anyio.CapacityLimiter, count: int) -> None:
+    """Let the started tasks run until they block, then check they wait for copy threads."""
+    await wait_all_tasks_blocked()
+    assert limiter.statistics().tasks_waiting == count
+
+
+# -- allocator -------------------------------------------------------------------------
+
+
+def test_allocator_best_fit_and_coalescing_restore_one_hole() -> None:
+    """Freed extents merge with both neighbours until the whole arena is one hole again."""
+    allocator = ArenaAllocator(100)
+    a, b, c = (allocator.allocate(size) for size in (10, 20, 30))
+    assert (a, b, c) == (0, 10, 30)
+    allocator.free(0, 10)
+    allocator.free(30, 30)
+    assert allocator.allocate(25) == 30  # best fit: the 30-byte hole, not the 40-byte tail
+    allocator.free(30, 25)
+    allocator.free(10, 20)
+    assert allocator.holes == 1
+    assert allocator.free_bytes == 100
+    assert allocator.allocate(100) == 0
+
+
+def test_allocator_refuses_what_no_hole_fits() -> None:
+    """A request larger than every hole gets None even when total free bytes suffice."""
+    allocator = ArenaAllocator(30)
+    for _ in range(3):
+        allocator.allocate(10)
+    allocator.free(0, 10)
+    allocator.free(20, 10)
+    assert allocator.free_bytes == 20
+    assert allocator.allocate(20) is None
+
+
+# -- KVStore behaviour -----------------------------------------------------------------
+
+
+async def test_is_a_kvstore() -> None:
+    """The embedded store satisfies the KVStore protocol."""
+    async with make_store(64) as store:
+        assert isinstance(store, KVStore)
+
+
+async def test_put_then_get_round_trips_bytes() -> None:
+    """A stored value is loaded byte for byte and reported as existing."""
+    with anyio.fail_after(WAIT_S):
+        async with make_store(1024) as store:
+            assert await store.put(["a", "b"], [value(100, 1), value(50, 2)]) == [STORED] * 2
+            assert await store.exists(["a", "b", "c"]) == [True, True, False]
+            loaded = await read(store, "a", 100)
+            assert loaded is not None and torch.equal(loaded, value(100, 1))
+
+
+async def test_put_of_present_key_does_not_overwrite() -> None:
+    """Putting an existing key reports PRESENT and keeps the first value."""
+    with anyio.fail_after(WAIT_S):
+        async with make_store(1024) as store:
+            await store.put(["a"], [value(16, 1)])
+            assert await store.put(["a"], [value(16, 2)]) == [PRESENT]
+            loaded = await read(store, "a", 16)
+            assert loaded is not None and torch.equal(loaded, value(16, 1))
+
+
+async def test_duplicate_key_in_one_batch_is_stored_once() -> None:
+    """The second occurrence of a key within one put is PRESENT."""
+    with anyio.fail_after(WAIT_S):
+        async with make_store(1024) as store:
+            outcomes = await store.put(["a", "a"], [value(16, 1), value(16, 2)])
+            assert outcomes == [STORED, PRESENT]
+            assert store.stats().used_bytes == 16
+
+
+async def test_get_of_absent_key_is_missing() -> None:
+    """A key never stored is MISSING."""
+    with anyio.fail_after(WAIT_S):
+        async with make_store(64) as store:
+            assert await store.get_into(["x"], [torch.zeros(4, dtype=torch.uint8)]) == [MISSING]
+
+
+async def test_get_into_wrong_size_buffer_fails_with_sizes() -> None:
+    """A buffer of another size fails the key with both sizes in the reason."""
+    with anyio.fail_after(WAIT_S):
+        async with make_store(64) as store:
+            await store.put(["a"], [value(16, 1)])
+            outcome = await store.get_into(["a"], [torch.zeros(8, dtype=torch.uint8)])
+            assert outcome == [failed("size_mismatch: stored 16 bytes, buffer 8")]
+
+
+async def test_value_larger_than_arena_is_store_full_without_evicting() -> None:
+    """A value that could never fit is skipped as store_full and evicts nothing."""
+    with anyio.fail_after(WAIT_S):
+        async with make_store(64) as store:
+            await store.put(["a"], [value(32, 1)])
+            assert await store.put(["big"], [value(65, 2)]) == [STORE_FULL]
+            assert await store.exists(["a"]) == [True]
+            assert store.stats().evictions == 0
+
+
+async def test_bad_and_empty_values_fail_per_key() -> None:
+    """A non-byte or empty value fails its own key; the rest of the batch is stored."""
+    with anyio.fail_after(WAIT_S):
+        async with make_store(64) as store:
+            outcomes = await store.put(
+                ["f", "e", "ok"],
+                [torch.zeros(4, dtype=torch.float32), torch.zeros(0, dtype=torch.uint8),
+                 value(4, 1)],
+            )
+            assert [o.status for o in outcomes] == [
+                BlockStatus.FAILED, BlockStatus.FAILED, BlockStatus.STORED
+            ]
+            assert outcomes[0].reason.startswith("bad_value: expected a 1-D uint8 tensor")
+            assert outcomes[1] == failed("bad_value: empty")
+            assert store.stats().keys == 1
+
+
+async def test_batch_larger_than_arena_does_not_evict_its_own_values() -> None:
+    """Values of one put are pinned until copied, so the overflow of a batch is skipped."""
+    with anyio.fail_after(WAIT_S):
+        async with make_store(40) as store:
+            outcomes = await store.put(["a", "b", "c"], [value(16, i) for i in range(3)])
+            assert outcomes == [STORED, STORED, STORE_FULL]
+            assert store.stats().evictions == 0
+
+
+async def test_least_recently_used_is_evicted_first() -> None:
+    """A get refreshes recency, so the untouched oldest key is the one evicted."""
+    with anyio.fail_after(WAIT_S):
+        async with make_store(48) as store:
+            await store.put(["a", "b", "c"], [value(16, i) for i in range(3)])
+            assert await read(store, "a", 16) is not None
+            assert await store.put(["d"], [value(16, 3)]) == [STORED]
+            assert await store.exists(["a", "b", "c", "d"]) == [True, False, True, True]
+            assert store.stats().evictions == 1
+
+
+async def test_present_put_refreshes_recency() -> None:
+    """Re-putting a key counts as a use, protecting it from the next eviction."""
+    with anyio.fail_after(WAIT_S):
+        async with make_store(48) as store:
+            await store.put(["a", "b", "c"], [value(16, i) for i in range(3)])
+            assert await store.put(["a"], [value(16, 9)]) == [PRESENT]
+            await store.put(["d"], [value(16, 3)])
+            assert await store.exists(["a", "b"]) == [True, False]
+
+
+async def test_eviction_of_small_neighbours_makes_room_for_a_large_value() -> None:
+    """Holes left by evicted values of one size coalesce into room for a larger one."""
+    with anyio.fail_after(WAIT_S):
+        async with make_store(64) as store:
+            await store.put([f"s{i}" for i in range(8)], [value(8, i) for i in range(8)])
+            assert await store.put(["big"], [value(40, 9)]) == [STORED]
+            assert await store.exists([f"s{i}" for i in range(8)]) == [False] * 5 + [True] * 3
+            loaded = await read(store, "big", 40)
+            assert loaded is not None and torch.equal(loaded, value(40, 9))
+
+
+async def test_remove_frees_bytes_and_counts_present_keys() -> None:
+    """remove returns how many keys it found, and their bytes become free."""
+    with anyio.fail_after(WAIT_S):
+        async with make_store(64) as store:
+            await store.put(["a", "b"], [value(16, 1), value(16, 2)])
+            assert await store.remove(["a", "x", "a"]) == 1
+            assert store.stats().used_bytes == 16
+            assert await store.get_into(["a"], [torch.zeros(16, dtype=torch.uint8)]) == [MISSING]
+
+
+async def test_stats_report_usage_keys_and_evictions() -> None:
+    """stats counts used bytes, capacity, keys and evictions."""
+    with anyio.fail_after(WAIT_S):
+        async with make_store(40) as store:
+            await store.put(["a", "b"], [value(16, 1), value(16, 2)])
+            await store.put(["c"], [value(16, 3)])
+            stats = store.stats()
+            assert (stats.used_bytes, stats.capacity_bytes, stats.keys, stats.evictions) == (
+                32, 40, 2, 1
+            )
+
+
+async def test_closed_store_refuses_calls_and_closes_once() -> None:
+    """After aclose every call raises StoreError; aclose is idempotent."""
+    store = make_store(64)
+    await store.aclose()
+    await store.aclose()
+    with pytest.raises(StoreError, match="closed"):
+        await store.exists(["a"])
+
+
+async def test_register_buffer_rejects_non_byte_tensors() -> None:
+    """A staging buffer must be a contiguous 1-D uint8 tensor."""
+    async with make_store(64) as store:
+        await store.register_buffer(torch.zeros(128, dtype=torch.uint8))
+        with pytest.raises(ValueError, match="1-D uint8"):
+            await store.register_buffer(torch.zeros(4, 4, dtype=torch.uint8))
+
+
+# -- copies off the event loop, pinning ------------------------------------------------
+
+
+async def test_entry_being_read_is_not_evicted_or_overwritten() -> None:
+    """While a get copies a value out, a put needing room evicts others, never it."""
+    limiter = anyio.CapacityLimiter(1)
+    with anyio.fail_after(WAIT_S):
+        async with make_store(32, limiter) as store:
+            await store.put(["a", "b"], [value(16, 1), value(16, 2)])
+            buffer = torch.zeros(16, dtype=torch.uint8)
+            results: dict[str, object] = {}
+
+            async def run(name: str, call: Awaitable[object]) -> None:
+                results[name] = await call
+
+            await limiter.acquire()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, "get", store.get_into(["a"], [buffer]))
+                await wait_for_waiters(limiter, 1)
+                tg.start_soon(run, "put", store.put(["c"], [value(16, 3)]))
+                await wait_for_waiters(limiter, 2)
+                # a and c are pinned: nothing is left to evict for another value.
+                assert await store.put(["d"], [value(16, 4)]) == [STORE_FULL]
+                assert await store.exists(["a", "b", "c"]) == [True, False, False]
+                limiter.release()
+            assert results == {"get": [LOADED], "put": [STORED]}
+            assert torch.equal(buffer, value(16, 1))
+            loaded = await read(store, "c", 16)
+            assert loaded is not None and torch.equal(loaded, value(16, 3))
+
+
+async def test_removed_while_pinned_keeps_bytes_until_copy_ends() -> None:
+    """Removing a key being read frees its bytes only after the copy finishes."""
+    limiter = anyio.CapacityLimiter(1)
+    with anyio.fail_after(WAIT_S):
+        async with make_store(32, limiter) as store:
+            await store.put(["a"], [value(16, 1)])
+            buffer = torch.zeros(16, dtype=torch.uint8)
+            await limiter.acquire()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(store.get_into, ["a"], [buffer])
+                await wait_for_waiters(limiter, 1)
+                assert await store.remove(["a"]) == 1
+                assert store.stats().used_bytes == 16
+                limiter.release()
+            assert torch.equal(buffer, value(16, 1))
+            assert store.stats().used_bytes == 0
+
+
+async def test_cancelled_put_releases_its_reservation() -> None:
+    """A put cancelled before its copy ran leaves no key and no used bytes behind."""
+    limiter = anyio.CapacityLimiter(1)
+    with anyio.fail_after(WAIT_S):
+        async with make_store(32, limiter) as store:
+            await limiter.acquire()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(store.put, ["a"], [value(16, 1)])
+                await wait_for_waiters(limiter, 1)
+                assert await store.put(["a"], [value(16, 2)]) == [PRESENT]
+                assert await store.exists(["a"]) == [False]
+                tg.cancel_scope.cancel()
+            limiter.release()
+            assert store.stats().used_bytes == 0
+            assert await store.exists(["a"]) == [False]
+
+
+async def test_concurrent_puts_and_gets_load_only_exact_bytes() -> None:
+    """Many tasks hammering a small arena never load a byte that was not put."""
+    sizes = [8, 24, 40]
+
+    def expected(key: int) -> torch.Tensor:
+        return value(sizes[key % len(sizes)], key)
+
+    async def worker(store: EmbeddedStore, seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(60):
+            keys = [rng.randrange(30) for _ in range(rng.randint(1, 4))]
+            if rng.random() < 0.5:
+                await store.put([str(k) for k in keys], [expected(k) for k in keys])
+            elif rng.random() < 0.9:
+                buffers = [torch.zeros_like(expected(k)) for k in keys]
+                outcomes = await store.get_into([str(k) for k in keys], buffers)
+                for k, buffer, outcome in zip(keys, buffers, outcomes, strict=True):
+                    assert outcome in (LOADED, MISSING)
+                    if outcome == LOADED:
+                        assert torch.equal(buffer, expected(k))
+            else:
+                await store.remove([str(k) for k in keys])
+            assert store.stats().used_bytes <= 200
+
+    with anyio.fail_after(30):
+        async with make_store(200) as store:
+            async with anyio.create_task_group() as tg:
+                for seed in range(8):
+                    tg.start_soon(worker, store, seed)
+            present = await store.exists([str(k) for k in range(30)])
+            assert store.stats().used_bytes == sum(
+                expected(k).numel() for k in range(30) if present[k]
+            )
+
+
+# -- property ------------------------------------------------------------------------
+
+CAPACITY = 96
+keys_st = st.sampled_from("abcdefg")
+sizes_st = st.sampled_from([8, 16, 24, 40, 97])
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), st.lists(st.tuples(keys_st, sizes_st, st.integers(0, 255)),
+                                           min_size=1, max_size=3)),
+        st.tuples(st.just("get"), st.lists(keys_st, min_size=1, max_size=3)),
+        st.tuples(st.just("remove"), st.lists(keys_st, min_size=1, max_size=2)),
+    ),
+    max_size=40,
+)
+
+
+@settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+@given(operations)
+def test_any_sequence_stays_in_budget_and_loads_exact_bytes(
+    ops: list[tuple[str, list[Any]]],
+) -> None:
+    """Any put/get/remove sequence keeps used <= capacity and loads only what was put."""
+
+    async def scenario() -> None:
+        # What may be in the store: key -> the bytes it was stored with.
+        model: dict[str, torch.Tensor] = {}
+        async with make_store(CAPACITY) as store:
+            for op, args in ops:
+                if op == "put":
+                    keys = [k for k, _, _ in args]
+                    values = [value(size, seed) for _, size, seed in args]
+                    outcomes = await store.put(keys, values)
+                    for key, data, outcome in zip(keys, values, outcomes, strict=True):
+                        assert outcome in (STORED, PRESENT, STORE_FULL)
+                        if outcome == STORED:
+                            model[key] = data
+                        if outcome == PRESENT:
+                            assert key in model
+                elif op == "get":
+                    keys = [str(k) for k in args]
+                    buffers = [
+                        torch.zeros(model[k].numel() if k in model else 8, dtype=torch.uint8)
+                        for k in keys
+                    ]
+                    outcomes = await store.get_into(keys, buffers)
+                    for key, buffer, outcome in zip(keys, buffers, outcomes, strict=True):
+                        if outcome == LOADED:
+                            assert torch.equal(buffer, model[key])
+                        else:
+                            assert outcome == MISSING
+                else:
+                    keys = [str(k) for k in args]
+                    await store.remove(keys)
+                    for key in keys:
+                        model.pop(key, None)
+                stats = store.stats()
+                assert stats.used_bytes <= stats.capacity_bytes
+                present = await store.exists(list(model))
+                assert stats.used_bytes == sum(
+                    data.numel() for data, here in zip(model.values(), present, strict=True)
+                    if here
+                )
+                assert stats.keys == sum(present)
+
+    async def main() -> None:
+        with anyio.fail_after(WAIT_S):
+            await scenario()
+
+    anyio.run(main)

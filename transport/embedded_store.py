@@ -1,0 +1,370 @@
+"""The embedded block store: an LRU cache inside one preallocated byte arena.
+
+The arena is a single uint8 tensor of ``capacity_bytes``, allocated once; values are
+extents inside it. Allocation is best fit over free extents that coalesce with both
+neighbours on free. A deployment stores a handful of value sizes (one per store
+group), so an evicted block leaves a hole of exactly the size the next block of its
+group needs, and holes of different sizes merge as their neighbours go. Unlike a slab
+allocator, no memory is ever reserved for a size class that stopped being used, and
+evicting every unpinned entry always yields one hole per run between pinned entries,
+so the arena cannot fragment into uselessness: a value that fits the capacity left
+by in-flight copies is found room by evicting in LRU order.
+
+The index lives on the event loop thread and is only touched there, so it needs no
+lock. Copies run in worker threads (``anyio.to_thread.run_sync`` with a
+``CapacityLimiter``) on entries *pinned* for the duration of the copy: a pinned entry
+is never evicted, and one removed while pinned keeps its extent until the last pin is
+released. Pinning rather than copying under a lock lets reads and writes of different
+entries copy in parallel while the loop keeps indexing, and the loop never waits on a
+lock that a copy thread holds.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import anyio
+import anyio.to_thread
+import torch
+
+from pipeline.config import EmbeddedStoreConfig
+from pipeline.errors import StoreError
+from pipeline.store import LOADED, MISSING, PRESENT, STORE_FULL, STORED, KeyOutcome, failed
+
+__all__ = ["ArenaAllocator", "EmbeddedStore", "EmbeddedStoreStats"]
+
+DEFAULT_COPY_THREADS = 2
+
+
+class ArenaAllocator:
+    """Best-fit allocation of byte extents in ``[0, capacity)``, coalescing on free.
+
+    Free extents are indexed by start and by end (to merge with both neighbours in
+    O(1)) and by size (a sorted list of the distinct hole sizes, for best fit).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.free_bytes = 0
+        self._size_at_start: dict[int, int] = {}
+        self._start_at_end: dict[int, int] = {}
+        self._starts_of_size: dict[int, set[int]] = {}
+        self._sizes: list[int] = []
+        self.free(0, capacity)
+
+    def allocate(self, size: int) -> int | None:
+        """Reserve ``size`` bytes and return their offset, or ``None`` if no hole fits."""
+        index = bisect.bisect_left(self._sizes, size)
+        if index == len(self._sizes):
+            return None
+        hole_size = self._sizes[index]
+        start = next(iter(self._starts_of_size[hole_size]))
+        self._unlink(start, hole_size)
+        if hole_size > size:
+            self._link(start + size, hole_size - size)
+        self.free_bytes -= size
+        return start
+
+    def free(self, start: int, size: int) -> None:
+        """Return an extent obtained from ``allocate``; it merges with free neighbours."""
+        self.free_bytes += size
+        end = start + size
+        before = self._start_at_end.get(start)
+        if before is not None:
+            before_size = self._size_at_start[before]
+            self._unlink(before, before_size)
+            start, size = before, size + before_size
+        after_size = self._size_at_start.get(end)
+        if after_size is not None:
+            self._unlink(end, after_size)
+            size += after_size
+        if size:
+            self._link(start, size)
+
+    @property
+    def holes(self) -> int:
+        return len(self._size_at_start)
+
+    def _link(self, start: int, size: int) -> None:
+        self._size_at_start[start] = size
+        self._start_at_end[start + size] = start
+        starts = self._starts_of_size.get(size)
+        if starts is None:
+            starts = self._starts_of_size[size] = set()
+            bisect.insort(self._sizes, size)
+        starts.add(start)
+
+    def _unlink(self, start: int, size: int) -> None:
+        del self._size_at_start[start]
+        del self._start_at_end[start + size]
+        starts = self._starts_of_size[size]
+        starts.remove(start)
+        if not starts:
+            del self._starts_of_size[size]
+            del self._sizes[bisect.bisect_left(self._sizes, size)]
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddedStoreStats:
+    used_bytes: int
+    capacity_bytes: int
+    keys: int
+    evictions: int
+
+
+@dataclass(eq=False, slots=True)
+class _Entry:
+    key: str
+    offset: int
+    size: int
+    pins: int = 0
+    ready: bool = False
+    """False while the put that created it is still copying the value in."""
+    removed: bool = False
+    """Out of the index; the extent is freed when the last pin goes."""
+
+
+def _check_bytes(tensor: object) -> str | None:
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
+        described = (
+            f"{tensor.dtype} tensor of shape {tuple(tensor.shape)}"
+            if isinstance(tensor, torch.Tensor)
+            else type(tensor).__name__
+        )
+        return f"expected a 1-D uint8 tensor, got a {described}"
+    if tensor.numel() == 0:
+        return "empty"
+    return None
+
+
+def _copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[str | None]:
+    """Copy each (source, destination) pair; runs in a worker thread."""
+    errors: list[str | None] = []
+    for source, destination in pairs:
+        try:
+            destination.copy_(source)
+        except RuntimeError as exc:
+            errors.append(f"copy_failed: {exc}")
+        else:
+            errors.append(None)
+    return errors
+
+
+class EmbeddedStore:
+    """An in-process ``KVStore``: LRU over a preallocated arena, copies off the event loop.
+
+    Recency is refreshed by ``put`` (also when the key was present) and by a ``get_into``
+    that loads it; ``exists`` does not count as a use.
+    """
+
+    def __init__(
+        self,
+        config: EmbeddedStoreConfig,
+        *,
+        copy_limiter: anyio.CapacityLimiter | None = None,
+    ) -> None:
+        try:
+            # Pages are committed by the OS on first touch; the budget is fixed here.
+            self._arena = torch.empty(config.capacity_bytes, dtype=torch.uint8)
+        except RuntimeError as exc:
+            raise StoreError(
+                f"cannot allocate the embedded store arena of {config.capacity_bytes} bytes "
+                f"(store.embedded.capacity_bytes): {exc}"
+            ) from exc
+        self._allocator = ArenaAllocator(config.capacity_bytes)
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._pinned_bytes = 0
+        self._evictions = 0
+        self._limiter = copy_limiter or anyio.CapacityLimiter(DEFAULT_COPY_THREADS)
+        self._closed = False
+
+    async def __aenter__(self) -> EmbeddedStore:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # -- KVStore -----------------------------------------------------------------------
+
+    async def register_buffer(self, buffer: torch.Tensor) -> None:
+        """Check the buffer's shape; the embedded store copies with torch, so nothing to pin."""
+        self._check_open()
+        problem = _check_bytes(buffer)
+        if problem is not None or not buffer.is_contiguous():
+            raise ValueError(f"a staging buffer must be a contiguous 1-D uint8 tensor: {problem}")
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        self._check_open()
+        return [(entry := self._entries.get(key)) is not None and entry.ready for key in keys]
+
+    async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
+        self._check_open()
+        if len(keys) != len(values):
+            raise ValueError(f"put got {len(keys)} keys and {len(values)} values")
+        outcomes: list[KeyOutcome] = []
+        writes: list[tuple[int, _Entry, torch.Tensor]] = []
+        for key, value in zip(keys, values, strict=True):
+            reserved = self._reserve(key, value)
+            if isinstance(reserved, _Entry):
+                writes.append((len(outcomes), reserved, value))
+                outcomes.append(STORED)
+            else:
+                outcomes.append(reserved)
+        if not writes:
+            return outcomes
+        pairs = [(value, self._slot(entry)) for _, entry, value in writes]
+        try:
+            errors = await anyio.to_thread.run_sync(_copy_pairs, pairs, limiter=self._limiter)
+        except BaseException:
+            for _, entry, _ in writes:
+                self._abandon(entry)
+            raise
+        for (index, entry, _), error in zip(writes, errors, strict=True):
+            if error is None:
+                entry.ready = True
+                self._unpin(entry)
+            else:
+                self._abandon(entry)
+                outcomes[index] = failed(error)
+        return outcomes
+
+    async def get_into(
+        self, keys: Sequence[str], buffers: Sequence[torch.Tensor]
+    ) -> list[KeyOutcome]:
+        self._check_open()
+        if len(keys) != len(buffers):
+            raise ValueError(f"get_into got {len(keys)} keys and {len(buffers)} buffers")
+        outcomes: list[KeyOutcome] = []
+        reads: list[tuple[int, _Entry, torch.Tensor]] = []
+        for key, buffer in zip(keys, buffers, strict=True):
+            entry = self._entries.get(key)
+            problem = _check_bytes(buffer)
+            if entry is None or not entry.ready:
+                outcomes.append(MISSING)
+            elif problem is not None:
+                outcomes.append(failed(f"bad_buffer: {problem}"))
+            elif buffer.numel() != entry.size:
+                outcomes.append(
+                    failed(f"size_mismatch: stored {entry.size} bytes, buffer {buffer.numel()}")
+                )
+            else:
+                self._pin(entry)
+                self._entries.move_to_end(key)
+                reads.append((len(outcomes), entry, buffer))
+                outcomes.append(LOADED)
+        if not reads:
+            return outcomes
+        pairs = [(self._slot(entry), buffer) for _, entry, buffer in reads]
+        try:
+            errors = await anyio.to_thread.run_sync(_copy_pairs, pairs, limiter=self._limiter)
+        finally:
+            for _, entry, _ in reads:
+                self._unpin(entry)
+        for (index, _, _), error in zip(reads, errors, strict=True):
+            if error is not None:
+                outcomes[index] = failed(error)
+        return outcomes
+
+    async def remove(self, keys: Sequence[str]) -> int:
+        self._check_open()
+        removed = 0
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._drop(entry)
+                removed += 1
+        return removed
+
+    async def aclose(self) -> None:
+        """Forget every entry and release the arena; copies in flight keep their slices."""
+        if self._closed:
+            return
+        self._closed = True
+        for entry in self._entries.values():
+            entry.removed = True
+        self._entries.clear()
+        self._arena = torch.empty(0, dtype=torch.uint8)
+
+    # -- inspection --------------------------------------------------------------------
+
+    def stats(self) -> EmbeddedStoreStats:
+        return EmbeddedStoreStats(
+            used_bytes=self._allocator.capacity - self._allocator.free_bytes,
+            capacity_bytes=self._allocator.capacity,
+            keys=len(self._entries),
+            evictions=self._evictions,
+        )
+
+    # -- index (event loop thread only) ------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("the embedded store is closed")
+
+    def _reserve(self, key: str, value: torch.Tensor) -> _Entry | KeyOutcome:
+        """Index a pinned, not yet readable entry for ``key``, or say why not."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            return PRESENT
+        problem = _check_bytes(value)
+        if problem is not None:
+            # An empty value would let the index grow without using arena bytes.
+            return failed(f"bad_value: {problem}")
+        size = value.numel()
+        offset = self._make_room(size)
+        if offset is None:
+            return STORE_FULL
+        entry = _Entry(key, offset, size)
+        self._pin(entry)
+        self._entries[key] = entry
+        return entry
+
+    def _make_room(self, size: int) -> int | None:
+        """Allocate ``size`` bytes, evicting unpinned entries oldest first as needed."""
+        if size > self._allocator.capacity - self._pinned_bytes:
+            return None
+        while (offset := self._allocator.allocate(size)) is None:
+            victim = next((entry for entry in self._entries.values() if entry.pins == 0), None)
+            if victim is None:
+                return None
+            self._drop(victim)
+            self._evictions += 1
+        return offset
+
+    def _slot(self, entry: _Entry) -> torch.Tensor:
+        return self._arena[entry.offset : entry.offset + entry.size]
+
+    def _pin(self, entry: _Entry) -> None:
+        if entry.pins == 0:
+            self._pinned_bytes += entry.size
+        entry.pins += 1
+
+    def _unpin(self, entry: _Entry) -> None:
+        entry.pins -= 1
+        if entry.pins == 0:
+            self._pinned_bytes -= entry.size
+            if entry.removed:
+                self._allocator.free(entry.offset, entry.size)
+
+    def _drop(self, entry: _Entry) -> None:
+        """Take an entry out of the index; its extent is freed once nothing copies it."""
+        del self._entries[entry.key]
+        entry.removed = True
+        if entry.pins == 0:
+            self._allocator.free(entry.offset, entry.size)
+
+    def _abandon(self, entry: _Entry) -> None:
+        """Undo a reservation whose value never arrived."""
+        if not entry.removed:
+            self._drop(entry)
+        self._unpin(entry)
