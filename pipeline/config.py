@@ -68,7 +68,7 @@ class StageConfig(_Section, frozen=True):
 
 class BatchingStageConfig(StageConfig, frozen=True):
     max_blocks: Positive = 64
-    max_bytes: Positive = 64 * 1024 * 1024
+    """Blocks per batch (also capped by what fits in one staging slot)."""
     deadline_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     """How long a partial batch may wait for more blocks."""
 
@@ -99,7 +99,11 @@ class StagesConfig(_Section, frozen=True):
 
 class StagingConfig(_Section, frozen=True):
     pool_bytes: Positive = 256 * 1024 * 1024
-    """Fixed staging memory shared by saves and loads; exhausted means backpressure."""
+    """Fixed staging memory for saves and loads; exhausted means backpressure."""
+    slot_bytes: Positive = 8 * 1024 * 1024
+    """One batch of blocks occupies one slot, so this also caps a batch's bytes."""
+    load_slots: Positive = 8
+    """Slots only loads may use, so a flood of saves never delays a load."""
 
 
 class EmbeddedStoreConfig(_Section, frozen=True):
@@ -113,18 +117,33 @@ class MooncakeStoreConfig(_Section, frozen=True):
     metadata_server: str = ""
     """Metadata server URL; empty with an embedded master means its HTTP metadata server."""
     local_hostname: str = "127.0.0.1"
+    """Address other Mooncake clients reach this one's segment at."""
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = ""
-    global_segment_bytes: Positive = 512 * 1024 * 1024
-    """Memory this sidecar contributes to the cluster."""
-    local_buffer_bytes: Positive = 128 * 1024 * 1024
+    """RDMA devices (``mlx5_0,mlx5_1``); empty with ``tcp``."""
+    global_segment_bytes: Annotated[int, msgspec.Meta(ge=16 * 1024 * 1024)] = 512 * 1024 * 1024
+    """Memory this sidecar contributes to the cluster (Mooncake's minimum is 16 MiB)."""
+    local_buffer_bytes: Annotated[int, msgspec.Meta(ge=0)] = 128 * 1024 * 1024
     replica_num: Positive = 1
     tenant_id: str = ""
+    """Mooncake tenant namespace; empty means Mooncake's ``default``."""
     master_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
-    """Port of an embedded master (0: pick a free one)."""
+    """RPC port of an embedded master (0: pick a free one)."""
+    metadata_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """HTTP metadata port of an embedded master (0: pick a free one)."""
     master_binary: str = "mooncake_master"
+    master_log: str = ""
+    """File the embedded master's output is appended to; empty: a temporary file."""
+    kv_lease_ttl_ms: Positive = 5000
+    """Embedded master: how long a read or write lease protects an object from removal."""
+    eviction_high_watermark: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
+    """Embedded master: segment usage ratio above which objects are evicted."""
+    eviction_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.05
+    """Embedded master: share of objects evicted each time usage crosses the watermark."""
     startup_timeout_s: PositiveFloat = 20.0
     call_timeout_s: PositiveFloat = 10.0
+    """A Mooncake call that takes longer makes the store unusable (StoreError)."""
+    close_timeout_s: PositiveFloat = 5.0
     max_concurrent_calls: Positive = 4
 
 
@@ -157,7 +176,7 @@ def load_config(path: str | Path | None = None, *, endpoint: str | None = None) 
         except OSError as exc:
             raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
         try:
-            config = msgspec.yaml.decode(raw or b"{}", type=Config) if raw.strip() else Config()
+            config = msgspec.yaml.decode(raw, type=Config) if raw.strip() else Config()
         except msgspec.ValidationError as exc:
             raise ConfigError(f"{path}: {exc}") from exc
         except msgspec.DecodeError as exc:

@@ -25,3 +25,11 @@ class TransportError(KVSidecarError):
 
 class StoreError(KVSidecarError):
     """A store backend failed as a whole (not a per-key outcome)."""
+
+
+class RequestRejected(KVSidecarError):
+    """The sidecar refused a request; ``code`` says why (see ``messages.ErrorCode``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code

@@ -65,10 +65,13 @@ class RequestHasher:
             raise ValueError(f"hash_block_size must be positive, got {hash_block_size}")
         self._block = hash_block_size
         self._extra_static: tuple[Any, ...] = (
-            (("lora", lora_name, lora_path or ""),) if lora_name else ()
+            (("lora", lora_name, lora_path or ""),) if lora_name is not None else ()
         )
         self._salt = cache_salt or None
-        self._mm = sorted((tuple(item) for item in mm_items), key=lambda item: item[1])
+        self._mm: list[MMItem] = sorted(
+            ((ident, offset, length) for ident, offset, length in mm_items),
+            key=lambda item: item[1],
+        )
         self._mm_next = 0
         self._hashes: list[bytes] = []
         self._parent = none_hash(seed)

@@ -83,7 +83,9 @@ class KVCacheGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.page_bytes < 0:
             raise ValueError(f"page_bytes must not be negative, got {self.page_bytes}")
         if self.dtype not in _DTYPE_BYTES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {sorted(_DTYPE_BYTES)}")
+            raise ValueError(
+                f"unknown dtype {self.dtype!r}; expected one of {sorted(_DTYPE_BYTES)}"
+            )
         if len(set(self.layers)) != len(self.layers):
             raise ValueError("layers must be unique within a group")
         if self.kind is GroupKind.MAMBA:
@@ -95,7 +97,9 @@ class KVCacheGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if self.sliding_window is None or self.sliding_window <= 0:
                 raise ValueError("sliding_window groups need a positive sliding_window")
         elif self.sliding_window is not None:
-            raise ValueError(f"sliding_window is only valid for sliding_window groups, not {self.kind}")
+            raise ValueError(
+                f"sliding_window is only valid for sliding_window groups, not {self.kind}"
+            )
 
 
 class KVCacheLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, dict=True):
@@ -107,6 +111,8 @@ class KVCacheLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, dic
     pcp_rank: int = 0
     dcp_rank: int = 0
     pp_rank: int = 0
+    pcp_world_size: int = 1
+    """Prefill context-parallel size; stores refuse hybrid layouts when it exceeds 1."""
     cache_prefix: str = ""
     prefix_match_unit: int | None = None
     block_size: int | None = None
@@ -122,6 +128,8 @@ class KVCacheLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, dic
         for rank in ("tp_rank", "pcp_rank", "dcp_rank", "pp_rank"):
             if getattr(self, rank) < 0:
                 raise ValueError(f"{rank} must not be negative")
+        if self.pcp_world_size <= 0:
+            raise ValueError(f"pcp_world_size must be positive, got {self.pcp_world_size}")
         if self.prefix_match_unit is not None and self.prefix_match_unit <= 0:
             raise ValueError(f"prefix_match_unit must be positive, got {self.prefix_match_unit}")
         owners: dict[str, int] = {}
@@ -203,15 +211,28 @@ class KVCacheLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, dic
         sizes = [g.block_size for g in self.groups]
         if len(sizes) == 1:
             return sizes[0]
-        if any(
-            g.kind is GroupKind.MAMBA and g.mamba_cache_mode is not MambaCacheMode.ALIGN
-            for g in self.groups
-        ):
+        if not self._hash_divided_group_ids:
+            # A mamba group outside align mode breaks divisibility: the engine backs off.
             return math.lcm(*sizes)
         if self.prefix_match_unit is not None:
             return self.prefix_match_unit
-        hashing = [self.groups[gid].block_size for gid in self.prefix_cacheable_group_ids]
-        return math.gcd(*(hashing or sizes))
+        return math.gcd(*(self.groups[gid].block_size for gid in self._hash_divided_group_ids))
+
+    @functools.cached_property
+    def _hash_divided_group_ids(self) -> tuple[int, ...]:
+        """Groups whose block size the engine requires to be a multiple of hash_block_size.
+
+        Every prefix-cacheable group counts, transferred or not (vLLM 0.33 does the same);
+        none when the engine backs off to the lcm (single group, or non-align mamba).
+        """
+        if len(self.groups) == 1 or any(
+            g.kind is GroupKind.MAMBA and g.mamba_cache_mode is not MambaCacheMode.ALIGN
+            for g in self.groups
+        ):
+            return ()
+        return tuple(i for i, g in enumerate(self.groups) if g.kind.prefix_cacheable) or tuple(
+            range(len(self.groups))
+        )
 
     @functools.cached_property
     def lookup_alignment(self) -> int:
@@ -262,9 +283,14 @@ class KVCacheLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, dic
                 f"group 0: prefix_match_unit {self.prefix_match_unit} must equal the single "
                 f"group's block_size {self.groups[0].block_size}"
             )
+        pcp = max(self.pcp_world_size, self.pcp_rank + 1)
+        if len(stored) > 1 and pcp > 1:
+            problems.append(
+                f"groups {list(stored)}: hybrid layouts cannot be stored with PCP > 1 (pcp={pcp})"
+            )
         if not problems:
             hbs = self.hash_block_size
-            for gid in stored:
+            for gid in sorted({*stored, *self._hash_divided_group_ids}):
                 if self.groups[gid].block_size % hbs:
                     problems.append(
                         f"group {gid}: block_size {self.groups[gid].block_size} is not a "

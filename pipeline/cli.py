@@ -1,0 +1,97 @@
+"""``kvsidecar``: serve, demo, engine-sim.
+
+Exit codes: 0 clean shutdown (or a demo whose every byte verified), 1 failure at run
+time, 2 bad configuration or arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+
+import anyio
+import structlog
+
+from pipeline.config import Config, load_config
+from pipeline.errors import ConfigError, KVSidecarError
+from pipeline.logs import configure_logging
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAILURE, EXIT_CONFIG = 0, 1, 2
+
+
+async def serve(config: Config) -> None:
+    """Run a sidecar until SIGTERM or SIGINT, then drain and return."""
+    from pipeline.service import run_sidecar
+
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+
+        async def stop_on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    structlog.get_logger("kvsidecar").info("sidecar.signal", signal=signum.name)
+                    stop.set()
+                    return
+
+        tg.start_soon(stop_on_signal)
+        await run_sidecar(config, stop)
+        tg.cancel_scope.cancel()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvsidecar", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve_cmd = commands.add_parser("serve", help="run a sidecar until SIGTERM")
+    serve_cmd.add_argument("--config", help="YAML config (default: built-in defaults)")
+    serve_cmd.add_argument("--endpoint", help="override server.endpoint (ipc:// or tcp://)")
+
+    demo = commands.add_parser("demo", help="a sidecar plus two simulated engines, verified")
+    demo.add_argument("--config", help="sidecar YAML config (default: configs/default.yaml)")
+    demo.add_argument("--requests", type=int, default=48, help="requests per engine")
+    demo.add_argument("--layout", default="qwen3-next-hybrid",
+                      help="layout preset name in configs/layouts or a YAML path")
+
+    sim = commands.add_parser("engine-sim", help="a simulated engine driving a sidecar")
+    sim.add_argument("--endpoint", required=True)
+    sim.add_argument("--layout", default="qwen3-next-hybrid")
+    sim.add_argument("--engine-id", default=None)
+    sim.add_argument("--requests", type=int, default=32)
+    sim.add_argument("--prefixes", type=int, default=4, help="shared prefixes in the workload")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--concurrency", type=int, default=4)
+    sim.add_argument("--block-scale", type=int, default=0,
+                     help="block size of the scaled-down preset (0: as in the preset)")
+    sim.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            config = load_config(args.config, endpoint=args.endpoint)
+            configure_logging(config.logging)
+            anyio.run(serve, config)
+            return EXIT_OK
+        if args.command == "demo":
+            from pipeline.demo import run_demo
+
+            return run_demo(args)
+        from pipeline.engine_sim import run_engine_sim
+
+        return run_engine_sim(args)
+    except ConfigError as exc:
+        print(f"kvsidecar: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KVSidecarError as exc:
+        print(f"kvsidecar: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

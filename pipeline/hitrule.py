@@ -1,0 +1,82 @@
+"""The hybrid-model hit rule (ARCHITECTURE §5): where may a request resume from the store?
+
+A prefix of P tokens is usable when every stored group can resume at P: full attention
+needs all of its blocks before P, sliding window the blocks covering the window before P,
+Mamba (align) the state block ending at P. P is a multiple of the layout's lookup
+alignment and of each group's block size (whole blocks only are ever stored).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from pipeline.layout import GroupKind, KVCacheGroup, KVCacheLayout
+
+__all__ = ["longest_hit", "max_hit_tokens", "required_blocks"]
+
+
+def required_blocks(group: KVCacheGroup, tokens: int) -> range | None:
+    """Block indices a group needs to resume at ``tokens``; None if it cannot resume there."""
+    size = group.block_size
+    if tokens % size:
+        return None
+    end = tokens // size
+    if tokens == 0:
+        return range(0)
+    if group.kind is GroupKind.MAMBA:
+        return range(end - 1, end)
+    if group.kind is GroupKind.SLIDING_WINDOW:
+        assert group.sliding_window is not None
+        # Position P attends to the window - 1 tokens before it.
+        first_token = max(0, tokens - (group.sliding_window - 1))
+        return range(first_token // size, end)
+    return range(end)
+
+
+def max_hit_tokens(layout: KVCacheLayout, num_tokens: int) -> int:
+    """The largest P a lookup may report: at most num_tokens - 1 (the last token is
+    always recomputed), aligned down to the lookup alignment."""
+    align = layout.lookup_alignment
+    return max(0, (num_tokens - 1) // align * align)
+
+
+def longest_hit(
+    layout: KVCacheLayout, max_tokens: int, available: Callable[[int, int], bool]
+) -> int:
+    """Longest P <= max_tokens (aligned) at which every stored group can resume.
+
+    ``available(store_group, block_index)`` says whether that block can be had.
+    """
+    align = layout.lookup_alignment
+    groups: Sequence[KVCacheGroup] = layout.store_groups
+    # Full-attention groups need an unbroken prefix: compute it once instead of per P.
+    prefix_end: dict[int, int] = {}
+    for index, group in enumerate(groups):
+        if group.kind not in (GroupKind.MAMBA, GroupKind.SLIDING_WINDOW):
+            limit = max_tokens // group.block_size
+            end = 0
+            while end < limit and available(index, end):
+                end += 1
+            prefix_end[index] = end
+    for tokens in range(max_tokens // align * align, 0, -align):
+        if _resumable(groups, prefix_end, tokens, available):
+            return tokens
+    return 0
+
+
+def _resumable(
+    groups: Sequence[KVCacheGroup],
+    prefix_end: dict[int, int],
+    tokens: int,
+    available: Callable[[int, int], bool],
+) -> bool:
+    for index, group in enumerate(groups):
+        needed = required_blocks(group, tokens)
+        if needed is None:
+            return False
+        if index in prefix_end:
+            if needed.stop > prefix_end[index]:
+                return False
+        elif not all(available(index, block) for block in needed):
+            return False
+    return True

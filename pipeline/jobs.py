@@ -1,0 +1,117 @@
+"""Jobs in flight: one accepted save or load, the blocks it touches, and their outcomes.
+
+A job is accepted once and completed exactly once. Stages settle block outcomes into it;
+the settle that leaves nothing pending hands the job to the completion stage. On abort
+every job still open is completed with failures, so no accepted request goes unanswered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from anyio.abc import ObjectSendStream
+
+from pipeline.messages import BlockReport, Load, Save
+from pipeline.sessions import EngineSession, StoreGroupGeometry
+from pipeline.store import BlockStatus, KeyOutcome
+
+__all__ = ["BlockTask", "Job", "JobTracker"]
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class BlockTask:
+    """One engine block to move: where it lives in the engine and its key in the store."""
+
+    job: Job
+    store_group: int
+    block_index: int
+    block_id: int
+    key: str = ""
+
+    @property
+    def geometry(self) -> StoreGroupGeometry:
+        return self.job.session.store_groups[self.store_group]
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Job:
+    session: EngineSession
+    message: Save | Load
+    planned: list[BlockTask] = dataclasses.field(default_factory=list)
+    """Every block the job settles, fixed by the group filter."""
+    fine_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    reports: list[BlockReport] = dataclasses.field(default_factory=list)
+    pending: int = 0
+    done: bool = False
+
+    @property
+    def is_load(self) -> bool:
+        return isinstance(self.message, Load)
+
+    def report(self, task: BlockTask, outcome: KeyOutcome) -> BlockReport:
+        kv_group_id = self.session.store_groups[task.store_group].kv_group_id
+        return BlockReport(kv_group_id, task.block_index, task.block_id, outcome.status,
+                           outcome.reason)
+
+
+class JobTracker:
+    """Counts each job's unsettled blocks and completes it when none are left."""
+
+    def __init__(self, completions: ObjectSendStream[Job]) -> None:
+        self._completions = completions
+        self._open: set[Job] = set()
+
+    @property
+    def open_jobs(self) -> int:
+        return len(self._open)
+
+    def accept(self, job: Job) -> None:
+        self._open.add(job)
+        job.session.job_started()
+
+    def answered(self, job: Job) -> None:
+        """The engine has its reply (or cannot get one): forget the job."""
+        if job in self._open:
+            self._open.remove(job)
+            job.session.job_finished()
+
+    def plan(self, job: Job, tasks: list[BlockTask]) -> None:
+        """Set the blocks a job will settle (called once, by the group filter)."""
+        job.planned = tasks
+        job.pending = len(tasks)
+
+    async def settle(self, job: Job, outcomes: Iterable[tuple[BlockTask, KeyOutcome]]) -> None:
+        for task, outcome in outcomes:
+            job.reports.append(job.report(task, outcome))
+            job.pending -= 1
+        if job.pending == 0:
+            await self._finish(job)
+
+    async def settle_all(self, tasks: Iterable[BlockTask], outcome: KeyOutcome) -> None:
+        """Settle tasks, possibly of several jobs, with one outcome."""
+        by_job: dict[Job, list[BlockTask]] = {}
+        for task in tasks:
+            by_job.setdefault(task.job, []).append(task)
+        for job, job_tasks in by_job.items():
+            await self.settle(job, ((task, outcome) for task in job_tasks))
+
+    async def _finish(self, job: Job) -> None:
+        if not job.done:
+            job.done = True
+            await self._completions.send(job)
+
+    def abandon_open(self, reason: str) -> list[Job]:
+        """Jobs not yet answered, their unsettled blocks failed with ``reason`` (on abort)."""
+        outcome = KeyOutcome(BlockStatus.FAILED, reason)
+        jobs = list(self._open)
+        for job in jobs:
+            settled = {(r.group_id, r.block_index) for r in job.reports}
+            job.reports.extend(
+                job.report(task, outcome)
+                for task in job.planned
+                if (task.geometry.kv_group_id, task.block_index) not in settled
+            )
+            job.pending = 0
+            job.done = True
+        return jobs

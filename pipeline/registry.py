@@ -1,0 +1,109 @@
+"""Registration: turning an engine's Register message into a session, failing closed.
+
+Order matters: the layout is validated before any tensor is touched, the hash self-test
+runs before anything is mapped, and only the stored groups' layers are ever mapped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pipeline.errors import LayoutError, RequestRejected, TransportError
+from pipeline.hashing import block_hashes
+from pipeline.layout import KVCacheLayout
+from pipeline.messages import PROTOCOL_VERSION, ErrorCode, Register, Registered, TensorHandle
+from pipeline.sessions import EngineSession, build_store_groups
+
+__all__ = ["MapTensors", "SessionRegistry"]
+
+MappedTensors = dict[str, tuple[torch.Tensor, int]]
+MapTensors = Callable[[Sequence[TensorHandle]], tuple[MappedTensors, Callable[[], None]]]
+"""Maps handles to ``{layer: (tensor, block_dim)}`` and returns a release callback."""
+
+
+class SessionRegistry:
+    def __init__(self, map_tensors: MapTensors, *, max_value_bytes: int,
+                 save_capacity_blocks: Callable[[int], int]) -> None:
+        self._map_tensors = map_tensors
+        self._max_value_bytes = max_value_bytes
+        self._save_capacity_blocks = save_capacity_blocks
+        self.sessions: dict[bytes, EngineSession] = {}
+
+    def get(self, identity: bytes) -> EngineSession | None:
+        return self.sessions.get(identity)
+
+    def register(self, identity: bytes, message: Register) -> tuple[EngineSession, Registered]:
+        """Create (or idempotently replace) the session of ``identity``."""
+        if message.version != PROTOCOL_VERSION:
+            raise RequestRejected(
+                ErrorCode.BAD_VERSION,
+                f"protocol version {message.version} is not supported (expected {PROTOCOL_VERSION})",
+            )
+        try:
+            layout = KVCacheLayout.from_dict(message.layout)
+            layout.validate_for_store()
+        except LayoutError as exc:
+            raise RequestRejected(ErrorCode.BAD_LAYOUT, str(exc)) from exc
+        self._self_test(layout, message)
+
+        payload = {layer for layers in layout.payload_layers for layer in layers}
+        # Tensors of groups that are not stored (the ring) are never mapped or read.
+        wanted = [handle for handle in message.tensors if handle.layer in payload]
+        try:
+            tensors, release = self._map_tensors(wanted)
+        except TransportError as exc:
+            raise RequestRejected(ErrorCode.BAD_TENSORS, str(exc)) from exc
+        try:
+            store_groups = build_store_groups(layout, tensors)
+            for geometry in store_groups:
+                if geometry.value_bytes > self._max_value_bytes:
+                    raise LayoutError(
+                        f"group {geometry.kv_group_id}: one block is {geometry.value_bytes} "
+                        f"bytes, more than a staging slot ({self._max_value_bytes}); raise "
+                        "staging.slot_bytes"
+                    )
+        except LayoutError as exc:
+            release()
+            raise RequestRejected(ErrorCode.BAD_TENSORS, str(exc)) from exc
+
+        old = self.sessions.pop(identity, None)
+        if old is not None:
+            old.close()
+        session = EngineSession(message.engine_id, identity, layout, store_groups,
+                                hash_seed=message.hash_seed, release=release)
+        self.sessions[identity] = session
+        reply = Registered(
+            engine_id=message.engine_id,
+            hash_block_size=layout.hash_block_size,
+            lookup_alignment=layout.lookup_alignment,
+            store_group_ids=layout.prefix_cacheable_group_ids,
+            layout_fingerprint=layout.fingerprint,
+            save_capacity_blocks=min(
+                self._save_capacity_blocks(g.value_bytes) for g in store_groups
+            ),
+        )
+        return session, reply
+
+    def _self_test(self, layout: KVCacheLayout, message: Register) -> None:
+        test = message.self_test
+        expected = block_hashes(test.token_ids, layout.hash_block_size, seed=message.hash_seed)
+        if len(expected) == 0 or list(test.block_hashes) != expected:
+            raise RequestRejected(
+                ErrorCode.HASH_MISMATCH,
+                f"the engine's block hashes of the self-test sequence differ from the "
+                f"sidecar's (hash_block_size={layout.hash_block_size}, "
+                f"seed={'default' if message.hash_seed is None else 'PYTHONHASHSEED'}); "
+                "check the hash function (sha256_cbor) and PYTHONHASHSEED",
+            )
+
+    def remove(self, identity: bytes) -> EngineSession | None:
+        session = self.sessions.pop(identity, None)
+        if session is not None:
+            session.close()
+        return session
+
+    def close(self) -> None:
+        for identity in list(self.sessions):
+            self.remove(identity)

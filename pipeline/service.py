@@ -1,0 +1,353 @@
+"""The composition root: a store, a socket, the staging pool and the stages, wired once.
+
+    receive ─┬─ save:   group_filter → hashing → dedup → batching → transfer → commit ─┐
+             ├─ load:   group_filter → hashing → batching → fetch → scatter ──────────┼→ completion
+             └─ lookup: hashing + exists + hit rule → reply                            │
+                                                            (every job settles here) ─┘
+
+Shutdown: stop accepting (new requests get a ``shutting_down`` error), let the stages
+drain within ``server.drain_timeout_s``, then abort and answer every job still open
+with failed blocks. An unexpected stage crash ends the service with an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import anyio
+import structlog
+from anyio.abc import TaskGroup, TaskStatus
+
+from pipeline.config import Config, StoreConfig
+from pipeline.errors import ProtocolError, RequestRejected
+from pipeline.hitrule import required_blocks
+from pipeline.jobs import BlockTask, Job, JobTracker
+from pipeline.layout import NULL_BLOCK_ID
+from pipeline.messages import (
+    EngineMessage,
+    ErrorCode,
+    ErrorReply,
+    Heartbeat,
+    HeartbeatAck,
+    Load,
+    Lookup,
+    Register,
+    Save,
+    SidecarMessage,
+    TensorHandle,
+    Unregister,
+    Unregistered,
+    decode_engine_message,
+    encode,
+)
+from pipeline.registry import MappedTensors, SessionRegistry
+from pipeline.runner import create_edge, run_batcher, start_stage
+from pipeline.sessions import EngineSession
+from pipeline.staging import StagingPool
+from pipeline.store import KVStore
+from stages.commit import CommitStage
+from stages.completion import CompletionStage
+from stages.dedup import DedupStage
+from stages.fetch import FetchStage
+from stages.group_filter import GroupFilterStage
+from stages.hashing import HashingStage
+from stages.lookup import LookupRequest, LookupStage
+from stages.transfer import ScatterStage, TransferStage
+from transport.server import SidecarSocket, open_server_socket
+from transport.tensors import MappedTensors as SharedMappings
+
+__all__ = ["Sidecar", "open_store", "run_sidecar"]
+
+log = structlog.get_logger("kvsidecar.service")
+
+
+@contextlib.asynccontextmanager
+async def open_store(config: StoreConfig) -> AsyncIterator[KVStore]:
+    """The configured store backend, closed on exit."""
+    store: KVStore
+    if config.backend == "mooncake":
+        from transport.mooncake_store import open_mooncake_store
+
+        store = await open_mooncake_store(config.mooncake)
+    else:
+        from transport.embedded_store import EmbeddedStore
+
+        store = EmbeddedStore(config.embedded)
+    try:
+        yield store
+    finally:
+        with anyio.CancelScope(shield=True):
+            await store.aclose()
+
+
+def map_shared_tensors(
+    handles: Sequence[TensorHandle],
+) -> tuple[MappedTensors, Callable[[], None]]:
+    mapper = SharedMappings()
+    try:
+        tensors = {handle.layer: (mapper.map_tensor(handle), handle.block_dim) for handle in handles}
+    except BaseException:
+        mapper.close()
+        raise
+    return tensors, mapper.close
+
+
+class Sidecar:
+    """One running sidecar: sessions, the receive loop and the stage graph."""
+
+    def __init__(self, config: Config, store: KVStore, socket: SidecarSocket,
+                 pool: StagingPool) -> None:
+        self.config = config
+        self.store = store
+        self.socket = socket
+        self.pool = pool
+        self.registry = SessionRegistry(
+            map_shared_tensors,
+            max_value_bytes=pool.slot_bytes,
+            save_capacity_blocks=lambda value_bytes: (
+                (pool.slots - pool.load_slots) * (pool.slot_bytes // value_bytes)
+            ),
+        )
+        stages = config.stages
+        self._completions = create_edge(stages.completion.inbox_size)
+        self.tracker = JobTracker(self._completions[0])
+        self._save_inbox = create_edge(stages.receive.inbox_size)
+        self._load_inbox = create_edge(stages.receive.inbox_size)
+        self._lookup_inbox = create_edge(stages.lookup.inbox_size)
+        self._accepting = True
+        self.counters: dict[str, int] = {}
+
+    # -- replies ---------------------------------------------------------------------
+
+    async def reply(self, session: EngineSession, message: SidecarMessage) -> None:
+        await self._send(session.identity, message)
+
+    async def _send(self, identity: bytes, message: SidecarMessage) -> None:
+        await self.socket.send(identity, encode(message))
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + amount
+
+    # -- the stage graph --------------------------------------------------------------
+
+    def _start_stages(self, tg: TaskGroup) -> None:
+        config = self.config.stages
+        tracker = self.tracker
+        hash_limiter = anyio.CapacityLimiter(config.hashing.workers)
+        copy_limiter = anyio.CapacityLimiter(config.transfer.threads)
+        group_filter = GroupFilterStage(tracker)
+        hashing = HashingStage(tracker, hash_limiter)
+
+        def batch_limit(task: BlockTask) -> int:
+            by_bytes = self.pool.slot_bytes // task.geometry.value_bytes
+            return max(1, min(config.batching.max_blocks, by_bytes))
+
+        def batch_group(task: BlockTask) -> tuple[int, int]:
+            return id(task.job.session), task.store_group
+
+        deadline_s = config.batching.deadline_ms / 1000
+        for path, inbox in (("save", self._save_inbox), ("load", self._load_inbox)):
+            filtered = create_edge(config.group_filter.inbox_size)
+            hashed = create_edge(config.hashing.inbox_size)
+            batched = create_edge(config.batching.inbox_size)
+            staged = create_edge(config.transfer.inbox_size)
+            start_stage(tg, f"{path}.group_filter", group_filter.process, inbox[1], filtered[0],
+                        workers=config.group_filter.workers)
+            start_stage(tg, f"{path}.hashing", hashing.process, filtered[1], hashed[0],
+                        workers=config.hashing.workers)
+            if path == "save":
+                deduped = create_edge(config.dedup.inbox_size)
+                start_stage(tg, "save.dedup", DedupStage(self.store, tracker).process,
+                            hashed[1], deduped[0], workers=config.dedup.workers)
+                to_batch = deduped[1]
+            else:
+                to_batch = hashed[1]
+            tg.start_soon(
+                functools.partial(run_batcher, to_batch, batched[0], group_of=batch_group,
+                                  limit_of=batch_limit, deadline_s=deadline_s),
+                name=f"stage.{path}.batching",
+            )
+            if path == "save":
+                transfer = TransferStage(self.pool, tracker, copy_limiter, config.commit)
+                commit = CommitStage(self.store, self.pool, tracker)
+                start_stage(tg, "save.transfer", transfer.process, batched[1], staged[0],
+                            workers=config.transfer.workers)
+                start_stage(tg, "save.commit", commit.process, staged[1], None,
+                            workers=config.commit.workers)
+            else:
+                fetch = FetchStage(self.store, self.pool, tracker)
+                scatter = ScatterStage(self.pool, tracker, copy_limiter)
+                start_stage(tg, "load.fetch", fetch.process, batched[1], staged[0],
+                            workers=config.fetch.workers)
+                start_stage(tg, "load.scatter", scatter.process, staged[1], None,
+                            workers=config.scatter.workers)
+        lookup = LookupStage(self.store, self.reply, hash_limiter)
+        start_stage(tg, "lookup", lookup.process, self._lookup_inbox[1], None,
+                    workers=config.lookup.workers)
+
+    async def _run_completions(self) -> None:
+        completion = CompletionStage(self.reply, self.tracker)
+        async with self._completions[1] as inbox:
+            async for job in inbox:
+                await completion.process(job)
+
+    # -- receiving --------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        while True:
+            identity, frame = await self.socket.receive()
+            try:
+                message = decode_engine_message(
+                    frame, max_bytes=self.config.server.max_frame_bytes
+                )
+                await self._dispatch(identity, message)
+            except ProtocolError as exc:
+                self._count("errors.protocol")
+                code = ErrorCode.TOO_LARGE if "exceeds" in str(exc) else ErrorCode.BAD_FRAME
+                log.info("server.frame.rejected", code=code, error=str(exc))
+                await self._send(identity, ErrorReply(code, str(exc)))
+            except RequestRejected as exc:
+                self._count(f"errors.{exc.code}")
+                log.info("server.request.rejected", code=exc.code, error=str(exc))
+                await self._send(identity, ErrorReply(exc.code, str(exc), _seq(message)))
+
+    async def _dispatch(self, identity: bytes, message: EngineMessage) -> None:
+        if isinstance(message, Register):
+            session, registered = self.registry.register(identity, message)
+            log.info("session.registered", engine_id=session.engine_id,
+                     store_groups=registered.store_group_ids,
+                     fingerprint=registered.layout_fingerprint)
+            await self._send(identity, registered)
+            return
+        session = self.registry.get(identity)
+        if session is None:
+            raise RequestRejected(ErrorCode.NOT_REGISTERED, "register before sending requests")
+        session.last_seen = time.monotonic()
+        if isinstance(message, Heartbeat):
+            await self._send(identity, HeartbeatAck(message.seq))
+        elif isinstance(message, Unregister):
+            self.registry.remove(identity)
+            log.info("session.unregistered", engine_id=session.engine_id)
+            await self._send(identity, Unregistered(message.seq))
+        elif not self._accepting:
+            raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
+        elif isinstance(message, Lookup):
+            await self._lookup_inbox[0].send(LookupRequest(session, message))
+        else:
+            _check_request(session, message)
+            job = Job(session, message)
+            self.tracker.accept(job)
+            inbox = self._load_inbox if isinstance(message, Load) else self._save_inbox
+            await inbox[0].send(job)
+
+    async def _reap_loop(self) -> None:
+        timeout = self.config.server.heartbeat_timeout_s
+        while True:
+            await anyio.sleep(timeout / 4)
+            now = time.monotonic()
+            for identity, session in list(self.registry.sessions.items()):
+                if now - session.last_seen > timeout:
+                    log.warning("session.reaped", engine_id=session.engine_id,
+                                silent_s=round(now - session.last_seen, 1))
+                    self._count("sessions.reaped")
+                    self.registry.remove(identity)
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def run(self, stop: anyio.Event, *,
+                  task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve until ``stop`` is set, then drain and return."""
+        async with anyio.create_task_group() as root:
+            root.start_soon(self._receive_loop, name="receive")
+            root.start_soon(self._reap_loop, name="reap")
+            drained = anyio.Event()
+            pipeline_scope = anyio.CancelScope()
+
+            async def run_pipeline() -> None:
+                with pipeline_scope:
+                    async with anyio.create_task_group() as outer:
+                        outer.start_soon(self._run_completions, name="stage.completion")
+                        async with anyio.create_task_group() as tg:
+                            self._start_stages(tg)
+                        # Every stage has drained: no job can settle any more.
+                        self._completions[0].close()
+                drained.set()
+
+            root.start_soon(run_pipeline, name="pipeline")
+            task_status.started(self.socket.endpoint)
+            log.info("sidecar.ready", endpoint=self.socket.endpoint)
+            await stop.wait()
+
+            log.info("sidecar.draining", open_jobs=self.tracker.open_jobs)
+            self._accepting = False
+            for inbox in (self._save_inbox, self._load_inbox, self._lookup_inbox):
+                inbox[0].close()
+            with anyio.move_on_after(self.config.server.drain_timeout_s):
+                await drained.wait()
+            if not drained.is_set():
+                pipeline_scope.cancel()
+                abandoned = self.tracker.abandon_open("shutdown")
+                log.warning("sidecar.drain.timeout", abandoned=len(abandoned))
+                completion = CompletionStage(self.reply, self.tracker)
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    for job in abandoned:
+                        await completion.process(job)
+            root.cancel_scope.cancel()
+        self.registry.close()
+        log.info("sidecar.stopped")
+
+
+def _seq(message: object) -> int:
+    return int(getattr(message, "seq", 0))
+
+
+def _check_request(session: EngineSession, message: Save | Load) -> None:
+    """Reject a save or load that cannot be served, before it is accepted."""
+    try:
+        projected = session.check_block_ids(message.block_ids)
+    except ProtocolError as exc:
+        raise RequestRejected(ErrorCode.BAD_REQUEST, str(exc)) from exc
+    if not isinstance(message, Load):
+        return
+    layout = session.layout
+    tokens = message.num_tokens
+    if tokens > len(message.token_ids):
+        raise RequestRejected(
+            ErrorCode.BAD_REQUEST,
+            f"num_tokens {tokens} exceeds the request's {len(message.token_ids)} tokens",
+        )
+    for geometry, block_ids in zip(session.store_groups, projected, strict=True):
+        needed = required_blocks(geometry.group, tokens)
+        if needed is None:
+            raise RequestRejected(
+                ErrorCode.BAD_REQUEST,
+                f"num_tokens {tokens} is not a multiple of kv-cache group "
+                f"{geometry.kv_group_id}'s block size {geometry.group.block_size}",
+            )
+        for block in needed:
+            if block >= len(block_ids) or block_ids[block] == NULL_BLOCK_ID:
+                raise RequestRejected(
+                    ErrorCode.BAD_REQUEST,
+                    f"loading {tokens} tokens needs block {block} of kv-cache group "
+                    f"{geometry.kv_group_id}, but the engine gave no block for it",
+                )
+
+
+async def run_sidecar(
+    config: Config,
+    stop: anyio.Event,
+    *,
+    task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Open the store and the socket, serve until ``stop``, drain, close everything."""
+    staging = config.staging
+    pool = StagingPool(staging.pool_bytes, staging.slot_bytes, load_slots=staging.load_slots)
+    async with open_store(config.store) as store:
+        await store.register_buffer(pool.buffer)
+        with open_server_socket(config.server) as socket:
+            sidecar = Sidecar(config, store, socket, pool)
+            await sidecar.run(stop, task_status=task_status)
+

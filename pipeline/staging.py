@@ -1,0 +1,72 @@
+"""The fixed staging pool: all bytes in flight between engines and the store live here.
+
+The pool is one preallocated buffer cut into equal slots; a batch of blocks occupies one
+slot. Free slots travel through a bounded stream, so an exhausted pool simply makes the
+next ``acquire`` wait: that wait is the backpressure that reaches engines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import anyio
+import torch
+
+__all__ = ["Slot", "StagingPool"]
+
+
+class StagingPool:
+    def __init__(self, pool_bytes: int, slot_bytes: int, *, load_slots: int = 1) -> None:
+        slots = pool_bytes // slot_bytes
+        if slots < 2:
+            raise ValueError(
+                f"staging pool of {pool_bytes} bytes holds {slots} slot(s) of {slot_bytes} "
+                "bytes; at least 2 are needed (one for loads, one for saves)"
+            )
+        if not 1 <= load_slots < slots:
+            raise ValueError(f"load_slots must be in [1, {slots - 1}], got {load_slots}")
+        self.slot_bytes = slot_bytes
+        self.buffer = torch.empty(slots * slot_bytes, dtype=torch.uint8)
+        # Loads sit on the engine's critical path: they get slots saves can never take.
+        self._free = {
+            "load": anyio.create_memory_object_stream[int](max_buffer_size=load_slots),
+            "save": anyio.create_memory_object_stream[int](max_buffer_size=slots - load_slots),
+        }
+        for slot in range(slots):
+            kind = "load" if slot < load_slots else "save"
+            self._free[kind][0].send_nowait(slot)
+        self.slots = slots
+        self.load_slots = load_slots
+
+    def free_slots(self, kind: str) -> int:
+        return self._free[kind][1].statistics().current_buffer_used
+
+    async def take(self, kind: str) -> Slot:
+        """Wait for a free slot of ``kind`` ("load" or "save")."""
+        return self._slot(kind, await self._free[kind][1].receive())
+
+    def try_take(self, kind: str) -> Slot | None:
+        """A free slot without waiting, or None (for skip-on-overflow policies)."""
+        try:
+            return self._slot(kind, self._free[kind][1].receive_nowait())
+        except anyio.WouldBlock:
+            return None
+
+    def release(self, slot: Slot) -> None:
+        self._free[slot.kind][0].send_nowait(slot.index)
+
+    def _slot(self, kind: str, index: int) -> Slot:
+        view = self.buffer[index * self.slot_bytes : (index + 1) * self.slot_bytes]
+        return Slot(index, kind, view)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Slot:
+    index: int
+    kind: str
+    view: torch.Tensor
+    """The slot's bytes: 1-D uint8, contiguous, inside the pool's registered buffer."""
+
+    def rows(self, count: int, row_bytes: int) -> torch.Tensor:
+        """The first ``count * row_bytes`` bytes as a [count, row_bytes] matrix."""
+        return self.view[: count * row_bytes].view(count, row_bytes)

@@ -1,0 +1,58 @@
+"""Fetch: get a batch of blocks from the store into a staging slot.
+
+Only blocks the store reports loaded travel on to the scatter; the others settle here
+as failed, so the engine recomputes them and never sees undefined bytes.
+"""
+
+from __future__ import annotations
+
+from pipeline.errors import StoreError
+from pipeline.jobs import BlockTask, JobTracker
+from pipeline.staging import StagingPool
+from pipeline.store import BlockStatus, KeyOutcome, KVStore, failed
+from stages.transfer import StagedBatch
+
+__all__ = ["FetchStage"]
+
+
+class FetchStage:
+    def __init__(self, store: KVStore, pool: StagingPool, tracker: JobTracker) -> None:
+        self._store = store
+        self._pool = pool
+        self._tracker = tracker
+
+    async def process(self, tasks: list[BlockTask]) -> StagedBatch | None:
+        slot = await self._pool.take("load")
+        try:
+            geometry = tasks[0].geometry
+            rows = slot.rows(len(tasks), geometry.value_bytes)
+            try:
+                outcomes = await self._store.get_into(
+                    [task.key for task in tasks], list(rows.unbind(0))
+                )
+            except StoreError as exc:
+                outcomes = [failed(f"store: {exc}")] * len(tasks)
+            loaded = [i for i, o in enumerate(outcomes) if o.status is BlockStatus.LOADED]
+            for i, outcome in enumerate(outcomes):
+                if outcome.status is not BlockStatus.LOADED:
+                    await self._tracker.settle(
+                        tasks[i].job, ((tasks[i], _as_failure(outcome)),)
+                    )
+            if not loaded:
+                self._pool.release(slot)
+                return None
+            if len(loaded) < len(tasks):
+                # Keep loaded rows at the front so the scatter sees one dense matrix.
+                kept = rows[loaded].clone()
+                rows = rows[: len(loaded)]
+                rows.copy_(kept)
+            return StagedBatch([tasks[i] for i in loaded], slot, rows)
+        except BaseException:
+            self._pool.release(slot)
+            raise
+
+
+def _as_failure(outcome: KeyOutcome) -> KeyOutcome:
+    if outcome.status is BlockStatus.FAILED:
+        return outcome
+    return KeyOutcome(BlockStatus.FAILED, outcome.reason or str(outcome.status))

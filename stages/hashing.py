@@ -1,0 +1,48 @@
+"""Hashing: name every block by its store key, reusing a growing request's hashes.
+
+Blocks past the last full hash block cannot be named yet: saves skip them.
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from pipeline.jobs import BlockTask, Job, JobTracker
+from pipeline.store import KeyOutcome, BlockStatus
+
+__all__ = ["HashingStage"]
+
+INCOMPLETE = KeyOutcome(BlockStatus.SKIPPED, "incomplete_block")
+# Hashing this many blocks or fewer inline is cheaper than a hop to a worker thread.
+INLINE_BLOCKS = 32
+
+
+class HashingStage:
+    def __init__(self, tracker: JobTracker, limiter: anyio.CapacityLimiter) -> None:
+        self._tracker = tracker
+        self._limiter = limiter
+
+    async def process(self, job: Job) -> list[BlockTask] | None:
+        message = job.message
+        session = job.session
+        hbs = session.layout.hash_block_size
+        if len(message.token_ids) // hbs <= INLINE_BLOCKS:
+            fine = session.fine_hashes(message.token_ids, message.keys, message.request_id)
+        else:
+            fine = await anyio.to_thread.run_sync(
+                session.fine_hashes, message.token_ids, message.keys, message.request_id,
+                limiter=self._limiter,
+            )
+        job.fine_hashes = fine
+        keys = [session.group_keys(g, fine) for g in range(len(session.store_groups))]
+        named, unnamed = [], []
+        for task in job.planned:
+            group_keys = keys[task.store_group]
+            if task.block_index < len(group_keys):
+                task.key = group_keys[task.block_index]
+                named.append(task)
+            else:
+                unnamed.append(task)
+        if unnamed:
+            await self._tracker.settle(job, ((t, INCOMPLETE) for t in unnamed))
+        return named or None

@@ -1,0 +1,305 @@
+"""The engine side: an async client (DEALER) and a thin blocking wrapper for engine threads.
+
+An engine allocates its KV tensors with ``transport.tensors.shared_kv_tensor``, connects
+with its layout and tensors, then sends scheduler events. Replies are matched to calls
+by sequence number; whichever waiting call holds the receive lock reads the socket and
+hands other calls their replies, so no background task is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import os
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Literal
+
+import anyio
+import anyio.from_thread
+import torch
+import zmq
+import zmq.asyncio
+
+from pipeline.errors import ProtocolError, RequestRejected, TransportError
+from pipeline.hashing import MMItem, block_hashes
+from pipeline.layout import KVCacheLayout
+from pipeline.messages import (
+    BlockReport,
+    EngineMessage,
+    ErrorReply,
+    HashSelfTest,
+    Heartbeat,
+    Load,
+    LoadDone,
+    Lookup,
+    LookupReply,
+    Register,
+    Registered,
+    RequestKeys,
+    Save,
+    SaveDone,
+    SidecarMessage,
+    Unregister,
+    decode_sidecar_message,
+    encode,
+)
+from pipeline.store import BlockStatus
+from transport.tensors import tensor_handle
+
+__all__ = ["BlockingEngineClient", "EngineClient", "LoadResult", "SaveResult"]
+
+KVCacheShape = Literal["blocks_first", "kv_first"]
+BlockHasher = Callable[[Sequence[int], int], list[bytes]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SaveResult:
+    stored: int
+    present: int
+    skipped: int
+    failed: int
+    blocks: tuple[BlockReport, ...]
+
+    @classmethod
+    def from_reply(cls, reply: SaveDone) -> SaveResult:
+        count = {status: 0 for status in BlockStatus}
+        for block in reply.blocks:
+            count[block.status] += 1
+        return cls(count[BlockStatus.STORED], count[BlockStatus.PRESENT],
+                   count[BlockStatus.SKIPPED], count[BlockStatus.FAILED], reply.blocks)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadResult:
+    loaded_tokens: int
+    invalid_block_ids: tuple[int, ...]
+    blocks: tuple[BlockReport, ...]
+
+
+def _request_keys(
+    lora_name: str | None = None,
+    lora_path: str | None = None,
+    cache_salt: str | None = None,
+    mm_items: Sequence[MMItem] = (),
+) -> RequestKeys:
+    return RequestKeys(lora_name, lora_path, cache_salt, tuple(tuple(i) for i in mm_items))  # type: ignore[misc]
+
+
+def _block_dim(tensor: torch.Tensor, shape: KVCacheShape | None) -> int:
+    if shape is not None:
+        return 0 if shape == "blocks_first" else 1
+    # vLLM's K/V-first tensors are [2, num_blocks, ...]; anything else is blocks-first.
+    return 1 if tensor.dim() >= 3 and tensor.shape[0] == 2 and tensor.shape[1] != 2 else 0
+
+
+class EngineClient:
+    """An engine's connection to a sidecar. Use ``await EngineClient.connect(...)``."""
+
+    def __init__(self, socket: zmq.asyncio.Socket, context: zmq.asyncio.Context,
+                 timeout_s: float) -> None:
+        self._socket = socket
+        self._context = context
+        self._timeout_s = timeout_s
+        self._seq = itertools.count(1)
+        self._recv_lock = anyio.Lock()
+        self._replies: dict[int, SidecarMessage] = {}
+        self._closed = False
+        self.registered: Registered | None = None
+
+    @classmethod
+    async def connect(
+        cls,
+        endpoint: str,
+        *,
+        layout: KVCacheLayout | Mapping[str, Any],
+        kv_caches: Mapping[str, torch.Tensor],
+        engine_id: str | None = None,
+        kv_cache_shape: KVCacheShape | None = None,
+        hash_seed: str | None = None,
+        block_hasher: BlockHasher | None = None,
+        timeout_s: float = 30.0,
+    ) -> EngineClient:
+        """Connect and register. Only the tensors of stored groups' layers are shared.
+
+        ``hash_seed`` is the engine's ``PYTHONHASHSEED`` (None: the default seed).
+        ``block_hasher(tokens, hash_block_size)`` is the engine's own block hasher for the
+        registration self-test (default: kvsidecar's, i.e. vLLM-compatible hashing).
+        """
+        if not isinstance(layout, KVCacheLayout):
+            layout = KVCacheLayout.from_dict(layout)
+        payload = {layer for layers in layout.payload_layers for layer in layers}
+        handles = tuple(
+            tensor_handle(layer, tensor, block_dim=_block_dim(tensor, kv_cache_shape))
+            for layer, tensor in kv_caches.items()
+            if layer in payload
+        )
+        tokens = tuple(range(1, 2 * layout.hash_block_size + 1))
+        hasher = block_hasher or (lambda t, size: block_hashes(t, size, seed=hash_seed))
+        self_test = HashSelfTest(tokens, tuple(hasher(tokens, layout.hash_block_size)))
+        engine_id = engine_id or f"engine-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+        context = zmq.asyncio.Context()
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, 1000)
+        socket.setsockopt(zmq.RCVHWM, 1000)
+        socket.setsockopt(zmq.IDENTITY, engine_id.encode())
+        socket.connect(endpoint)
+        client = cls(socket, context, timeout_s)
+        try:
+            reply = await client._call(
+                0, Register(engine_id, layout.to_dict(), handles, self_test, hash_seed)
+            )
+        except BaseException:
+            await client.aclose()
+            raise
+        assert isinstance(reply, Registered)
+        client.registered = reply
+        return client
+
+    async def lookup(self, token_ids: Sequence[int], **request_keys: Any) -> int:
+        """Tokens from the start of the request that can be loaded (a multiple of the
+        alignment, never the last token)."""
+        seq = next(self._seq)
+        reply = await self._call(seq, Lookup(seq, tuple(token_ids), _request_keys(**request_keys)))
+        assert isinstance(reply, LookupReply)
+        return reply.hit_tokens
+
+    async def save(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
+        **request_keys: Any,
+    ) -> SaveResult:
+        """Store the request's full blocks; the engine may reuse them once this returns."""
+        seq = next(self._seq)
+        message = Save(seq, request_id, tuple(token_ids), _blocks(block_ids),
+                       _request_keys(**request_keys))
+        reply = await self._call(seq, message)
+        assert isinstance(reply, SaveDone)
+        return SaveResult.from_reply(reply)
+
+    async def load(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
+        num_tokens: int,
+        **request_keys: Any,
+    ) -> LoadResult:
+        """Load the first ``num_tokens`` tokens' blocks into ``block_ids``."""
+        seq = next(self._seq)
+        message = Load(seq, request_id, tuple(token_ids), _blocks(block_ids), num_tokens,
+                       _request_keys(**request_keys))
+        reply = await self._call(seq, message)
+        assert isinstance(reply, LoadDone)
+        return LoadResult(reply.loaded_tokens, reply.invalid_block_ids, reply.blocks)
+
+    async def heartbeat(self) -> None:
+        seq = next(self._seq)
+        await self._call(seq, Heartbeat(seq))
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        if self.registered is not None:
+            # Tell the sidecar to release our mappings now rather than at reaping time.
+            with anyio.move_on_after(1), contextlib.suppress(Exception):
+                self._timeout_s = 1.0
+                seq = next(self._seq)
+                await self._call(seq, Unregister(seq))
+        self._closed = True
+        self._socket.close(0)
+        self._context.term()
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def _call(self, seq: int, message: EngineMessage) -> SidecarMessage:
+        if self._closed:
+            raise TransportError("client is closed")
+        await self._socket.send(encode(message))
+        try:
+            with anyio.fail_after(self._timeout_s):
+                while seq not in self._replies:
+                    async with self._recv_lock:
+                        if seq in self._replies:
+                            break
+                        frame = await self._socket.recv()
+                        reply = decode_sidecar_message(frame)
+                        self._replies[getattr(reply, "seq", 0)] = reply
+        except TimeoutError as exc:
+            raise TransportError(
+                f"no reply from the sidecar within {self._timeout_s}s ({type(message).__name__})"
+            ) from exc
+        finally:
+            reply_or_none = self._replies.pop(seq, None)
+        if reply_or_none is None:
+            raise ProtocolError("reply lost")
+        if isinstance(reply_or_none, ErrorReply):
+            raise RequestRejected(reply_or_none.code, reply_or_none.message)
+        return reply_or_none
+
+
+def _blocks(block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(b) for b in ids) for ids in block_ids)
+
+
+class BlockingEngineClient:
+    """The same API for engine threads that do not run an event loop."""
+
+    def __init__(self, endpoint: str, **connect_kwargs: Any) -> None:
+        self._portal_cm = anyio.from_thread.start_blocking_portal()
+        self._portal = self._portal_cm.__enter__()
+        try:
+            self._client: EngineClient = self._portal.call(
+                lambda: EngineClient.connect(endpoint, **connect_kwargs)
+            )
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+
+    @property
+    def registered(self) -> Registered | None:
+        return self._client.registered
+
+    def lookup(self, token_ids: Sequence[int], **request_keys: Any) -> int:
+        return self._portal.call(lambda: self._client.lookup(token_ids, **request_keys))
+
+    def save(self, request_id: str, token_ids: Sequence[int],
+             block_ids: Sequence[Sequence[int]], **request_keys: Any) -> SaveResult:
+        return self._portal.call(
+            lambda: self._client.save(request_id, token_ids, block_ids, **request_keys)
+        )
+
+    def load(self, request_id: str, token_ids: Sequence[int],
+             block_ids: Sequence[Sequence[int]], num_tokens: int,
+             **request_keys: Any) -> LoadResult:
+        return self._portal.call(
+            lambda: self._client.load(request_id, token_ids, block_ids, num_tokens,
+                                      **request_keys)
+        )
+
+    def close(self) -> None:
+        try:
+            self._portal.call(self._client.aclose)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+    def __enter__(self) -> BlockingEngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
