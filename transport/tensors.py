@@ -1,0 +1,304 @@
+"""CPU KV tensors shared between processes by name: the engine allocates, the sidecar maps.
+
+Lifetime. The engine owns every segment it allocates with ``shared_kv_tensor``: the
+segment is a file in ``/dev/shm`` mapped into the engine, kept mapped by the tensor's
+storage (and so by every view of it), and unlinked when the last of them is freed or
+when the engine's interpreter exits. The sidecar only maps: ``MappedTensors`` attaches
+segments by name and unmaps them on ``close()``. A mapping outlives the unlinking of
+its name, so the engine may free its tensors while the sidecar still holds a mapping;
+the memory goes back to the system when the last mapping is gone. A process killed
+with SIGKILL cannot unlink, so its names stay in ``/dev/shm`` until removed by hand.
+
+``multiprocessing.shared_memory`` is not used: on Python 3.11 every process that
+attaches a ``SharedMemory`` registers it with its resource tracker, which then unlinks
+(or warns about "leaked") segments that process never owned. Plain ``os``/``mmap`` on
+``/dev/shm`` leaves ownership where it belongs. Linux only.
+
+Zero copy. A tensor is ``torch.frombuffer`` over a ``memoryview`` of the mapping. The
+memoryview is an export of the mmap, so ``mmap.close()`` refuses (``BufferError``)
+while any tensor built on it is alive: closing can never leave a tensor pointing at
+unmapped memory, it only defers the unmapping to when the last tensor is freed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import os
+import secrets
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import torch
+
+from pipeline.errors import TransportError
+from pipeline.messages import TensorHandle
+
+__all__ = [
+    "SHM_DIR",
+    "MappedTensors",
+    "block_pieces",
+    "shared_kv_tensor",
+    "tensor_handle",
+]
+
+SHM_DIR = Path("/dev/shm")
+_NAME_PREFIX = "kvsidecar-"
+_NAME_MAX = 255
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+        "int64", "int32", "int16", "int8", "uint8",
+    )
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+# -- engine side: allocate and describe --------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class _OwnedSegment:
+    name: str
+    nbytes: int
+
+
+# Storage base address -> the segment mapped there, for every live segment this process
+# allocated. Entries leave when the segment's mapping is freed.
+_owned: dict[int, _OwnedSegment] = {}
+_owned_lock = threading.Lock()
+
+
+def _release_owned(base: int, segment: _OwnedSegment) -> None:
+    with _owned_lock:
+        # The address may already belong to a newer segment mapped meanwhile.
+        if _owned.get(base) is segment:
+            del _owned[base]
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(SHM_DIR / segment.name)
+
+
+def shared_kv_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled contiguous CPU tensor in a new named shared-memory segment.
+
+    The calling process owns the segment: its name is unlinked when the tensor and all
+    its views are freed, or at interpreter exit. Describe it with ``tensor_handle``.
+    """
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype} is not supported for shared KV tensors")
+    if any(dim <= 0 for dim in shape):
+        raise ValueError(f"a shared KV tensor needs a positive shape, got {tuple(shape)}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    name = f"{_NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    path = SHM_DIR / name
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise TransportError(f"cannot create shared memory segment {name!r}: {exc}") from exc
+    try:
+        # Reserve the pages now: a full /dev/shm would otherwise surface as SIGBUS on a
+        # later write instead of an error here.
+        os.posix_fallocate(fd, 0, nbytes)
+        mapping = mmap.mmap(fd, nbytes)
+    except OSError as exc:
+        os.unlink(path)
+        raise TransportError(
+            f"cannot allocate {nbytes} bytes of shared memory in {SHM_DIR}: {exc}"
+        ) from exc
+    finally:
+        os.close(fd)
+    flat = torch.frombuffer(memoryview(mapping), dtype=torch.uint8)
+    segment = _OwnedSegment(name, nbytes)
+    base = flat.data_ptr()
+    with _owned_lock:
+        _owned[base] = segment
+    # Only the tensor's storage keeps the mapping alive; when it goes, so does the name.
+    weakref.finalize(mapping, _release_owned, base, segment)
+    return flat.view(dtype).view(tuple(shape))
+
+
+def tensor_handle(layer: str, tensor: torch.Tensor, *, block_dim: int = 0) -> TensorHandle:
+    """Describe ``tensor`` (or a view of one) from ``shared_kv_tensor`` for another process."""
+    if tensor.device.type != "cpu":
+        raise TransportError(f"layer {layer!r}: tensor is on {tensor.device}, not on the CPU")
+    base = tensor.untyped_storage().data_ptr()
+    with _owned_lock:
+        segment = _owned.get(base)
+    if segment is None:
+        raise TransportError(
+            f"layer {layer!r}: tensor is not in shared memory (allocate it with shared_kv_tensor)"
+        )
+    dtype_name = _DTYPE_NAMES.get(tensor.dtype)
+    if dtype_name is None:
+        raise TransportError(f"layer {layer!r}: dtype {tensor.dtype} is not supported")
+    handle = TensorHandle(
+        layer=layer,
+        shm_name=segment.name,
+        offset=int(tensor.storage_offset()) * tensor.element_size(),
+        shape=tuple(tensor.shape),
+        strides=tuple(tensor.stride()),
+        dtype=dtype_name,
+        block_dim=block_dim,
+    )
+    _check_fits(handle, _check_geometry(handle), segment.nbytes)
+    return handle
+
+
+# -- sidecar side: map ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    dtype: torch.dtype
+    extent: int
+    """Bytes from the handle's offset to the end of its last element."""
+
+
+def _fail(handle: TensorHandle, problem: str) -> TransportError:
+    return TransportError(f"layer {handle.layer!r}: {problem}")
+
+
+def _check_geometry(handle: TensorHandle) -> _Geometry:
+    """Validate everything about a handle that does not need its segment."""
+    if handle.device != "cpu":
+        raise _fail(handle, f"device {handle.device!r} is not supported, only 'cpu'")
+    dtype = _DTYPES.get(handle.dtype)
+    if dtype is None:
+        raise _fail(handle, f"unknown dtype {handle.dtype!r}")
+    shape, strides = handle.shape, handle.strides
+    if len(shape) != len(strides):
+        raise _fail(handle, f"shape {shape} and strides {strides} differ in length")
+    if handle.block_dim not in (0, 1) or handle.block_dim >= len(shape):
+        raise _fail(handle, f"block_dim {handle.block_dim} is out of range for shape {shape}")
+    if handle.block_dim == 1 and shape[0] != 2:
+        raise _fail(handle, f"a K/V-first tensor has shape [2, num_blocks, ...], got {shape}")
+    if any(dim <= 0 for dim in shape):
+        raise _fail(handle, f"shape {shape} has an empty or negative dimension")
+    if any(stride <= 0 for stride in strides):
+        raise _fail(handle, f"strides {strides} must all be positive")
+    if handle.offset < 0 or handle.offset % dtype.itemsize:
+        raise _fail(handle, f"offset {handle.offset} is not a multiple of {dtype.itemsize} bytes")
+    # Elements must not alias: writing one block must never change another.
+    span = 1
+    for stride, dim in sorted(zip(strides, shape, strict=True)):
+        if dim == 1:
+            continue
+        if stride < span:
+            raise _fail(handle, f"strides {strides} make elements of shape {shape} overlap")
+        span = stride * (dim - 1) + span
+    return _Geometry(dtype, span * dtype.itemsize)
+
+
+def _check_fits(handle: TensorHandle, geometry: _Geometry, segment_bytes: int) -> None:
+    end = handle.offset + geometry.extent
+    if end > segment_bytes:
+        raise _fail(
+            handle,
+            f"tensor spans bytes [{handle.offset}, {end}) but segment {handle.shm_name!r} "
+            f"has {segment_bytes} bytes",
+        )
+
+
+class MappedTensors:
+    """Segments mapped into this process, each once, with the tensors built on them.
+
+    One registry per engine session: ``close()`` unmaps every segment. A tensor still
+    alive at ``close()`` stays valid; its segment is unmapped when the tensor is freed.
+    """
+
+    def __init__(self) -> None:
+        self._mappings: dict[str, mmap.mmap] = {}
+        self._closed = False
+
+    def __enter__(self) -> MappedTensors:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def segment_names(self) -> frozenset[str]:
+        return frozenset(self._mappings)
+
+    def map_tensor(self, handle: TensorHandle) -> torch.Tensor:
+        """The tensor a handle describes, sharing memory with its owner (no copy)."""
+        if self._closed:
+            raise _fail(handle, "the tensor registry is closed")
+        geometry = _check_geometry(handle)
+        mapping = self._mappings.get(handle.shm_name)
+        if mapping is None:
+            mapping = self._mappings[handle.shm_name] = _attach(handle)
+        _check_fits(handle, geometry, len(mapping))
+        itemsize = geometry.dtype.itemsize
+        flat = torch.frombuffer(memoryview(mapping), dtype=torch.uint8)
+        typed = flat[: len(mapping) - len(mapping) % itemsize].view(geometry.dtype)
+        return typed.as_strided(handle.shape, handle.strides, handle.offset // itemsize)
+
+    def close(self) -> None:
+        """Unmap every segment; idempotent."""
+        self._closed = True
+        mappings, self._mappings = self._mappings, {}
+        for mapping in mappings.values():
+            # Live tensors hold an export: the mapping then goes with the last of them.
+            with contextlib.suppress(BufferError):
+                mapping.close()
+
+
+def _attach(handle: TensorHandle) -> mmap.mmap:
+    name = handle.shm_name
+    if not name or "/" in name or name in (".", "..") or len(name) > _NAME_MAX:
+        raise _fail(handle, f"{name!r} is not a shared memory segment name")
+    try:
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError as exc:
+        raise _fail(handle, f"shared memory segment {name!r} does not exist") from exc
+    except OSError as exc:
+        raise _fail(handle, f"cannot open shared memory segment {name!r}: {exc}") from exc
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            raise _fail(handle, f"shared memory segment {name!r} is empty")
+        return mmap.mmap(fd, size)
+    except OSError as exc:
+        raise _fail(handle, f"cannot map shared memory segment {name!r}: {exc}") from exc
+    finally:
+        os.close(fd)
+
+
+# -- blocks ----------------------------------------------------------------------------
+
+
+def block_pieces(
+    tensor: torch.Tensor, block: int, *, block_dim: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """Block ``block`` of a layer's KV tensor as 1-D byte views, one per contiguous piece.
+
+    A blocks-first tensor ``[num_blocks, ...]`` gives one piece; a K/V-first tensor
+    ``[2, num_blocks, ...]`` gives two, K then V. The views alias the tensor: copying
+    into them writes the block.
+    """
+    if block_dim not in (0, 1):
+        raise ValueError(f"block_dim must be 0 or 1, got {block_dim}")
+    page = tensor.select(block_dim, block)
+    pieces = (page,) if block_dim == 0 else page.unbind(0)
+    views = []
+    for piece in pieces:
+        if not piece.is_contiguous():
+            raise TransportError(
+                f"block {block} of a tensor with strides {tuple(tensor.stride())} "
+                "is not contiguous"
+            )
+        views.append(piece.reshape(-1).view(torch.uint8))
+    return tuple(views)
