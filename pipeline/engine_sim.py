@@ -255,9 +255,13 @@ async def run_workload(
 def run_engine_sim(args: argparse.Namespace) -> int:
     layout = load_layout(args.layout, block_size=args.block_scale)
 
+    done = 0
+
     def progress(report: SimReport) -> None:
+        nonlocal done
+        done += 1
         if args.json:
-            print(json.dumps({"done": report.requests}), flush=True)
+            print(json.dumps({"done": done}), flush=True)
 
     report = anyio.run(lambda: run_workload(
         args.endpoint, layout, engine_id=args.engine_id, requests=args.requests,
