@@ -63,6 +63,8 @@ __all__ = ["Sidecar", "open_store", "run_sidecar"]
 
 log = structlog.get_logger("kvsidecar.service")
 
+STRAGGLER_WINDOW_S = 0.1
+
 
 @contextlib.asynccontextmanager
 async def open_store(config: StoreConfig) -> AsyncIterator[KVStore]:
@@ -118,6 +120,7 @@ class Sidecar:
         self._load_inbox = create_edge(stages.receive.inbox_size)
         self._lookup_inbox = create_edge(stages.lookup.inbox_size)
         self._accepting = True
+        self._last_receive = 0.0
         self.counters: dict[str, int] = {}
 
     # -- replies ---------------------------------------------------------------------
@@ -199,6 +202,7 @@ class Sidecar:
     async def _receive_loop(self) -> None:
         while True:
             identity, frame = await self.socket.receive()
+            self._last_receive = anyio.current_time()
             try:
                 message = decode_engine_message(
                     frame, max_bytes=self.config.server.max_frame_bytes
@@ -295,9 +299,18 @@ class Sidecar:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                     for job in abandoned:
                         await completion.process(job)
+            await self._answer_stragglers()
             root.cancel_scope.cancel()
         self.registry.close()
         log.info("sidecar.stopped")
+
+
+    async def _answer_stragglers(self) -> None:
+        """Keep refusing new requests until engines go quiet, so that a request sent just
+        before the shutdown gets an answer instead of a timeout."""
+        with anyio.move_on_after(STRAGGLER_WINDOW_S * 10):
+            while anyio.current_time() - self._last_receive < STRAGGLER_WINDOW_S:
+                await anyio.sleep(STRAGGLER_WINDOW_S / 5)
 
 
 def _seq(message: object) -> int:

@@ -1,0 +1,36 @@
+"""The CLI as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+KVSIDECAR = [sys.executable, "-m", "pipeline.cli"]
+
+
+def test_demo_verifies_every_byte_and_exits_zero() -> None:
+    """`kvsidecar demo` runs a sidecar and two engines and exits 0 with a summary."""
+    result = subprocess.run([*KVSIDECAR, "demo", "--requests", "16"], capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "every loaded byte verified" in result.stdout
+    assert "ring blocks ignored" in result.stdout
+
+
+def test_serve_with_an_unknown_key_exits_2_naming_it(tmp_path: Path) -> None:
+    """A config typo stops the sidecar at once with exit code 2 and the key's path."""
+    config = tmp_path / "bad.yaml"
+    config.write_text("stages:\n  batching:\n    max_blokcs: 3\n")
+    result = subprocess.run([*KVSIDECAR, "serve", "--config", str(config)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "max_blokcs" in result.stderr and "$.stages.batching" in result.stderr
+
+
+def test_serve_refuses_insecure_tcp_beyond_loopback() -> None:
+    """A tcp:// endpoint on all interfaces without authentication refuses to start."""
+    result = subprocess.run([*KVSIDECAR, "serve", "--endpoint", "tcp://0.0.0.0:5599"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "allow_insecure_tcp" in result.stderr
