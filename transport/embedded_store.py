@@ -198,8 +198,8 @@ class EmbeddedStore:
     async def register_buffer(self, buffer: torch.Tensor) -> None:
         """Check the buffer's shape; the embedded store copies with torch, so nothing to pin."""
         self._check_open()
-        problem = _check_bytes(buffer)
-        if problem is not None or not buffer.is_contiguous():
+        problem = _check_bytes(buffer) or (None if buffer.is_contiguous() else "not contiguous")
+        if problem is not None:
             raise ValueError(f"a staging buffer must be a contiguous 1-D uint8 tensor: {problem}")
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
