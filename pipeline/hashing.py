@@ -49,7 +49,9 @@ class RequestHasher:
     Extra keys are fixed per request (LoRA, multimodal items, cache salt), as in vLLM.
     """
 
-    __slots__ = ("_block", "_extra_static", "_hashes", "_mm", "_mm_next", "_parent", "_salt")
+    __slots__ = (
+        "_block", "_extra_static", "_hashes", "_mm", "_mm_next", "_parent", "_salt", "_simple",
+    )
 
     def __init__(
         self,
@@ -75,6 +77,7 @@ class RequestHasher:
         self._mm_next = 0
         self._hashes: list[bytes] = []
         self._parent = none_hash(seed)
+        self._simple = not (self._extra_static or self._salt or self._mm)
 
     @property
     def hashes(self) -> list[bytes]:
@@ -88,13 +91,24 @@ class RequestHasher:
         """
         size = self._block
         hashes = self._hashes
+        first = len(hashes) * size
+        stop = len(token_ids) - size + 1
+        if first >= stop:  # decode steps mostly end here: no new full block
+            return hashes
         parent = self._parent
-        simple = not (self._extra_static or self._salt or self._mm)
-        for start in range(len(hashes) * size, len(token_ids) - size + 1, size):
-            tokens = tuple(token_ids[start : start + size])
-            extra = None if simple else self._extra_keys(start, start + size)
-            parent = _sha256(_dumps((parent, tokens, extra), canonical=True)).digest()
-            hashes.append(parent)
+        sha256, dumps, append = _sha256, _dumps, hashes.append
+        if self._simple:
+            for start in range(first, stop, size):
+                tokens = tuple(token_ids[start : start + size])
+                parent = sha256(dumps((parent, tokens, None), canonical=True)).digest()
+                append(parent)
+        else:
+            extra_keys = self._extra_keys
+            for start in range(first, stop, size):
+                tokens = tuple(token_ids[start : start + size])
+                extra = extra_keys(start, start + size)
+                parent = sha256(dumps((parent, tokens, extra), canonical=True)).digest()
+                append(parent)
         self._parent = parent
         return hashes
 

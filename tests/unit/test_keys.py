@@ -1,0 +1,69 @@
+"""Store keys in the vLLM MooncakeStoreConnector format."""
+
+from __future__ import annotations
+
+import re
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipeline.keys import key_prefix, layout_key_prefixes, store_key
+from pipeline.layout import KVCacheLayout
+
+HASH = bytes(range(32))
+
+
+def test_store_key_format_without_prefix() -> None:
+    """A key is model@tp_rank:T@pcpP@dcpD@pp_rank:Q@group:G@hex with no namespace."""
+    key = store_key("Qwen/Qwen3-Next", HASH, store_group=1, tp_rank=2, pcp_rank=3,
+                    dcp_rank=4, pp_rank=5)
+    assert key == f"Qwen/Qwen3-Next@tp_rank:2@pcp3@dcp4@pp_rank:5@group:1@{HASH.hex()}"
+
+
+def test_store_key_format_with_cache_prefix() -> None:
+    """A cache_prefix namespace is prepended with '@'."""
+    key = store_key("m", HASH, store_group=0, cache_prefix="prod")
+    assert key == f"prod@m@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{HASH.hex()}"
+
+
+names = st.text(st.characters(blacklist_characters="@", blacklist_categories=("Cs",)),
+                min_size=1, max_size=12)
+
+
+@given(names, st.binary(min_size=32, max_size=32), st.integers(0, 7),
+       st.tuples(*(st.integers(0, 64) for _ in range(4))), st.just("") | names)
+def test_store_key_is_prefix_at_hex(
+    model: str, digest: bytes, group: int, ranks: tuple[int, int, int, int], prefix: str
+) -> None:
+    """Every key is its key_prefix, '@' and the lowercase hex digest, parseable back."""
+    tp, pcp, dcp, pp = ranks
+    kwargs = dict(store_group=group, tp_rank=tp, pcp_rank=pcp, dcp_rank=dcp, pp_rank=pp,
+                  cache_prefix=prefix)
+    key = store_key(model, digest, **kwargs)  # type: ignore[arg-type]
+    assert key == key_prefix(model, **kwargs) + "@" + digest.hex()  # type: ignore[arg-type]
+    fields = key.split("@")
+    if prefix:
+        assert fields.pop(0) == prefix
+    assert fields == [model, f"tp_rank:{tp}", f"pcp{pcp}", f"dcp{dcp}", f"pp_rank:{pp}",
+                      f"group:{group}", digest.hex()]
+    assert re.fullmatch(r"[0-9a-f]{64}", fields[-1])
+
+
+def test_layout_key_prefixes_use_store_indices() -> None:
+    """A layout's key prefixes are numbered by store-group index; the ring gets none."""
+    lay = KVCacheLayout.from_dict({
+        "model": "qwen3-next", "tp_rank": 1, "cache_prefix": "ns",
+        "groups": [
+            {"kind": "full_attention", "block_size": 800},
+            {"kind": "circular_buffer", "block_size": 8},
+            {"kind": "mamba", "block_size": 800, "mamba_cache_mode": "align"},
+        ],
+    })
+    assert layout_key_prefixes(lay) == (
+        "ns@qwen3-next@tp_rank:1@pcp0@dcp0@pp_rank:0@group:0",
+        "ns@qwen3-next@tp_rank:1@pcp0@dcp0@pp_rank:0@group:1",
+    )
+    assert layout_key_prefixes(lay)[1] + "@" + HASH.hex() == store_key(
+        "qwen3-next", HASH, store_group=lay.store_group_index(2) or 0, tp_rank=1,
+        cache_prefix="ns",
+    )
