@@ -53,8 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="a sidecar plus two simulated engines, verified")
     demo.add_argument("--config", help="sidecar YAML config (default: configs/default.yaml)")
     demo.add_argument("--requests", type=int, default=48, help="requests per engine")
-    demo.add_argument("--layout", default="qwen3-next-hybrid",
-                      help="layout preset name in configs/layouts or a YAML path")
+    demo.add_argument(
+        "--layout",
+        default="qwen3-next-hybrid",
+        help="layout preset name in configs/layouts or a YAML path",
+    )
 
     sim = commands.add_parser("engine-sim", help="a simulated engine driving a sidecar")
     sim.add_argument("--endpoint", required=True)
@@ -64,8 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--prefixes", type=int, default=4, help="shared prefixes in the workload")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--concurrency", type=int, default=4)
-    sim.add_argument("--block-scale", type=int, default=0,
-                     help="block size of the scaled-down preset (0: as in the preset)")
+    sim.add_argument(
+        "--block-scale",
+        type=int,
+        default=0,
+        help="block size of the scaled-down preset (0: as in the preset)",
+    )
     sim.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 

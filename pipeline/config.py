@@ -16,6 +16,7 @@ from pipeline.errors import ConfigError
 
 __all__ = [
     "BatchingStageConfig",
+    "BreakerConfig",
     "CommitStageConfig",
     "Config",
     "ConfigError",
@@ -105,6 +106,15 @@ class StagingConfig(_Section, frozen=True):
     load_slots: Positive = 8
     """Slots only loads may use, so a flood of saves never delays a load."""
 
+    def __post_init__(self) -> None:
+        # Caught here, the error names $.staging; the pool would only fail at start-up.
+        slots = self.pool_bytes // self.slot_bytes if self.slot_bytes > 0 else 0
+        if not 1 <= self.load_slots < slots:
+            raise ValueError(
+                f"pool_bytes // slot_bytes gives {slots} slot(s); load_slots must be in "
+                f"[1, {slots - 1}] so saves keep at least one, got {self.load_slots}"
+            )
+
 
 class EmbeddedStoreConfig(_Section, frozen=True):
     capacity_bytes: Positive = 1024 * 1024 * 1024
@@ -147,8 +157,18 @@ class MooncakeStoreConfig(_Section, frozen=True):
     max_concurrent_calls: Positive = 4
 
 
+class BreakerConfig(_Section, frozen=True):
+    call_timeout_s: PositiveFloat = 10.0
+    """A store call taking longer counts as a failure."""
+    failure_threshold: Positive = 3
+    """Consecutive failures that open the circuit (then calls fail at once)."""
+    reset_after_s: PositiveFloat = 2.0
+    """How long an open circuit waits before letting one probing call through."""
+
+
 class StoreConfig(_Section, frozen=True):
     backend: Literal["embedded", "mooncake"] = "embedded"
+    breaker: BreakerConfig = BreakerConfig()
     embedded: EmbeddedStoreConfig = EmbeddedStoreConfig()
     mooncake: MooncakeStoreConfig = MooncakeStoreConfig()
 

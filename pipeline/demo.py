@@ -35,30 +35,52 @@ ENGINES = ("engine-a", "engine-b")
 
 def _spawn(args: list[str], **kwargs: object) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", *args], text=True, **kwargs  # type: ignore[call-overload]
+        [sys.executable, "-m", "pipeline.cli", *args],
+        text=True,
+        **kwargs,  # type: ignore[call-overload]
     )
 
 
 async def _wait_for_socket(path: Path, sidecar: subprocess.Popen[str], timeout_s: float) -> None:
     with anyio.fail_after(timeout_s):
-        while not path.exists():
+        while not path.exists():  # noqa: ASYNC240 - a stat per 50 ms poll
             if sidecar.poll() is not None:
                 raise RuntimeError(f"the sidecar exited with code {sidecar.returncode}")
             await anyio.sleep(0.05)
 
 
-async def _run_engines(endpoint: str, args: argparse.Namespace, console: Console) -> list[SimReport]:
+async def _run_engines(
+    endpoint: str, args: argparse.Namespace, console: Console
+) -> list[SimReport]:
     reports: list[SimReport] = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
 
         async def engine(index: int, engine_id: str) -> None:
             task = progress.add_task(engine_id, total=args.requests)
             command = [
-                sys.executable, "-m", "pipeline.cli", "engine-sim", "--endpoint", endpoint,
-                "--layout", args.layout, "--engine-id", engine_id, "--requests",
-                str(args.requests), "--seed", str(index + 1), "--block-scale",
-                str(DEMO_BLOCK_SIZE), "--json",
+                sys.executable,
+                "-m",
+                "pipeline.cli",
+                "engine-sim",
+                "--endpoint",
+                endpoint,
+                "--layout",
+                args.layout,
+                "--engine-id",
+                engine_id,
+                "--requests",
+                str(args.requests),
+                "--seed",
+                str(index + 1),
+                "--block-scale",
+                str(DEMO_BLOCK_SIZE),
+                "--json",
             ]
             async with await anyio.open_process(command, stderr=None) as process:
                 assert process.stdout is not None
@@ -96,10 +118,14 @@ def _summary(total: SimReport, wall_s: float, sidecar_exit: int) -> Table:
         ("blocks loaded", str(total.blocks_loaded)),
         ("blocks verified byte-exact", f"{total.blocks_verified}/{total.blocks_loaded}"),
         ("GB moved (saved + loaded)", f"{(total.bytes_saved + total.bytes_loaded) / 1e9:.3f}"),
-        ("save throughput (GB/s per request)",
-         f"{total.bytes_saved / total.save_seconds / 1e9:.2f}" if total.save_seconds else "-"),
-        ("load throughput (GB/s per request)",
-         f"{total.bytes_loaded / total.load_seconds / 1e9:.2f}" if total.load_seconds else "-"),
+        (
+            "save throughput (GB/s per request)",
+            f"{total.bytes_saved / total.save_seconds / 1e9:.2f}" if total.save_seconds else "-",
+        ),
+        (
+            "load throughput (GB/s per request)",
+            f"{total.bytes_loaded / total.load_seconds / 1e9:.2f}" if total.load_seconds else "-",
+        ),
         ("ring blocks ignored", str(total.ring_blocks_ignored)),
         ("errors", str(total.errors + total.blocks_mismatched)),
         ("sidecar exit code", str(sidecar_exit)),
@@ -119,12 +145,18 @@ def run_demo(args: argparse.Namespace) -> int:
         log_path = Path(tmp) / "sidecar.log"
         started = time.perf_counter()
         with log_path.open("w") as log:
-            sidecar = _spawn(["serve", "--config", config, "--endpoint", endpoint],
-                             stdout=log, stderr=log, env={**os.environ, "NO_COLOR": "1"})
+            sidecar = _spawn(
+                ["serve", "--config", config, "--endpoint", endpoint],
+                stdout=log,
+                stderr=log,
+                env={**os.environ, "NO_COLOR": "1"},
+            )
             try:
                 anyio.run(_wait_for_socket, socket_path, sidecar, 30.0)
-                console.print(f"sidecar up at {endpoint}; engines use layout {args.layout!r} "
-                              f"with blocks scaled to {DEMO_BLOCK_SIZE} tokens")
+                console.print(
+                    f"sidecar up at {endpoint}; engines use layout {args.layout!r} "
+                    f"with blocks scaled to {DEMO_BLOCK_SIZE} tokens"
+                )
                 reports = anyio.run(_run_engines, endpoint, args, console)
             finally:
                 sidecar.send_signal(signal.SIGTERM)
@@ -152,4 +184,3 @@ def run_demo(args: argparse.Namespace) -> int:
             return 1
         console.print("[green]every loaded byte verified[/green]")
         return 0
-

@@ -33,8 +33,13 @@ from transport.tensors import shared_kv_tensor
 __all__ = ["SimEngine", "SimReport", "load_layout", "run_engine_sim", "run_workload"]
 
 LAYOUTS_DIR = Path(__file__).resolve().parent.parent / "configs" / "layouts"
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-           "int8": torch.int8, "uint8": torch.uint8}
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio step, as a signed int64
 
 
@@ -54,7 +59,9 @@ def load_layout(name_or_path: str, *, block_size: int = 0) -> KVCacheLayout:
             if group.get("page_bytes"):
                 group["page_bytes"] = max(64, group["page_bytes"] * scaled // group["block_size"])
             if group.get("sliding_window"):
-                group["sliding_window"] = max(1, group["sliding_window"] * scaled // group["block_size"])
+                group["sliding_window"] = max(
+                    1, group["sliding_window"] * scaled // group["block_size"]
+                )
             group["block_size"] = scaled
         data.pop("block_size", None)
         data.pop("prefix_match_unit", None)
@@ -131,8 +138,10 @@ class SimEngine:
 
     def matches(self, kv_group_id: int, block_id: int, block_hash: bytes) -> bool:
         return all(
-            torch.equal(self.kv_caches[layer][block_id],
-                        block_content(layer, block_hash, self.kv_caches[layer][block_id].numel()))
+            torch.equal(
+                self.kv_caches[layer][block_id],
+                block_content(layer, block_hash, self.kv_caches[layer][block_id].numel()),
+            )
             for layer in self.layout.groups[kv_group_id].layers
         )
 
@@ -140,8 +149,10 @@ class SimEngine:
 def make_workload(seed: int, prefixes: int, requests: int, block: int) -> list[list[int]]:
     """Requests that share a few long prefixes (like system prompts) plus unique tails."""
     shared = random.Random(1234)  # every engine draws the same prefixes
-    pool = [[shared.randrange(1, 50_000) for _ in range(block * shared.randint(2, 6))]
-            for _ in range(prefixes)]
+    pool = [
+        [shared.randrange(1, 50_000) for _ in range(block * shared.randint(2, 6))]
+        for _ in range(prefixes)
+    ]
     rng = random.Random(seed)
     return [
         rng.choice(pool) + [rng.randrange(1, 50_000) for _ in range(rng.randint(1, 3 * block))]
@@ -149,13 +160,16 @@ def make_workload(seed: int, prefixes: int, requests: int, block: int) -> list[l
     ]
 
 
-async def run_request(client: EngineClient, engine: SimEngine, request_id: str,
-                      tokens: list[int], report: SimReport) -> None:
+async def run_request(
+    client: EngineClient, engine: SimEngine, request_id: str, tokens: list[int], report: SimReport
+) -> None:
     layout = engine.layout
     hbs = layout.hash_block_size
     fine = block_hashes(tokens, hbs, seed=None)
-    coarse = {gid: group_block_hashes(fine, hbs, layout.groups[gid].block_size)
-              for gid in layout.prefix_cacheable_group_ids}
+    coarse = {
+        gid: group_block_hashes(fine, hbs, layout.groups[gid].block_size)
+        for gid in layout.prefix_cacheable_group_ids
+    }
     block_ids: list[list[int]] = []
     for gid, group in enumerate(layout.groups):
         if group.kind is GroupKind.CIRCULAR_BUFFER:
@@ -194,8 +208,11 @@ async def run_request(client: EngineClient, engine: SimEngine, request_id: str,
                 elif index < len(hashes):
                     engine.compute(gid, block_id, hashes[index])
         report.ring_blocks_ignored += sum(
-            1 for gid, ids in enumerate(block_ids)
-            if layout.groups[gid].kind is GroupKind.CIRCULAR_BUFFER for b in ids if b
+            1
+            for gid, ids in enumerate(block_ids)
+            if layout.groups[gid].kind is GroupKind.CIRCULAR_BUFFER
+            for b in ids
+            if b
         )
         started = time.perf_counter()
         saved = await client.save(request_id, tokens, block_ids)
@@ -204,10 +221,12 @@ async def run_request(client: EngineClient, engine: SimEngine, request_id: str,
         report.blocks_present += saved.present
         report.blocks_skipped += saved.skipped
         report.blocks_failed += saved.failed
-        report.bytes_saved += sum(engine.value_bytes(b.group_id) for b in saved.blocks
-                                  if b.status is BlockStatus.STORED)
-        ring_ids = {gid for gid, g in enumerate(layout.groups)
-                    if g.kind is GroupKind.CIRCULAR_BUFFER}
+        report.bytes_saved += sum(
+            engine.value_bytes(b.group_id) for b in saved.blocks if b.status is BlockStatus.STORED
+        )
+        ring_ids = {
+            gid for gid, g in enumerate(layout.groups) if g.kind is GroupKind.CIRCULAR_BUFFER
+        }
         if any(block.group_id in ring_ids for block in saved.blocks):
             report.errors += 1  # the ring must never reach the store
     finally:
@@ -226,8 +245,9 @@ async def run_workload(
     on_request: Callable[[SimReport], None] = lambda report: None,
 ) -> SimReport:
     largest = max(g.block_size for g in layout.store_groups)
-    num_blocks = 2 + concurrency * (6 + 3 + 2) * max(1, largest // min(
-        g.block_size for g in layout.store_groups))
+    num_blocks = 2 + concurrency * (6 + 3 + 2) * max(
+        1, largest // min(g.block_size for g in layout.store_groups)
+    )
     engine = SimEngine(layout, num_blocks)
     report = SimReport()
     workload = make_workload(seed, prefixes, requests, largest)
@@ -239,9 +259,8 @@ async def run_workload(
         async def one(index: int, tokens: list[int]) -> None:
             async with limiter:
                 try:
-                    await run_request(client, engine, f"{engine_id}-{seed}-{index}", tokens,
-                                      report)
-                except Exception as exc:  # noqa: BLE001 - counted and shown, never hidden
+                    await run_request(client, engine, f"{engine_id}-{seed}-{index}", tokens, report)
+                except Exception as exc:
                     report.errors += 1
                     print(f"request {index} failed: {exc!r}", file=sys.stderr)
                 on_request(report)
@@ -263,11 +282,18 @@ def run_engine_sim(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"done": done}), flush=True)
 
-    report = anyio.run(lambda: run_workload(
-        args.endpoint, layout, engine_id=args.engine_id, requests=args.requests,
-        prefixes=args.prefixes, seed=args.seed, concurrency=args.concurrency,
-        on_request=progress,
-    ))
+    report = anyio.run(
+        lambda: run_workload(
+            args.endpoint,
+            layout,
+            engine_id=args.engine_id,
+            requests=args.requests,
+            prefixes=args.prefixes,
+            seed=args.seed,
+            concurrency=args.concurrency,
+            on_request=progress,
+        )
+    )
     if args.json:
         print(json.dumps({"report": dataclasses.asdict(report)}), flush=True)
     else:

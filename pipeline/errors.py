@@ -33,3 +33,7 @@ class RequestRejected(KVSidecarError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+
+
+class StoreUnavailable(StoreError):
+    """The store is known to be down (circuit open): fail fast, retry later."""

@@ -51,8 +51,9 @@ class Job:
 
     def report(self, task: BlockTask, outcome: KeyOutcome) -> BlockReport:
         kv_group_id = self.session.store_groups[task.store_group].kv_group_id
-        return BlockReport(kv_group_id, task.block_index, task.block_id, outcome.status,
-                           outcome.reason)
+        return BlockReport(
+            kv_group_id, task.block_index, task.block_id, outcome.status, outcome.reason
+        )
 
 
 class JobTracker:

@@ -24,8 +24,13 @@ MapTensors = Callable[[Sequence[TensorHandle]], tuple[MappedTensors, Callable[[]
 
 
 class SessionRegistry:
-    def __init__(self, map_tensors: MapTensors, *, max_value_bytes: int,
-                 save_capacity_blocks: Callable[[int], int]) -> None:
+    def __init__(
+        self,
+        map_tensors: MapTensors,
+        *,
+        max_value_bytes: int,
+        save_capacity_blocks: Callable[[int], int],
+    ) -> None:
         self._map_tensors = map_tensors
         self._max_value_bytes = max_value_bytes
         self._save_capacity_blocks = save_capacity_blocks
@@ -39,7 +44,8 @@ class SessionRegistry:
         if message.version != PROTOCOL_VERSION:
             raise RequestRejected(
                 ErrorCode.BAD_VERSION,
-                f"protocol version {message.version} is not supported (expected {PROTOCOL_VERSION})",
+                f"protocol version {message.version} is not supported "
+                f"(expected {PROTOCOL_VERSION})",
             )
         try:
             layout = KVCacheLayout.from_dict(message.layout)
@@ -71,8 +77,14 @@ class SessionRegistry:
         old = self.sessions.pop(identity, None)
         if old is not None:
             old.close()
-        session = EngineSession(message.engine_id, identity, layout, store_groups,
-                                hash_seed=message.hash_seed, release=release)
+        session = EngineSession(
+            message.engine_id,
+            identity,
+            layout,
+            store_groups,
+            hash_seed=message.hash_seed,
+            release=release,
+        )
         self.sessions[identity] = session
         reply = Registered(
             engine_id=message.engine_id,

@@ -21,6 +21,7 @@ import anyio
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
+from pipeline.breaker import CircuitBreakerStore
 from pipeline.config import Config, StoreConfig
 from pipeline.errors import ProtocolError, RequestRejected
 from pipeline.hitrule import required_blocks
@@ -78,11 +79,17 @@ async def open_store(config: StoreConfig) -> AsyncIterator[KVStore]:
         from transport.embedded_store import EmbeddedStore
 
         store = EmbeddedStore(config.embedded)
+    guarded = CircuitBreakerStore(
+        store,
+        call_timeout_s=config.breaker.call_timeout_s,
+        failure_threshold=config.breaker.failure_threshold,
+        reset_after_s=config.breaker.reset_after_s,
+    )
     try:
-        yield store
+        yield guarded
     finally:
         with anyio.CancelScope(shield=True):
-            await store.aclose()
+            await guarded.aclose()
 
 
 def map_shared_tensors(
@@ -90,7 +97,9 @@ def map_shared_tensors(
 ) -> tuple[MappedTensors, Callable[[], None]]:
     mapper = SharedMappings()
     try:
-        tensors = {handle.layer: (mapper.map_tensor(handle), handle.block_dim) for handle in handles}
+        tensors = {
+            handle.layer: (mapper.map_tensor(handle), handle.block_dim) for handle in handles
+        }
     except BaseException:
         mapper.close()
         raise
@@ -100,8 +109,9 @@ def map_shared_tensors(
 class Sidecar:
     """One running sidecar: sessions, the receive loop and the stage graph."""
 
-    def __init__(self, config: Config, store: KVStore, socket: SidecarSocket,
-                 pool: StagingPool) -> None:
+    def __init__(
+        self, config: Config, store: KVStore, socket: SidecarSocket, pool: StagingPool
+    ) -> None:
         self.config = config
         self.store = store
         self.socket = socket
@@ -157,39 +167,88 @@ class Sidecar:
             hashed = create_edge(config.hashing.inbox_size)
             batched = create_edge(config.batching.inbox_size)
             staged = create_edge(config.transfer.inbox_size)
-            start_stage(tg, f"{path}.group_filter", group_filter.process, inbox[1], filtered[0],
-                        workers=config.group_filter.workers)
-            start_stage(tg, f"{path}.hashing", hashing.process, filtered[1], hashed[0],
-                        workers=config.hashing.workers)
+            start_stage(
+                tg,
+                f"{path}.group_filter",
+                group_filter.process,
+                inbox[1],
+                filtered[0],
+                workers=config.group_filter.workers,
+            )
+            start_stage(
+                tg,
+                f"{path}.hashing",
+                hashing.process,
+                filtered[1],
+                hashed[0],
+                workers=config.hashing.workers,
+            )
             if path == "save":
                 deduped = create_edge(config.dedup.inbox_size)
-                start_stage(tg, "save.dedup", DedupStage(self.store, tracker).process,
-                            hashed[1], deduped[0], workers=config.dedup.workers)
+                start_stage(
+                    tg,
+                    "save.dedup",
+                    DedupStage(self.store, tracker).process,
+                    hashed[1],
+                    deduped[0],
+                    workers=config.dedup.workers,
+                )
                 to_batch = deduped[1]
             else:
                 to_batch = hashed[1]
             tg.start_soon(
-                functools.partial(run_batcher, to_batch, batched[0], group_of=batch_group,
-                                  limit_of=batch_limit, deadline_s=deadline_s),
+                functools.partial(
+                    run_batcher,
+                    to_batch,
+                    batched[0],
+                    group_of=batch_group,
+                    limit_of=batch_limit,
+                    deadline_s=deadline_s,
+                ),
                 name=f"stage.{path}.batching",
             )
             if path == "save":
                 transfer = TransferStage(self.pool, tracker, copy_limiter, config.commit)
                 commit = CommitStage(self.store, self.pool, tracker)
-                start_stage(tg, "save.transfer", transfer.process, batched[1], staged[0],
-                            workers=config.transfer.workers)
-                start_stage(tg, "save.commit", commit.process, staged[1], None,
-                            workers=config.commit.workers)
+                start_stage(
+                    tg,
+                    "save.transfer",
+                    transfer.process,
+                    batched[1],
+                    staged[0],
+                    workers=config.transfer.workers,
+                )
+                start_stage(
+                    tg,
+                    "save.commit",
+                    commit.process,
+                    staged[1],
+                    None,
+                    workers=config.commit.workers,
+                )
             else:
                 fetch = FetchStage(self.store, self.pool, tracker)
                 scatter = ScatterStage(self.pool, tracker, copy_limiter)
-                start_stage(tg, "load.fetch", fetch.process, batched[1], staged[0],
-                            workers=config.fetch.workers)
-                start_stage(tg, "load.scatter", scatter.process, staged[1], None,
-                            workers=config.scatter.workers)
+                start_stage(
+                    tg,
+                    "load.fetch",
+                    fetch.process,
+                    batched[1],
+                    staged[0],
+                    workers=config.fetch.workers,
+                )
+                start_stage(
+                    tg,
+                    "load.scatter",
+                    scatter.process,
+                    staged[1],
+                    None,
+                    workers=config.scatter.workers,
+                )
         lookup = LookupStage(self.store, self.reply, hash_limiter)
-        start_stage(tg, "lookup", lookup.process, self._lookup_inbox[1], None,
-                    workers=config.lookup.workers)
+        start_stage(
+            tg, "lookup", lookup.process, self._lookup_inbox[1], None, workers=config.lookup.workers
+        )
 
     async def _run_completions(self) -> None:
         completion = CompletionStage(self.reply, self.tracker)
@@ -204,9 +263,7 @@ class Sidecar:
             identity, frame = await self.socket.receive()
             self._last_receive = anyio.current_time()
             try:
-                message = decode_engine_message(
-                    frame, max_bytes=self.config.server.max_frame_bytes
-                )
+                message = decode_engine_message(frame, max_bytes=self.config.server.max_frame_bytes)
                 await self._dispatch(identity, message)
             except ProtocolError as exc:
                 self._count("errors.protocol")
@@ -221,9 +278,12 @@ class Sidecar:
     async def _dispatch(self, identity: bytes, message: EngineMessage) -> None:
         if isinstance(message, Register):
             session, registered = self.registry.register(identity, message)
-            log.info("session.registered", engine_id=session.engine_id,
-                     store_groups=registered.store_group_ids,
-                     fingerprint=registered.layout_fingerprint)
+            log.info(
+                "session.registered",
+                engine_id=session.engine_id,
+                store_groups=registered.store_group_ids,
+                fingerprint=registered.layout_fingerprint,
+            )
             await self._send(identity, registered)
             return
         session = self.registry.get(identity)
@@ -254,15 +314,19 @@ class Sidecar:
             now = time.monotonic()
             for identity, session in list(self.registry.sessions.items()):
                 if now - session.last_seen > timeout:
-                    log.warning("session.reaped", engine_id=session.engine_id,
-                                silent_s=round(now - session.last_seen, 1))
+                    log.warning(
+                        "session.reaped",
+                        engine_id=session.engine_id,
+                        silent_s=round(now - session.last_seen, 1),
+                    )
                     self._count("sessions.reaped")
                     self.registry.remove(identity)
 
     # -- lifecycle --------------------------------------------------------------------
 
-    async def run(self, stop: anyio.Event, *,
-                  task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self, stop: anyio.Event, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         """Serve until ``stop`` is set, then drain and return."""
         async with anyio.create_task_group() as root:
             root.start_soon(self._receive_loop, name="receive")
@@ -304,12 +368,11 @@ class Sidecar:
         self.registry.close()
         log.info("sidecar.stopped")
 
-
     async def _answer_stragglers(self) -> None:
         """Keep refusing new requests until engines go quiet, so that a request sent just
         before the shutdown gets an answer instead of a timeout."""
         with anyio.move_on_after(STRAGGLER_WINDOW_S * 10):
-            while anyio.current_time() - self._last_receive < STRAGGLER_WINDOW_S:
+            while anyio.current_time() - self._last_receive < STRAGGLER_WINDOW_S:  # noqa: ASYNC110
                 await anyio.sleep(STRAGGLER_WINDOW_S / 5)
 
 
@@ -325,7 +388,6 @@ def _check_request(session: EngineSession, message: Save | Load) -> None:
         raise RequestRejected(ErrorCode.BAD_REQUEST, str(exc)) from exc
     if not isinstance(message, Load):
         return
-    layout = session.layout
     tokens = message.num_tokens
     if tokens > len(message.token_ids):
         raise RequestRejected(
@@ -363,4 +425,3 @@ async def run_sidecar(
         with open_server_socket(config.server) as socket:
             sidecar = Sidecar(config, store, socket, pool)
             await sidecar.run(stop, task_status=task_status)
-

@@ -53,7 +53,9 @@ def _block_pages(layer: str, tensor: torch.Tensor, block_dim: int) -> list[torch
         pieces = [tensor]
     else:
         if tensor.dim() < 2 or tensor.shape[0] != 2:
-            raise LayoutError(f"layer {layer!r}: K/V-first tensors must have shape [2, num_blocks, ...]")
+            raise LayoutError(
+                f"layer {layer!r}: K/V-first tensors must have shape [2, num_blocks, ...]"
+            )
         pieces = [tensor[0], tensor[1]]
     pages = []
     for piece in pieces:
@@ -105,7 +107,9 @@ def build_store_groups(
                 offset += int(page.shape[1])
         assert num_blocks is not None
         result.append(
-            StoreGroupGeometry(kv_group_id, group, tuple(segments), offset, num_blocks, prefixes[index])
+            StoreGroupGeometry(
+                kv_group_id, group, tuple(segments), offset, num_blocks, prefixes[index]
+            )
         )
     return tuple(result)
 
@@ -180,8 +184,12 @@ class EngineSession:
 
     def _new_hasher(self, keys: RequestKeys) -> RequestHasher:
         return RequestHasher(
-            self.layout.hash_block_size, lora_name=keys.lora_name, lora_path=keys.lora_path,
-            cache_salt=keys.cache_salt, mm_items=keys.mm_items, seed=self.hash_seed,
+            self.layout.hash_block_size,
+            lora_name=keys.lora_name,
+            lora_path=keys.lora_path,
+            cache_salt=keys.cache_salt,
+            mm_items=keys.mm_items,
+            seed=self.hash_seed,
         )
 
     def group_keys(self, store_group: int, fine: Sequence[bytes]) -> list[str]:

@@ -15,6 +15,8 @@ from typing import Protocol, runtime_checkable
 import msgspec
 import torch
 
+from pipeline.errors import StoreError, StoreUnavailable
+
 __all__ = ["BlockStatus", "KVStore", "KeyOutcome"]
 
 
@@ -41,6 +43,19 @@ STORE_FULL = KeyOutcome(BlockStatus.SKIPPED, "store_full")
 
 def failed(reason: str) -> KeyOutcome:
     return KeyOutcome(BlockStatus.FAILED, reason)
+
+
+STORE_UNAVAILABLE = KeyOutcome(BlockStatus.SKIPPED, "store_unavailable")
+
+
+def store_error_outcome(exc: StoreError, *, saving: bool) -> KeyOutcome:
+    """The outcome of blocks whose whole batch met a store error.
+
+    Saves are a cache fill: while the store is known to be down they are skipped.
+    """
+    if saving and isinstance(exc, StoreUnavailable):
+        return STORE_UNAVAILABLE
+    return failed(f"store: {exc}")
 
 
 @runtime_checkable

@@ -41,12 +41,25 @@ def hybrid_layout(
     return {
         "model": model,
         "groups": [
-            {"kind": "full_attention", "block_size": block_size, "layers": layers("attn"),
-             "page_bytes": page_bytes},
-            {"kind": "circular_buffer", "block_size": ring, "layers": layers("ring"),
-             "page_bytes": page_bytes},
-            {"kind": "mamba", "block_size": block_size, "mamba_cache_mode": mamba_mode,
-             "layers": layers("mamba"), "page_bytes": page_bytes},
+            {
+                "kind": "full_attention",
+                "block_size": block_size,
+                "layers": layers("attn"),
+                "page_bytes": page_bytes,
+            },
+            {
+                "kind": "circular_buffer",
+                "block_size": ring,
+                "layers": layers("ring"),
+                "page_bytes": page_bytes,
+            },
+            {
+                "kind": "mamba",
+                "block_size": block_size,
+                "mamba_cache_mode": mamba_mode,
+                "layers": layers("mamba"),
+                "page_bytes": page_bytes,
+            },
         ],
         **extra,
     }
@@ -109,16 +122,22 @@ def run_sidecar_process(
         with log_path.open("wb") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.cli", "serve", "--config", str(config_path)],
-                stdout=log, stderr=subprocess.STDOUT, env={**os.environ},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ},
             )
         sidecar = SidecarProcess(process, config["server"]["endpoint"], log_path)
         try:
             deadline = time.monotonic() + startup_timeout_s
             while b"sidecar.ready" not in log_path.read_bytes():
                 if process.poll() is not None:
-                    raise RuntimeError(f"sidecar exited with {process.returncode}:\n{sidecar.log()}")
+                    raise RuntimeError(
+                        f"sidecar exited with {process.returncode}:\n{sidecar.log()}"
+                    )
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"sidecar not ready in {startup_timeout_s}s:\n{sidecar.log()}")
+                    raise TimeoutError(
+                        f"sidecar not ready in {startup_timeout_s}s:\n{sidecar.log()}"
+                    )
                 time.sleep(0.02)
             yield sidecar
         finally:

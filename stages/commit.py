@@ -5,7 +5,7 @@ from __future__ import annotations
 from pipeline.errors import StoreError
 from pipeline.jobs import JobTracker
 from pipeline.staging import StagingPool
-from pipeline.store import KVStore, failed
+from pipeline.store import KVStore, store_error_outcome
 from stages.transfer import StagedBatch
 
 __all__ = ["CommitStage"]
@@ -23,7 +23,7 @@ class CommitStage:
                 [task.key for task in batch.tasks], list(batch.rows.unbind(0))
             )
         except StoreError as exc:
-            outcomes = [failed(f"store: {exc}")] * len(batch.tasks)
+            outcomes = [store_error_outcome(exc, saving=True)] * len(batch.tasks)
         finally:
             self._pool.release(batch.slot)
         for task, outcome in zip(batch.tasks, outcomes, strict=True):

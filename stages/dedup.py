@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipeline.errors import StoreError
 from pipeline.jobs import BlockTask, JobTracker
-from pipeline.store import PRESENT, KVStore, failed
+from pipeline.store import PRESENT, KVStore, store_error_outcome
 
 __all__ = ["DedupStage"]
 
@@ -19,7 +19,7 @@ class DedupStage:
         try:
             exists = await self._store.exists([task.key for task in tasks])
         except StoreError as exc:
-            await self._tracker.settle_all(tasks, failed(f"store: {exc}"))
+            await self._tracker.settle_all(tasks, store_error_outcome(exc, saving=True))
             return None
         present = [task for task, hit in zip(tasks, exists, strict=True) if hit]
         missing = [task for task, hit in zip(tasks, exists, strict=True) if not hit]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pipeline.errors import StoreError
 from pipeline.jobs import BlockTask, JobTracker
 from pipeline.staging import StagingPool
-from pipeline.store import BlockStatus, KeyOutcome, KVStore, failed
+from pipeline.store import BlockStatus, KeyOutcome, KVStore, store_error_outcome
 from stages.transfer import StagedBatch
 
 __all__ = ["FetchStage"]
@@ -31,7 +31,7 @@ class FetchStage:
                     [task.key for task in tasks], list(rows.unbind(0))
                 )
             except StoreError as exc:
-                outcomes = [failed(f"store: {exc}")] * len(tasks)
+                outcomes = [store_error_outcome(exc, saving=False)] * len(tasks)
             loaded = [i for i, o in enumerate(outcomes) if o.status is BlockStatus.LOADED]
             for i, outcome in enumerate(outcomes):
                 if outcome.status is not BlockStatus.LOADED:
