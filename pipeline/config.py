@@ -164,6 +164,7 @@ class BreakerConfig(_Section, frozen=True):
     """Consecutive failures that open the circuit (then calls fail at once)."""
     reset_after_s: PositiveFloat = 2.0
     """How long an open circuit waits before letting one probing call through."""
+    """How long close waits for in-flight calls; past it the client is left, not closed."""
 
 
 class StoreConfig(_Section, frozen=True):

@@ -1,0 +1,358 @@
+"""The Mooncake store backend against a real mooncake_master on 127.0.0.1."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import msgspec
+import psutil
+import pytest
+import pytest_asyncio
+import torch
+from anyio.streams.text import TextReceiveStream
+
+from pipeline.config import MooncakeStoreConfig
+from pipeline.errors import StoreError
+from pipeline.store import LOADED, MISSING, PRESENT, STORE_FULL, STORED, BlockStatus, KVStore
+from transport.mooncake_master import EmbeddedMaster, open_embedded_master
+from transport.mooncake_store import MooncakeStore, open_mooncake_store
+
+pytestmark = [pytest.mark.mooncake, pytest.mark.asyncio(loop_scope="module")]
+
+MIB = 1024 * 1024
+REPO = Path(__file__).resolve().parents[2]
+SMALL = MooncakeStoreConfig(
+    global_segment_bytes=16 * MIB,
+    local_buffer_bytes=0,
+    kv_lease_ttl_ms=100,
+    call_timeout_s=5.0,
+    startup_timeout_s=15.0,
+    close_timeout_s=5.0,
+)
+
+
+def replace(config: MooncakeStoreConfig, **changes: object) -> MooncakeStoreConfig:
+    return msgspec.structs.replace(config, **changes)
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1.0)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def gone(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE  # exited; init reaps it later
+    except psutil.NoSuchProcess:
+        return True
+
+
+def master_ports(pid: int) -> set[int]:
+    return {
+        conn.laddr.port
+        for conn in psutil.Process(pid).net_connections(kind="tcp")
+        if conn.status == psutil.CONN_LISTEN
+    }
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def master() -> AsyncIterator[EmbeddedMaster]:
+    """One master for the tests that don't need a cluster of their own."""
+    with anyio.fail_after(20):
+        started = await open_embedded_master(SMALL)
+    async with started:
+        yield started
+
+
+def client_config(master: EmbeddedMaster, **changes: object) -> MooncakeStoreConfig:
+    return replace(
+        SMALL,
+        master=master.endpoints.master_address,
+        metadata_server=master.endpoints.metadata_server,
+        **changes,
+    )
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def store(master: EmbeddedMaster) -> AsyncIterator[MooncakeStore]:
+    """A client of the shared master; tests keep apart by naming keys after themselves."""
+    with anyio.fail_after(20):
+        opened = await open_mooncake_store(client_config(master))
+    async with opened:
+        yield opened
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def staging(store: MooncakeStore) -> torch.Tensor:
+    buffer = torch.zeros(4 * MIB, dtype=torch.uint8)
+    with anyio.fail_after(5):
+        await store.register_buffer(buffer)
+    return buffer
+
+
+async def poll_until(check: Callable[[], Awaitable[object]]) -> None:
+    """Poll state held by another process (the master) until ``check`` is truthy."""
+    while not await check():  # noqa: ASYNC110 - nothing to wait on but the master's state
+        await anyio.sleep(0.05)
+
+
+def fill_random(view: torch.Tensor, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    view.copy_(torch.randint(0, 256, view.shape, dtype=torch.uint8, generator=generator))
+
+
+async def test_store_satisfies_the_kvstore_protocol(store: MooncakeStore) -> None:
+    """MooncakeStore is a KVStore."""
+    assert isinstance(store, KVStore)
+
+
+async def test_put_then_exists_then_get_is_byte_exact(
+    store: MooncakeStore, staging: torch.Tensor, request: pytest.FixtureRequest
+) -> None:
+    """Stored values exist and load back byte for byte into other staging slices."""
+    keys = [f"{request.node.name}-{i}" for i in range(4)]
+    values = [staging[i * 64 * 1024 : (i + 1) * 64 * 1024] for i in range(4)]
+    for i, value in enumerate(values):
+        fill_random(value, i)
+    outs = [staging[MIB + i * 64 * 1024 : MIB + (i + 1) * 64 * 1024] for i in range(4)]
+    with anyio.fail_after(10):
+        assert await store.put(keys, values) == [STORED] * 4
+        assert await store.exists([*keys, f"{request.node.name}-absent"]) == [True] * 4 + [False]
+        assert await store.get_into(keys, outs) == [LOADED] * 4
+    for value, out in zip(values, outs, strict=True):
+        assert torch.equal(value, out)
+
+
+async def test_put_of_an_existing_key_is_present_and_keeps_the_old_bytes(
+    store: MooncakeStore, staging: torch.Tensor, request: pytest.FixtureRequest
+) -> None:
+    """A second put of a key reports PRESENT and does not overwrite the stored value."""
+    key = request.node.name
+    first, second, out = staging[:4096], staging[4096:8192], staging[8192:12288]
+    fill_random(first, 1)
+    fill_random(second, 2)
+    with anyio.fail_after(10):
+        assert await store.put([key], [first]) == [STORED]
+        assert await store.put([key, key], [second, second]) == [PRESENT, PRESENT]
+        assert await store.get_into([key], [out]) == [LOADED]
+    assert torch.equal(out, first)
+
+
+async def test_duplicate_keys_in_one_put_store_once(
+    store: MooncakeStore, staging: torch.Tensor, request: pytest.FixtureRequest
+) -> None:
+    """The first occurrence of a key in a batch is stored, later ones are PRESENT."""
+    key = request.node.name
+    with anyio.fail_after(10):
+        outcomes = await store.put([key, key], [staging[:1024], staging[1024:2048]])
+    assert outcomes == [STORED, PRESENT]
+
+
+async def test_get_of_a_missing_key_is_missing(
+    store: MooncakeStore, staging: torch.Tensor, request: pytest.FixtureRequest
+) -> None:
+    """A key never stored comes back MISSING, not loaded."""
+    with anyio.fail_after(10):
+        assert await store.get_into([request.node.name], [staging[:4096]]) == [MISSING]
+
+
+async def test_key_removed_between_exists_and_get_is_missing(
+    store: MooncakeStore, staging: torch.Tensor, request: pytest.FixtureRequest
+) -> None:
+    """A key removed after exists() said yes loads as MISSING, never as stale bytes."""
+    key = request.node.name
+    fill_random(staging[:4096], 7)
+    with anyio.fail_after(10):
+        assert await store.put([key], [staging[:4096]]) == [STORED]
+        assert await store.exists([key]) == [True]
+        # The put's lease (kv_lease_ttl_ms) protects the object for a moment.
+        await poll_until(lambda: store.remove([key]))
+        staging[8192:12288].fill_(0)
+        assert await store.get_into([key], [staging[8192:12288]]) == [MISSING]
+        assert await store.exists([key]) == [False]
+
+
+async def test_a_buffer_of_the_wrong_size_fails(
+    store: MooncakeStore, staging: torch.Tensor, request: pytest.FixtureRequest
+) -> None:
+    """A get into a buffer larger or smaller than the value fails, never LOADED."""
+    key = request.node.name
+    with anyio.fail_after(10):
+        assert await store.put([key], [staging[:4096]]) == [STORED]
+        larger, smaller = await store.get_into([key, key], [staging[:8192], staging[:1024]])
+    assert larger.status is BlockStatus.FAILED
+    assert smaller.status is BlockStatus.FAILED
+
+
+async def test_values_outside_registered_buffers_fail_per_key(
+    store: MooncakeStore, staging: torch.Tensor, request: pytest.FixtureRequest
+) -> None:
+    """A value outside every registered buffer fails alone; its batch neighbours go on."""
+    stray = torch.zeros(4096, dtype=torch.uint8)
+    keys = [f"{request.node.name}-stray", f"{request.node.name}-ok"]
+    with anyio.fail_after(10):
+        stray_outcome, ok_outcome = await store.put(keys, [stray, staging[:4096]])
+    assert stray_outcome.status is BlockStatus.FAILED
+    assert ok_outcome == STORED
+
+
+async def test_two_clients_see_each_others_keys(
+    master: EmbeddedMaster, request: pytest.FixtureRequest
+) -> None:
+    """Two clients, each mounting its own segment on one master, read each other's keys."""
+    with anyio.fail_after(30):
+        async with (
+            await open_mooncake_store(client_config(master)) as one,
+            await open_mooncake_store(client_config(master)) as two,
+        ):
+            buffers = [torch.zeros(MIB, dtype=torch.uint8) for _ in range(2)]
+            await one.register_buffer(buffers[0])
+            await two.register_buffer(buffers[1])
+            fill_random(buffers[0][:65536], 11)
+            fill_random(buffers[1][:65536], 12)
+            key_one, key_two = f"{request.node.name}-one", f"{request.node.name}-two"
+            assert await one.put([key_one], [buffers[0][:65536]]) == [STORED]
+            assert await two.put([key_two], [buffers[1][:65536]]) == [STORED]
+            assert await two.exists([key_one]) == [True]
+            assert await one.get_into([key_two], [buffers[0][MIB // 2 : MIB // 2 + 65536]]) == [
+                LOADED
+            ]
+            assert await two.get_into([key_one], [buffers[1][MIB // 2 : MIB // 2 + 65536]]) == [
+                LOADED
+            ]
+            assert torch.equal(buffers[0][MIB // 2 : MIB // 2 + 65536], buffers[1][:65536])
+            assert torch.equal(buffers[1][MIB // 2 : MIB // 2 + 65536], buffers[0][:65536])
+
+
+async def test_a_full_store_skips_puts_and_keeps_serving() -> None:
+    """Puts beyond the segment come back STORE_FULL; stored keys still load, puts resume."""
+    with anyio.fail_after(40):
+        async with await open_mooncake_store(SMALL) as store:
+            staging = torch.zeros(4 * MIB, dtype=torch.uint8)
+            await store.register_buffer(staging)
+            fill_random(staging, 3)
+            keys = [f"full-{i}" for i in range(24)]
+            values = [staging[(i % 4) * MIB : (i % 4 + 1) * MIB] for i in range(24)]
+            outcomes = await store.put(keys, values)
+            assert STORE_FULL in outcomes
+            assert set(outcomes) <= {STORED, STORE_FULL}
+            stored = [key for key, outcome in zip(keys, outcomes, strict=True) if outcome == STORED]
+            assert stored
+
+            out = staging[3 * MIB :]
+            (loaded,) = await store.get_into(stored[:1], [out])
+            assert loaded in (LOADED, MISSING)  # the master may have evicted it already
+            if loaded == LOADED:
+                assert torch.equal(out, values[keys.index(stored[0])])
+
+            await poll_until(lambda: store.remove(stored[1:]))  # once the leases expire
+
+            async def put_after() -> bool:
+                return await store.put(["full-after"], [staging[:MIB]]) == [STORED]
+
+            await poll_until(put_after)
+            assert await store.exists(["full-after"]) == [True]
+
+
+async def test_closing_an_embedded_store_leaves_no_master_and_no_port() -> None:
+    """After aclose() the embedded master process is gone and its ports are closed."""
+    with anyio.fail_after(30):
+        store = await open_mooncake_store(SMALL)
+        embedded = store.master
+        assert embedded is not None
+        ports = master_ports(embedded.pid)
+        assert len(ports) >= 2  # RPC and HTTP metadata at least
+        await store.aclose()
+        await store.aclose()  # idempotent
+    assert not psutil.pid_exists(embedded.pid)
+    assert not any(listening(port) for port in ports)
+    with pytest.raises(StoreError):
+        await store.exists(["after-close"])
+
+
+CHILD = """
+import anyio
+from pipeline.config import MooncakeStoreConfig
+from transport.mooncake_store import open_mooncake_store
+
+async def main():
+    store = await open_mooncake_store(MooncakeStoreConfig(
+        global_segment_bytes=16 * 1024 * 1024, local_buffer_bytes=0))
+    print("master_pid", store.master.pid, flush=True)
+    await anyio.sleep_forever()
+
+anyio.run(main)
+"""
+
+
+async def read_master_pid(owner: anyio.abc.Process) -> int:
+    assert owner.stdout is not None
+    text = ""
+    async for chunk in TextReceiveStream(owner.stdout):
+        text += chunk
+        for line in text.split("\n")[:-1]:  # complete lines only
+            if line.startswith("master_pid "):
+                return int(line.split()[1])
+    raise AssertionError(f"the owner exited before starting a master: {text}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+async def test_a_signalled_owner_leaves_no_master_behind(sig: signal.Signals) -> None:
+    """A process that opened an embedded store and dies by signal takes its master along."""
+    async with await anyio.open_process([sys.executable, "-c", CHILD], cwd=REPO) as owner:
+        with anyio.fail_after(30):
+            master_pid = await read_master_pid(owner)
+        master_process = psutil.Process(master_pid)
+        assert master_process.ppid() == owner.pid
+        ports = master_ports(master_pid)
+        assert ports
+        owner.send_signal(sig)
+        with anyio.fail_after(10):
+            await owner.wait()
+    with anyio.fail_after(10):
+        await poll_until(lambda: anyio.to_thread.run_sync(gone, master_process))
+    assert not any(listening(port) for port in ports)
+
+
+async def test_an_unreachable_master_raises_a_clear_store_error() -> None:
+    """A master address nobody listens on fails fast with a StoreError naming it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = replace(
+        SMALL,
+        master=f"127.0.0.1:{port}",
+        metadata_server=f"http://127.0.0.1:{port}/metadata",
+        call_timeout_s=1.0,
+    )
+    with anyio.fail_after(10), pytest.raises(StoreError, match=f"127.0.0.1:{port}"):
+        await open_mooncake_store(config)
+
+
+async def test_a_missing_master_binary_says_what_to_install() -> None:
+    """An embedded master whose binary is missing names the package to install."""
+    config = replace(SMALL, master_binary="no-such-mooncake-master")
+    with anyio.fail_after(10), pytest.raises(StoreError, match="mooncake-transfer-engine"):
+        await open_mooncake_store(config)
+
+
+async def test_calls_after_the_master_died_raise_store_error() -> None:
+    """When the master is gone, exists() raises StoreError instead of reporting misses."""
+    with anyio.fail_after(30):
+        store = await open_mooncake_store(SMALL)
+        try:
+            assert store.master is not None
+            assert await store.exists(["before"]) == [False]
+            psutil.Process(store.master.pid).kill()
+            with pytest.raises(StoreError, match="unreachable"):
+                await store.exists(["after"])
+        finally:
+            await store.aclose()

@@ -1,0 +1,440 @@
+"""The Mooncake distributed store as a ``KVStore`` (mooncake-transfer-engine's Python client).
+
+Values move zero-copy: staging buffers are registered with Mooncake once, and every put
+and get names byte ranges inside them (``batch_put_from`` / ``batch_get_into``). Every
+blocking Mooncake call runs in a worker thread under a ``CapacityLimiter`` and is
+bounded by ``call_timeout_s``. A call that overruns it is abandoned, and since its
+thread may still write into staging memory later, the store then refuses all further
+calls: a late write must never land in a buffer that was handed out again.
+
+Mooncake facts this module relies on (0.3.13):
+
+- A put of a key that already exists returns 0 and keeps the old bytes, so ``PRESENT``
+  comes from a ``batch_is_exist`` pre-check; -705 (object already exists) is mapped
+  too, for masters that report it.
+- A get returns the value's size on success (a larger buffer is partly filled), -704
+  when the key is missing, -600 when the buffer is too small, and -707 when the read
+  lease expired before the transfer finished.
+- A put and a get both take a lease on the object (``kv_lease_ttl_ms``); removing an
+  object under a lease fails with -706, so ``remove`` never pulls data from under a
+  reader. Objects are also evicted by the master once segments fill up.
+- -200 (no available handle) means no segment has room: the put is skipped.
+- When the master is gone, every key of a batch comes back -900 (RPC failure).
+- The ``batch_*`` calls release the GIL; ``setup``, ``register_buffer`` and ``close`` hold
+  it, so no timeout can interrupt them and they stall the event loop while they run
+  (setup: ~1 s for a 256 MiB segment; close: 1-2 s, longer when the master is gone).
+  Setup retries an unreachable master for ~90 s, hence the TCP probe before it.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+from types import TracebackType
+from typing import Any, Protocol, TypeVar
+
+import anyio
+import anyio.to_thread
+import structlog
+import torch
+
+from pipeline.config import ConfigError, MooncakeStoreConfig
+from pipeline.errors import StoreError
+from pipeline.store import (
+    LOADED,
+    MISSING,
+    PRESENT,
+    STORE_FULL,
+    STORED,
+    KeyOutcome,
+    failed,
+)
+from transport.mooncake_master import EmbeddedMaster, MasterEndpoints, open_embedded_master
+
+__all__ = [
+    "OBJECT_ALREADY_EXISTS",
+    "OBJECT_NOT_FOUND",
+    "MooncakeClient",
+    "MooncakeStore",
+    "open_mooncake_store",
+]
+
+log = structlog.get_logger("kvsidecar.store.mooncake")
+
+T = TypeVar("T")
+
+OK = 0
+NO_AVAILABLE_HANDLE = -200
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+RPC_FAIL = -900
+
+LIBIBVERBS_HINT = "install Debian's libibverbs1 (apt-get install -y libibverbs1)"
+
+
+class MooncakeClient(Protocol):
+    """The part of ``mooncake.store.MooncakeDistributedStore`` this backend uses."""
+
+    def register_buffer(self, buffer_ptr: int, size: int) -> int: ...
+    def batch_is_exist(self, keys: list[str]) -> list[int]: ...
+    def batch_put_from(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: Any
+    ) -> list[int]: ...
+    def batch_get_into(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[int]: ...
+    def batch_remove(self, keys: list[str], force: bool = False) -> list[int]: ...
+    def close(self) -> int: ...
+
+
+class MooncakeStore:
+    """A ``KVStore`` over a set-up Mooncake client; build it with ``open_mooncake_store``."""
+
+    def __init__(
+        self,
+        client: MooncakeClient,
+        config: MooncakeStoreConfig,
+        *,
+        replicate_config: Any,
+        master_address: str,
+        master: EmbeddedMaster | None = None,
+    ) -> None:
+        self._client = client
+        self._config = config
+        self._replicate_config = replicate_config
+        self._master_address = master_address
+        self._master = master
+        self._limiter = anyio.CapacityLimiter(config.max_concurrent_calls)
+        self._registered: list[tuple[int, int, torch.Tensor]] = []
+        self._inflight = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._unusable: str | None = None
+        self._closed = False
+
+    @property
+    def master_address(self) -> str:
+        return self._master_address
+
+    @property
+    def master(self) -> EmbeddedMaster | None:
+        """The embedded master this store started and will stop, if any."""
+        return self._master
+
+    @property
+    def raw_client(self) -> MooncakeClient:
+        """The Mooncake client itself, for baselines and diagnostics; don't close it."""
+        return self._client
+
+    async def register_buffer(self, buffer: torch.Tensor) -> None:
+        _check_staging(buffer, "buffer")
+        start, size = buffer.data_ptr(), buffer.numel()
+        if self._registered_range(start, size):
+            return
+        rc = await self._call("register_buffer", self._client.register_buffer, start, size)
+        if rc != OK:
+            raise StoreError(f"mooncake register_buffer of {size} bytes failed with code {rc}")
+        self._registered.append((start, start + size, buffer))
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        codes = await self._call("batch_is_exist", self._client.batch_is_exist, list(keys))
+        self._raise_if_unreachable("batch_is_exist", codes)
+        return [code == 1 for code in codes]
+
+    async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
+        outcomes = self._check_values(keys, values)
+        todo = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        if todo:
+            present = await self._call(
+                "batch_is_exist", self._client.batch_is_exist, [keys[i] for i in todo]
+            )
+            self._raise_if_unreachable("batch_is_exist", present)
+            first: dict[str, int] = {}
+            send: list[int] = []
+            for i, code in zip(todo, present, strict=True):
+                if code == 1 or keys[i] in first:
+                    outcomes[i] = PRESENT
+                else:
+                    first[keys[i]] = i
+                    send.append(i)
+            if send:
+                codes = await self._call(
+                    "batch_put_from",
+                    self._client.batch_put_from,
+                    [keys[i] for i in send],
+                    [values[i].data_ptr() for i in send],
+                    [values[i].numel() for i in send],
+                    self._replicate_config,
+                )
+                self._raise_if_unreachable("batch_put_from", codes)
+                for i, code in zip(send, codes, strict=True):
+                    outcomes[i] = _put_outcome(code)
+        return _complete(outcomes)
+
+    async def get_into(
+        self, keys: Sequence[str], buffers: Sequence[torch.Tensor]
+    ) -> list[KeyOutcome]:
+        outcomes = self._check_values(keys, buffers)
+        todo = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        if todo:
+            codes = await self._call(
+                "batch_get_into",
+                self._client.batch_get_into,
+                [keys[i] for i in todo],
+                [buffers[i].data_ptr() for i in todo],
+                [buffers[i].numel() for i in todo],
+            )
+            self._raise_if_unreachable("batch_get_into", codes)
+            for i, code in zip(todo, codes, strict=True):
+                outcomes[i] = _get_outcome(code, buffers[i].numel())
+        return _complete(outcomes)
+
+    async def remove(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        codes = await self._call("batch_remove", self._client.batch_remove, list(keys), False)
+        self._raise_if_unreachable("batch_remove", codes)
+        return sum(code == OK for code in codes)
+
+    async def aclose(self) -> None:
+        """Close the client, then the embedded master if there is one; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(self._config.close_timeout_s) as scope:
+                await self._idle.wait()
+                if self._unusable is None:
+                    await anyio.to_thread.run_sync(
+                        self._client.close, abandon_on_cancel=True
+                    )
+            if scope.cancelled_caught:
+                log.warning(
+                    "store.mooncake.close.timeout", timeout_s=self._config.close_timeout_s
+                )
+            self._registered.clear()
+            if self._master is not None:
+                await self._master.aclose()
+        log.info("store.mooncake.closed", master=self._master_address)
+
+    async def __aenter__(self) -> MooncakeStore:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def _call(self, op: str, func: Callable[..., T], *args: Any) -> T:
+        if self._closed:
+            raise StoreError("the mooncake store is closed")
+        if self._unusable is not None:
+            raise StoreError(self._unusable)
+        if self._inflight == 0:
+            self._idle = anyio.Event()
+        self._inflight += 1
+        try:
+            with anyio.fail_after(self._config.call_timeout_s):
+                return await anyio.to_thread.run_sync(
+                    func, *args, limiter=self._limiter, abandon_on_cancel=True
+                )
+        except TimeoutError as exc:
+            self._unusable = (
+                f"mooncake {op} did not return within {self._config.call_timeout_s}s "
+                f"(store.mooncake.call_timeout_s); the store is unusable until restarted: "
+                f"check the master at {self._master_address} and the network"
+            )
+            log.error("store.mooncake.call.timeout", op=op, master=self._master_address)
+            raise StoreError(self._unusable) from exc
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    def _raise_if_unreachable(self, op: str, codes: Sequence[int]) -> None:
+        if codes and all(code == RPC_FAIL for code in codes):
+            raise StoreError(
+                f"mooncake {op} failed with RPC errors (-900) for every key: the master at "
+                f"{self._master_address} is unreachable; check that mooncake_master runs there"
+            )
+
+    def _registered_range(self, start: int, size: int) -> bool:
+        return any(low <= start and start + size <= high for low, high, _ in self._registered)
+
+    def _check_values(
+        self, keys: Sequence[str], values: Sequence[torch.Tensor]
+    ) -> list[KeyOutcome | None]:
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        outcomes: list[KeyOutcome | None] = []
+        for value in values:
+            try:
+                _check_staging(value, "value")
+            except ValueError:
+                outcomes.append(failed("bad_buffer"))
+                continue
+            registered = self._registered_range(value.data_ptr(), value.numel())
+            outcomes.append(None if registered else failed("unregistered_buffer"))
+        return outcomes
+
+
+async def open_mooncake_store(config: MooncakeStoreConfig) -> MooncakeStore:
+    """Connect to a Mooncake cluster (or start an embedded master) and mount a segment."""
+    store_module = await anyio.to_thread.run_sync(_import_mooncake)
+    async with AsyncExitStack() as stack:
+        master = None
+        if config.master == "embedded":
+            master = await open_embedded_master(config)
+            stack.push_async_callback(master.aclose)
+            endpoints = master.endpoints
+        else:
+            endpoints = _remote_endpoints(config)
+            await _probe(endpoints.master_address, "master", config)
+            metadata = urllib.parse.urlsplit(endpoints.metadata_server)
+            if metadata.scheme in ("http", "https") and metadata.hostname:
+                default_port = 443 if metadata.scheme == "https" else 80
+                address = f"{metadata.hostname}:{metadata.port or default_port}"
+                await _probe(address, "metadata server", config)
+        client = await _setup_client(store_module, config, endpoints)
+        replicate_config = store_module.ReplicateConfig()
+        replicate_config.replica_num = config.replica_num
+        store = MooncakeStore(
+            client,
+            config,
+            replicate_config=replicate_config,
+            master_address=endpoints.master_address,
+            master=master,
+        )
+        stack.pop_all()
+    log.info(
+        "store.mooncake.opened",
+        master=endpoints.master_address,
+        metadata_server=endpoints.metadata_server,
+        segment_bytes=config.global_segment_bytes,
+        embedded=master is not None,
+    )
+    return store
+
+
+def _import_mooncake() -> Any:
+    try:
+        import mooncake.store as store_module
+    except (ImportError, OSError) as exc:
+        if "libibverbs" in str(exc):
+            raise StoreError(
+                f"cannot load the Mooncake client ({exc}): {LIBIBVERBS_HINT}"
+            ) from exc
+        raise StoreError(
+            f"cannot import mooncake.store ({exc}): install mooncake-transfer-engine-non-cuda "
+            "(or mooncake-transfer-engine on CUDA hosts), e.g. pip install 'kvsidecar[mooncake]'"
+        ) from exc
+    return store_module
+
+
+def _remote_endpoints(config: MooncakeStoreConfig) -> MasterEndpoints:
+    host, sep, port = config.master.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(
+            f"store.mooncake.master must be 'embedded' or host:port, not {config.master!r}"
+        )
+    if not config.metadata_server:
+        raise ConfigError(
+            "store.mooncake.metadata_server is required with a remote master "
+            f"({config.master}): the URL of the cluster's metadata server"
+        )
+    return MasterEndpoints(master_address=config.master, metadata_server=config.metadata_server)
+
+
+async def _probe(address: str, what: str, config: MooncakeStoreConfig) -> None:
+    """Fail fast on an unreachable peer: Mooncake's setup retries for ~90 s, holding the GIL."""
+    host, _, port = address.rpartition(":")
+    try:
+        with anyio.fail_after(config.call_timeout_s):
+            stream = await anyio.connect_tcp(host.strip("[]"), int(port))
+    except (OSError, TimeoutError) as exc:
+        key = "master" if what == "master" else "metadata_server"
+        raise StoreError(
+            f"cannot reach the Mooncake {what} at {address} ({exc or 'timed out'}): check that "
+            f"mooncake_master runs there, that store.mooncake.{key} names the right address, "
+            "and that no firewall blocks it"
+        ) from exc
+    await stream.aclose()
+
+
+async def _setup_client(
+    store_module: Any, config: MooncakeStoreConfig, endpoints: MasterEndpoints
+) -> MooncakeClient:
+    client = store_module.MooncakeDistributedStore()
+    setup = _setup_call(client, config, endpoints)
+    try:
+        with anyio.fail_after(config.startup_timeout_s):
+            rc = await anyio.to_thread.run_sync(setup, abandon_on_cancel=True)
+    except TimeoutError as exc:
+        raise StoreError(
+            f"mooncake setup against master {endpoints.master_address} and metadata server "
+            f"{endpoints.metadata_server} did not finish within {config.startup_timeout_s}s "
+            "(store.mooncake.startup_timeout_s): check both are up and reachable"
+        ) from exc
+    if rc != OK:
+        await anyio.to_thread.run_sync(client.close)
+        raise StoreError(
+            f"mooncake setup failed with code {rc} (master {endpoints.master_address}, "
+            f"metadata server {endpoints.metadata_server}, protocol {config.protocol}, "
+            f"segment {config.global_segment_bytes} bytes): check the master's and the "
+            "metadata server's addresses, and store.mooncake.local_hostname"
+        )
+    return client  # type: ignore[no-any-return]
+
+
+def _setup_call(client: Any, config: MooncakeStoreConfig, endpoints: MasterEndpoints) -> Any:
+    def setup() -> int:
+        rc: int = client.setup(
+            local_hostname=config.local_hostname,
+            metadata_server=endpoints.metadata_server,
+            global_segment_size=config.global_segment_bytes,
+            local_buffer_size=config.local_buffer_bytes,
+            protocol=config.protocol,
+            rdma_devices=config.device_name,
+            master_server_addr=endpoints.master_address,
+            tenant_id=config.tenant_id or "default",
+        )
+        return rc
+
+    return setup
+
+
+def _put_outcome(code: int) -> KeyOutcome:
+    if code == OK:
+        return STORED
+    if code == OBJECT_ALREADY_EXISTS:
+        return PRESENT
+    if code == NO_AVAILABLE_HANDLE:
+        return STORE_FULL
+    return failed(f"mooncake:{code}")
+
+
+def _get_outcome(code: int, expected: int) -> KeyOutcome:
+    if code == expected:
+        return LOADED
+    if code == OBJECT_NOT_FOUND:
+        return MISSING
+    if code >= 0:
+        return failed("size_mismatch")
+    return failed(f"mooncake:{code}")
+
+
+def _complete(outcomes: list[KeyOutcome | None]) -> list[KeyOutcome]:
+    done = [outcome for outcome in outcomes if outcome is not None]
+    assert len(done) == len(outcomes), "a key was left without an outcome"
+    return done
+
+
+def _check_staging(tensor: torch.Tensor, what: str) -> None:
+    if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
+        raise ValueError(f"a Mooncake {what} must be a contiguous 1-D uint8 tensor")
