@@ -23,6 +23,7 @@ __all__ = [
     "EmbeddedStoreConfig",
     "LoggingConfig",
     "MooncakeStoreConfig",
+    "ReceiveStageConfig",
     "ServerConfig",
     "StageConfig",
     "StagesConfig",
@@ -67,6 +68,15 @@ class StageConfig(_Section, frozen=True):
     workers: Positive = 1
 
 
+class ReceiveStageConfig(StageConfig, frozen=True):
+    overflow: Literal["block", "skip"] = "skip"
+    """A save arriving when its engine already has ``max_saves_per_engine`` in flight, or
+    the save inbox is full: ``skip`` answers it at once, every block skipped(overloaded);
+    ``block`` stops reading the socket until there is room (backpressure on everyone)."""
+    max_saves_per_engine: Positive = 32
+    """Saves of one engine in the pipeline at once: one engine's flood cannot fill it."""
+
+
 class BatchingStageConfig(StageConfig, frozen=True):
     max_blocks: Positive = 64
     """Blocks per batch (also capped by what fits in one staging slot)."""
@@ -85,7 +95,7 @@ class CommitStageConfig(StageConfig, frozen=True):
 
 
 class StagesConfig(_Section, frozen=True):
-    receive: StageConfig = StageConfig()
+    receive: ReceiveStageConfig = ReceiveStageConfig()
     group_filter: StageConfig = StageConfig()
     hashing: StageConfig = StageConfig()
     dedup: StageConfig = StageConfig()
@@ -154,6 +164,7 @@ class MooncakeStoreConfig(_Section, frozen=True):
     call_timeout_s: PositiveFloat = 10.0
     """A Mooncake call that takes longer makes the store unusable (StoreError)."""
     close_timeout_s: PositiveFloat = 5.0
+    """How long close waits for in-flight calls; past it the client is left, not closed."""
     max_concurrent_calls: Positive = 4
 
 
@@ -164,7 +175,6 @@ class BreakerConfig(_Section, frozen=True):
     """Consecutive failures that open the circuit (then calls fail at once)."""
     reset_after_s: PositiveFloat = 2.0
     """How long an open circuit waits before letting one probing call through."""
-    """How long close waits for in-flight calls; past it the client is left, not closed."""
 
 
 class StoreConfig(_Section, frozen=True):

@@ -69,13 +69,13 @@ class JobTracker:
 
     def accept(self, job: Job) -> None:
         self._open.add(job)
-        job.session.job_started()
+        job.session.job_started(save=not job.is_load)
 
     def answered(self, job: Job) -> None:
         """The engine has its reply (or cannot get one): forget the job."""
         if job in self._open:
             self._open.remove(job)
-            job.session.job_finished()
+            job.session.job_finished(save=not job.is_load)
 
     def plan(self, job: Job, tasks: list[BlockTask]) -> None:
         """Set the blocks a job will settle (called once, by the group filter)."""

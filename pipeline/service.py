@@ -48,12 +48,12 @@ from pipeline.registry import MappedTensors, SessionRegistry
 from pipeline.runner import create_edge, run_batcher, start_stage
 from pipeline.sessions import EngineSession
 from pipeline.staging import StagingPool
-from pipeline.store import KVStore
+from pipeline.store import BlockStatus, KeyOutcome, KVStore
 from stages.commit import CommitStage
 from stages.completion import CompletionStage
 from stages.dedup import DedupStage
 from stages.fetch import FetchStage
-from stages.group_filter import GroupFilterStage
+from stages.group_filter import GroupFilterStage, plan_tasks
 from stages.hashing import HashingStage
 from stages.lookup import LookupRequest, LookupStage
 from stages.transfer import ScatterStage, TransferStage
@@ -65,6 +65,7 @@ __all__ = ["Sidecar", "open_store", "run_sidecar"]
 log = structlog.get_logger("kvsidecar.service")
 
 STRAGGLER_WINDOW_S = 0.1
+OVERLOADED = KeyOutcome(BlockStatus.SKIPPED, "overloaded")
 
 
 @contextlib.asynccontextmanager
@@ -304,8 +305,27 @@ class Sidecar:
             _check_request(session, message)
             job = Job(session, message)
             self.tracker.accept(job)
-            inbox = self._load_inbox if isinstance(message, Load) else self._save_inbox
-            await inbox[0].send(job)
+            if isinstance(message, Load):
+                await self._load_inbox[0].send(job)
+            else:
+                await self._accept_save(job)
+
+    async def _accept_save(self, job: Job) -> None:
+        """Queue a save, or under overload answer it at once with every block skipped."""
+        receive = self.config.stages.receive
+        if receive.overflow == "block":
+            await self._save_inbox[0].send(job)
+            return
+        if job.session.saves_in_flight <= receive.max_saves_per_engine:
+            try:
+                self._save_inbox[0].send_nowait(job)
+                return
+            except anyio.WouldBlock:
+                pass
+        self._count("saves.overloaded")
+        tasks = plan_tasks(job)
+        self.tracker.plan(job, tasks)
+        await self.tracker.settle(job, ((task, OVERLOADED) for task in tasks))
 
     async def _reap_loop(self) -> None:
         timeout = self.config.server.heartbeat_timeout_s

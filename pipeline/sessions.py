@@ -135,6 +135,7 @@ class EngineSession:
         self.last_seen = time.monotonic()
         self.closed = False
         self.jobs_in_flight = 0
+        self.saves_in_flight = 0
         self._release = release
         self._hashers: collections.OrderedDict[
             tuple[str, RequestKeys], tuple[RequestHasher, tuple[int, ...]]
@@ -147,11 +148,13 @@ class EngineSession:
             self._hashers.clear()
             self._release_if_idle()
 
-    def job_started(self) -> None:
+    def job_started(self, *, save: bool) -> None:
         self.jobs_in_flight += 1
+        self.saves_in_flight += save
 
-    def job_finished(self) -> None:
+    def job_finished(self, *, save: bool) -> None:
         self.jobs_in_flight -= 1
+        self.saves_in_flight -= save
         self._release_if_idle()
 
     def _release_if_idle(self) -> None:
