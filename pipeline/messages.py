@@ -220,12 +220,13 @@ def decode_engine_message(frame: bytes, *, max_bytes: int) -> EngineMessage:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {max_bytes}-byte limit")
     try:
         return _engine_decoder.decode(frame)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
+        # A frame nested past the recursion limit (a ~1 KB one suffices) is malformed too.
         raise ProtocolError(f"malformed engine message: {exc}") from exc
 
 
 def decode_sidecar_message(frame: bytes) -> SidecarMessage:
     try:
         return _sidecar_decoder.decode(frame)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise ProtocolError(f"malformed sidecar message: {exc}") from exc

@@ -1,0 +1,288 @@
+"""Registration: fail closed on bad layouts, hash mismatches and missing tensors; map only
+the stored groups' tensors; re-registration replaces the session and releases its mappings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from pipeline.errors import RequestRejected, TransportError
+from pipeline.hashing import block_hashes
+from pipeline.jobs import Job, JobTracker
+from pipeline.messages import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    HashSelfTest,
+    Register,
+    Save,
+    TensorHandle,
+)
+from pipeline.registry import MappedTensors, SessionRegistry
+
+NUM_BLOCKS = 8
+SELF_TEST_TOKENS = tuple(range(1000, 1040))
+
+
+def full(block_size: int, *layers: str, **extra: Any) -> dict[str, Any]:
+    return {"kind": "full_attention", "block_size": block_size, "layers": list(layers), **extra}
+
+
+def ring(capacity: int, *layers: str) -> dict[str, Any]:
+    return {"kind": "circular_buffer", "block_size": capacity, "layers": list(layers)}
+
+
+def mamba(block_size: int, mode: str, *layers: str) -> dict[str, Any]:
+    return {
+        "kind": "mamba",
+        "block_size": block_size,
+        "mamba_cache_mode": mode,
+        "layers": list(layers),
+    }
+
+
+HYBRID = {
+    "model": "m",
+    "groups": [
+        full(4, "attn.0", "attn.1"),
+        ring(4, "ring.0", "ring.1"),
+        mamba(4, "align", "ssm.0"),
+    ],
+}
+
+
+def handle(layer: str) -> TensorHandle:
+    """Attention-style K/V-first [2, N, 4, 2] float32 handles; one name per layer."""
+    return TensorHandle(
+        layer, f"/kv-{layer}", 0, (2, NUM_BLOCKS, 4, 2), (64, 8, 2, 1), "float32", block_dim=1
+    )
+
+
+def layers_of(layout: dict[str, Any]) -> list[str]:
+    return [layer for group in layout["groups"] for layer in group.get("layers", ())]
+
+
+def register(
+    layout: dict[str, Any] = HYBRID,
+    *,
+    hash_block_size: int = 4,
+    tensors: Sequence[TensorHandle] | None = None,
+    hash_seed: str | None = None,
+    self_test_seed: str | None = None,
+    version: int = PROTOCOL_VERSION,
+    engine_id: str = "engine-0",
+) -> Register:
+    """A Register whose self-test hashes are right unless told otherwise."""
+    hashes = block_hashes(SELF_TEST_TOKENS, hash_block_size, seed=self_test_seed or hash_seed)
+    return Register(
+        engine_id=engine_id,
+        layout=layout,
+        tensors=tuple(tensors if tensors is not None else map(handle, layers_of(layout))),
+        self_test=HashSelfTest(SELF_TEST_TOKENS, tuple(hashes)),
+        hash_seed=hash_seed,
+        version=version,
+    )
+
+
+class FakeMapper:
+    """A map_tensors that records the handles it is given and each mapping's release."""
+
+    def __init__(self, *, fail: bool = False) -> None:
+        self.calls: list[list[str]] = []
+        self.released: list[int] = []
+        self.fail = fail
+
+    def __call__(self, handles: Sequence[TensorHandle]) -> tuple[MappedTensors, Any]:
+        if self.fail:
+            raise TransportError("shared memory /kv-attn.0 is gone")
+        mapping = len(self.calls)
+        self.calls.append([h.layer for h in handles])
+        tensors = {h.layer: (torch.zeros(h.shape), h.block_dim) for h in handles}
+        return tensors, lambda: self.released.append(mapping)
+
+    @property
+    def mapped_layers(self) -> set[str]:
+        return {layer for call in self.calls for layer in call}
+
+
+def registry(mapper: FakeMapper, *, max_value_bytes: int = 1 << 20) -> SessionRegistry:
+    return SessionRegistry(
+        mapper,
+        max_value_bytes=max_value_bytes,
+        save_capacity_blocks=lambda value_bytes: 4096 // value_bytes,
+    )
+
+
+def rejected(reg: SessionRegistry, message: Register, code: str) -> str:
+    with pytest.raises(RequestRejected) as info:
+        reg.register(b"engine", message)
+    assert info.value.code == code
+    return str(info.value)
+
+
+# -- accepted registrations --------------------------------------------------------------------
+
+
+def test_registration_maps_only_the_stored_groups_layers() -> None:
+    """The ring's handles are never given to map_tensors; stored layers all are."""
+    mapper = FakeMapper()
+    session, reply = registry(mapper).register(b"engine", register())
+    assert mapper.calls == [["attn.0", "attn.1", "ssm.0"]]
+    assert not mapper.mapped_layers & {"ring.0", "ring.1"}
+    assert [g.kv_group_id for g in session.store_groups] == [0, 2]
+    assert reply.store_group_ids == (0, 2)
+    assert (reply.hash_block_size, reply.lookup_alignment) == (4, 4)
+    assert reply.layout_fingerprint == session.layout.fingerprint
+    value_bytes = 2 * 2 * 4 * 2 * 4  # two layers, K and V, 4 tokens x 2 floats each
+    assert session.store_groups[0].value_bytes == value_bytes
+    assert reply.save_capacity_blocks == 4096 // value_bytes
+
+
+def test_registration_accepts_a_seeded_self_test() -> None:
+    """An engine with PYTHONHASHSEED hashes from that seed and is accepted."""
+    session, _ = registry(FakeMapper()).register(b"engine", register(hash_seed="1234"))
+    assert session.hash_seed == "1234"
+
+
+def test_handles_of_unknown_layers_are_not_mapped() -> None:
+    """A handle for a layer outside every stored group is ignored, never mapped."""
+    mapper = FakeMapper()
+    handles = [*map(handle, layers_of(HYBRID)), handle("stray.0")]
+    registry(mapper).register(b"engine", register(tensors=handles))
+    assert "stray.0" not in mapper.mapped_layers
+
+
+# -- rejections --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layout", "reason"),
+    [
+        ({"model": "m", "groups": [ring(4, "ring.0")]}, "at least one prefix-cacheable"),
+        ({"model": "m", "groups": [full(4, "a"), mamba(4, "all", "s")]}, "group 1"),
+        ({"model": "m", "groups": [full(4, "a"), full(6, "b")], "prefix_match_unit": 4}, "group 1"),
+        (
+            {"model": "m", "groups": [{"kind": "cross_attention", "block_size": 4}]},
+            "cannot be stored",
+        ),
+        ({"model": "m", "groups": [full(4, "a", bogus=1)]}, "bogus"),
+        ({"model": "m", "groups": []}, "at least one kv-cache group"),
+    ],
+)
+def test_bad_layouts_are_rejected_before_any_mapping(layout: dict[str, Any], reason: str) -> None:
+    """A layout that cannot be stored is refused (bad_layout) naming why; nothing is mapped."""
+    mapper = FakeMapper()
+    reg = registry(mapper)
+    assert reason in rejected(reg, register(layout), ErrorCode.BAD_LAYOUT)
+    assert mapper.calls == [] and reg.sessions == {}
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        register(hash_block_size=8),  # the engine hashes in blocks of 8, the sidecar in 4
+        register(hash_seed="1234", self_test_seed="vllm-none-hash"),  # seed ignored
+        register(self_test_seed="other"),
+    ],
+    ids=["block-size", "seed-ignored", "other-seed"],
+)
+def test_hash_self_test_mismatch_is_rejected_before_mapping(message: Register) -> None:
+    """Hashes that differ from the sidecar's refuse the engine (hash_mismatch); nothing mapped."""
+    mapper = FakeMapper()
+    assert "hash_block_size=4" in rejected(registry(mapper), message, ErrorCode.HASH_MISMATCH)
+    assert mapper.calls == []
+
+
+def test_a_self_test_too_short_to_hash_is_rejected() -> None:
+    """A self-test without one full hash block proves nothing and is refused."""
+    message = Register(
+        "e", HYBRID, tuple(map(handle, layers_of(HYBRID))), HashSelfTest((1, 2, 3), ())
+    )
+    rejected(registry(FakeMapper()), message, ErrorCode.HASH_MISMATCH)
+
+
+def test_an_unsupported_protocol_version_is_rejected() -> None:
+    """A Register of another protocol version is refused with bad_version."""
+    assert str(PROTOCOL_VERSION) in rejected(
+        registry(FakeMapper()), register(version=PROTOCOL_VERSION + 1), ErrorCode.BAD_VERSION
+    )
+
+
+def test_a_stored_layer_without_a_tensor_is_rejected_and_released() -> None:
+    """A stored layer without a handle is refused (bad_tensors) naming it; mappings released."""
+    mapper = FakeMapper()
+    reg = registry(mapper)
+    handles = [handle(layer) for layer in layers_of(HYBRID) if layer != "ssm.0"]
+    message = rejected(reg, register(tensors=handles), ErrorCode.BAD_TENSORS)
+    assert "'ssm.0'" in message and "group 2" in message
+    assert mapper.released == [0]
+    assert reg.sessions == {}
+
+
+def test_a_value_larger_than_a_staging_slot_is_rejected_and_released() -> None:
+    """A block that cannot fit one staging slot is refused; its mappings are released."""
+    mapper = FakeMapper()
+    message = rejected(registry(mapper, max_value_bytes=64), register(), ErrorCode.BAD_TENSORS)
+    assert "staging.slot_bytes" in message
+    assert mapper.released == [0]
+
+
+def test_a_mapping_failure_is_rejected() -> None:
+    """A transport error while mapping becomes a bad_tensors rejection."""
+    assert "is gone" in rejected(registry(FakeMapper(fail=True)), register(), ErrorCode.BAD_TENSORS)
+
+
+# -- re-registration and removal ---------------------------------------------------------------
+
+
+def test_reregistration_replaces_the_session_and_releases_its_mappings() -> None:
+    """Registering the same identity again closes the old session and releases its mapping."""
+    mapper = FakeMapper()
+    reg = registry(mapper)
+    old, _ = reg.register(b"engine", register())
+    new, _ = reg.register(b"engine", register(engine_id="engine-0b"))
+    assert new is not old and reg.get(b"engine") is new
+    assert old.closed and not new.closed
+    assert mapper.released == [0]
+    reg.remove(b"engine")
+    assert mapper.released == [0, 1]
+    assert reg.get(b"engine") is None
+
+
+def test_a_failed_reregistration_keeps_the_old_session() -> None:
+    """A rejected re-registration leaves the working session and its mapping alone."""
+    mapper = FakeMapper()
+    reg = registry(mapper)
+    old, _ = reg.register(b"engine", register())
+    rejected(reg, register(self_test_seed="other"), ErrorCode.HASH_MISMATCH)
+    assert reg.get(b"engine") is old and not old.closed
+    assert mapper.released == []
+
+
+def test_replaced_session_keeps_its_mapping_until_its_jobs_finish() -> None:
+    """A replaced session with a job in flight is released only once that job is answered."""
+    mapper = FakeMapper()
+    reg = registry(mapper)
+    old, _ = reg.register(b"engine", register())
+    send, _receive = anyio.create_memory_object_stream[Job](4)
+    tracker = JobTracker(send)
+    job = Job(old, Save(1, "r", (1, 2, 3, 4), ((1,), (0,), (2,))))
+    tracker.accept(job)
+    reg.register(b"engine", register())
+    assert old.closed and mapper.released == []
+    tracker.answered(job)
+    assert mapper.released == [0]
+
+
+def test_sessions_of_other_engines_are_independent() -> None:
+    """Two identities hold two sessions; closing the registry releases both."""
+    mapper = FakeMapper()
+    reg = registry(mapper)
+    reg.register(b"a", register())
+    reg.register(b"b", register())
+    assert set(reg.sessions) == {b"a", b"b"} and mapper.released == []
+    reg.close()
+    assert sorted(mapper.released) == [0, 1] and reg.sessions == {}

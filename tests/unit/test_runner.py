@@ -1,0 +1,276 @@
+"""The stage runner: bounded edges, EndOfStream cascading through workers, the batcher."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+from anyio.abc import ObjectReceiveStream
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.runner import create_edge, run_batcher, start_stage
+
+TIMEOUT_S = 5
+
+
+async def collect(inbox: ObjectReceiveStream[Any]) -> list[Any]:
+    """Everything a stream yields until it ends."""
+    async with inbox:
+        return [item async for item in inbox]
+
+
+# -- edges ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, -1, math.inf])
+def test_edges_must_be_finite_and_positive(size: float) -> None:
+    """An edge of size 0, negative or infinite is refused."""
+    with pytest.raises(ValueError, match="finite and positive"):
+        create_edge(size)  # type: ignore[arg-type]
+
+
+def test_an_edge_holds_exactly_its_size() -> None:
+    """An edge of size 2 takes two items without a reader, and refuses a third."""
+    send, receive = create_edge(2)
+    with send, receive:
+        send.send_nowait(1)
+        send.send_nowait(2)
+        with pytest.raises(anyio.WouldBlock):
+            send.send_nowait(3)
+        assert [receive.receive_nowait(), receive.receive_nowait()] == [1, 2]
+
+
+# -- start_stage ----------------------------------------------------------------------------
+
+
+async def test_end_of_stream_cascades_through_chained_workers() -> None:
+    """Closing the source ends every stage in turn; every item passes and Nones are dropped."""
+    source_send, source_receive = create_edge(4)
+    middle_send, middle_receive = create_edge(4)
+    sink_send, sink_receive = create_edge(4)
+    seen: list[int] = []
+
+    async def double(item: int) -> int:
+        seen.append(item)
+        await anyio.lowlevel.checkpoint()
+        return item * 2
+
+    async def drop_multiples_of_four(item: int) -> int | None:
+        return None if item % 4 == 0 else item
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            start_stage(tg, "double", double, source_receive, middle_send, workers=3)
+            start_stage(tg, "filter", drop_multiples_of_four, middle_receive, sink_send, workers=2)
+
+            async def feed() -> None:
+                async with source_send:
+                    for item in range(40):
+                        await source_send.send(item)
+
+            tg.start_soon(feed)
+            result = await collect(sink_receive)
+    assert sorted(seen) == list(range(40))
+    assert sorted(result) == [2 * i for i in range(40) if (2 * i) % 4]
+
+
+async def test_a_sink_stage_ends_when_its_inbox_ends() -> None:
+    """A stage without an outbox consumes its inbox and its workers return on EndOfStream."""
+    send, receive = create_edge(2)
+    consumed: list[int] = []
+
+    async def consume(item: int) -> None:
+        consumed.append(item)
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            start_stage(tg, "sink", consume, receive, None, workers=2)
+            async with send:
+                for item in range(10):
+                    await send.send(item)
+    assert sorted(consumed) == list(range(10))
+
+
+async def test_start_stage_closes_the_original_streams() -> None:
+    """The runner's originals are closed, so only the workers' clones keep the edges open."""
+    inbox_send, inbox = create_edge(1)
+    outbox, outbox_receive = create_edge(1)
+
+    async def identity(item: int) -> int:
+        return item
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            start_stage(tg, "identity", identity, inbox, outbox)
+            with pytest.raises(anyio.ClosedResourceError):
+                inbox.receive_nowait()
+            with pytest.raises(anyio.ClosedResourceError):
+                outbox.send_nowait(0)
+            inbox_send.close()
+            assert await collect(outbox_receive) == []
+
+
+# -- run_batcher ----------------------------------------------------------------------------
+
+
+def by_letter(item: str) -> str:
+    return item[0]
+
+
+async def test_batcher_flushes_as_soon_as_a_batch_is_full() -> None:
+    """A group reaching its limit is sent at once, long before the deadline."""
+    send, receive = create_edge(4)
+    out_send, out_receive = create_edge(4)
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: run_batcher(
+                    receive, out_send, group_of=by_letter, limit_of=lambda _: 2, deadline_s=60.0
+                )
+            )
+            await send.send(["a1", "a2", "a3"])
+            with anyio.fail_after(1):
+                assert await out_receive.receive() == ["a1", "a2"]
+            send.close()
+            assert await collect(out_receive) == [["a3"]]
+
+
+async def test_batcher_flushes_a_partial_batch_at_its_deadline() -> None:
+    """A lone item waits about deadline_s, then goes out alone while the input stays open."""
+    send, receive = create_edge(4)
+    out_send, out_receive = create_edge(4)
+    deadline_s = 0.05
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: run_batcher(
+                    receive,
+                    out_send,
+                    group_of=by_letter,
+                    limit_of=lambda _: 100,
+                    deadline_s=deadline_s,
+                )
+            )
+            started = anyio.current_time()
+            await send.send(["a1"])
+            assert await out_receive.receive() == ["a1"]
+            waited = anyio.current_time() - started
+            send.close()
+            assert await collect(out_receive) == []
+    assert deadline_s * 0.9 <= waited < 2.0
+
+
+async def test_batcher_deadline_counts_from_the_oldest_item() -> None:
+    """Items arriving steadily do not postpone a partial batch past its first item's deadline."""
+    send, receive = create_edge(4)
+    out_send, out_receive = create_edge(64)
+    deadline_s = 0.1
+
+    async def trickle() -> None:
+        async with send:
+            for index in range(25):  # about 0.5 s of steady input, never a full batch
+                await send.send([f"a{index}"])
+                await anyio.sleep(0.02)
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: run_batcher(
+                    receive,
+                    out_send,
+                    group_of=by_letter,
+                    limit_of=lambda _: 1000,
+                    deadline_s=deadline_s,
+                )
+            )
+            started = anyio.current_time()
+            tg.start_soon(trickle)
+            first = await out_receive.receive()
+            waited = anyio.current_time() - started
+            rest = await collect(out_receive)
+    assert waited < 0.4
+    assert first + [item for batch in rest for item in batch] == [f"a{i}" for i in range(25)]
+
+
+async def test_batcher_keeps_groups_apart() -> None:
+    """Interleaved groups come out as batches of one group each."""
+    send, receive = create_edge(4)
+    out_send, out_receive = create_edge(8)
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: run_batcher(
+                    receive, out_send, group_of=by_letter, limit_of=lambda _: 2, deadline_s=60.0
+                )
+            )
+            await send.send(["a1", "b1", "a2"])
+            await send.send(["b2", "c1"])
+            send.close()
+            batches = await collect(out_receive)
+    assert sorted(batches) == [["a1", "a2"], ["b1", "b2"], ["c1"]]
+
+
+async def test_batcher_flushes_everything_when_input_ends() -> None:
+    """Partial batches of every group go out at end of input, then the outbox ends."""
+    send, receive = create_edge(4)
+    out_send, out_receive = create_edge(8)
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                lambda: run_batcher(
+                    receive, out_send, group_of=by_letter, limit_of=lambda _: 10, deadline_s=60.0
+                )
+            )
+            await send.send(["a1", "b1"])
+            await send.send(["a2"])
+            send.close()
+            batches = await collect(out_receive)
+    assert sorted(batches) == [["a1", "a2"], ["b1"]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lists=st.lists(
+        st.lists(
+            st.sampled_from("abc").flatmap(lambda g: st.integers(0, 99).map(lambda n: f"{g}{n}")),
+            max_size=6,
+        ),
+        max_size=8,
+    ),
+    limit=st.integers(1, 4),
+)
+def test_batcher_partitions_its_input(lists: list[list[str]], limit: int) -> None:
+    """Output batches hold every item once, one group each, at most limit, in arrival order."""
+
+    async def run() -> list[list[str]]:
+        send, receive = create_edge(len(lists) + 1)
+        out_send, out_receive = create_edge(100)
+        with anyio.fail_after(TIMEOUT_S):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(
+                    lambda: run_batcher(
+                        receive,
+                        out_send,
+                        group_of=by_letter,
+                        limit_of=lambda _: limit,
+                        deadline_s=60.0,
+                    )
+                )
+                async with send:
+                    for items in lists:
+                        await send.send(items)
+                return await collect(out_receive)
+
+    batches = anyio.run(run)
+    flat = [item for items in lists for item in items]
+    assert sorted(item for batch in batches for item in batch) == sorted(flat)
+    for batch in batches:
+        assert 0 < len(batch) <= limit
+        assert len({by_letter(item) for item in batch}) == 1
+    for letter in "abc":
+        merged = [item for batch in batches for item in batch if by_letter(item) == letter]
+        assert merged == [item for item in flat if by_letter(item) == letter]

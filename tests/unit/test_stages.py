@@ -1,0 +1,574 @@
+"""Each stage driven directly: real sessions on small CPU tensors, an embedded store."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from anyio.abc import ObjectReceiveStream
+
+from pipeline.config import CommitStageConfig, EmbeddedStoreConfig
+from pipeline.hashing import block_hashes
+from pipeline.jobs import BlockTask, Job, JobTracker
+from pipeline.keys import store_key
+from pipeline.layout import KVCacheLayout
+from pipeline.messages import BlockReport, Load, LoadDone, Lookup, Save, SaveDone
+from pipeline.sessions import EngineSession, build_store_groups
+from pipeline.staging import StagingPool
+from pipeline.store import BlockStatus
+from stages.commit import CommitStage
+from stages.completion import CompletionStage, completion_message
+from stages.dedup import DedupStage
+from stages.fetch import FetchStage
+from stages.group_filter import GroupFilterStage
+from stages.hashing import HashingStage
+from stages.lookup import LookupRequest, LookupStage
+from stages.transfer import ScatterStage, StagedBatch, TransferStage
+from transport.embedded_store import EmbeddedStore
+
+TIMEOUT_S = 10
+NUM_BLOCKS = 16
+
+# -- layouts and sessions --------------------------------------------------------------------
+
+
+def full(block_size: int, *layers: str) -> dict[str, Any]:
+    return {"kind": "full_attention", "block_size": block_size, "layers": list(layers)}
+
+
+def ring(capacity: int, *layers: str) -> dict[str, Any]:
+    return {"kind": "circular_buffer", "block_size": capacity, "layers": list(layers)}
+
+
+def mamba(block_size: int, *layers: str) -> dict[str, Any]:
+    return {
+        "kind": "mamba",
+        "block_size": block_size,
+        "mamba_cache_mode": "align",
+        "layers": list(layers),
+    }
+
+
+def swa(block_size: int, window: int, *layers: str) -> dict[str, Any]:
+    return {
+        "kind": "sliding_window",
+        "block_size": block_size,
+        "sliding_window": window,
+        "layers": list(layers),
+    }
+
+
+HYBRID = [full(4, "attn.0", "attn.1"), ring(4, "ring.0"), mamba(4, "ssm.0")]
+"""full + ring + mamba: store groups {0 -> 0, 2 -> 1}; the ring is never stored."""
+
+
+def make_tensors(layout: KVCacheLayout, seed: int = 0) -> dict[str, tuple[torch.Tensor, int]]:
+    """Attention layers K/V-first [2, N, block, 2]; others blocks-first [N, 3, 5]."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for group in layout.groups:
+        for layer in group.layers:
+            if group.kind == "mamba":
+                tensors[layer] = (torch.randn(NUM_BLOCKS, 3, 5, generator=generator), 0)
+            else:
+                shape = (2, NUM_BLOCKS, group.block_size, 2)
+                tensors[layer] = (torch.randn(*shape, generator=generator), 1)
+    return tensors
+
+
+@dataclasses.dataclass
+class Harness:
+    session: EngineSession
+    tensors: dict[str, tuple[torch.Tensor, int]]
+    tracker: JobTracker
+    completions: ObjectReceiveStream[Job]
+    store: EmbeddedStore
+    pool: StagingPool
+    limiter: anyio.CapacityLimiter
+
+    def job(self, message: Save | Load) -> Job:
+        job = Job(self.session, message)
+        self.tracker.accept(job)
+        return job
+
+    def finished(self) -> list[Job]:
+        """Jobs the tracker has completed so far."""
+        jobs = []
+        while True:
+            try:
+                jobs.append(self.completions.receive_nowait())
+            except anyio.WouldBlock:
+                return jobs
+
+    def block(self, layer: str, block_id: int) -> torch.Tensor:
+        tensor, block_dim = self.tensors[layer]
+        return tensor[:, block_id] if block_dim else tensor[block_id]
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {layer: tensor.clone() for layer, (tensor, _) in self.tensors.items()}
+
+
+def harness(groups: list[dict[str, Any]], *, seed: int = 0, **fields: Any) -> Harness:
+    layout = KVCacheLayout.from_dict({"groups": groups, "model": "m", **fields})
+    layout.validate_for_store()
+    tensors = make_tensors(layout, seed)
+    session = EngineSession(
+        "engine", b"id", layout, build_store_groups(layout, tensors), hash_seed=None
+    )
+    send, receive = anyio.create_memory_object_stream[Job](64)
+    return Harness(
+        session,
+        tensors,
+        JobTracker(send),
+        receive,
+        EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=1 << 20)),
+        StagingPool(8 * 4096, 4096, load_slots=2),
+        anyio.CapacityLimiter(2),
+    )
+
+
+@pytest.fixture
+def hybrid() -> Harness:
+    return harness(HYBRID)
+
+
+def tokens(count: int, start: int = 100) -> tuple[int, ...]:
+    return tuple(range(start, start + count))
+
+
+def save(token_ids: Sequence[int], *block_ids: Sequence[int], request_id: str = "r") -> Save:
+    return Save(1, request_id, tuple(token_ids), tuple(tuple(ids) for ids in block_ids))
+
+
+def load(
+    token_ids: Sequence[int], num_tokens: int, *block_ids: Sequence[int], request_id: str = "r"
+) -> Load:
+    return Load(2, request_id, tuple(token_ids), tuple(tuple(ids) for ids in block_ids), num_tokens)
+
+
+def planned(job: Job) -> list[tuple[int, int, int]]:
+    return [(t.store_group, t.block_index, t.block_id) for t in job.planned]
+
+
+def statuses(job: Job) -> dict[tuple[int, int], tuple[BlockStatus, str]]:
+    """(kv-cache group id, block index) -> (status, reason) of every settled block."""
+    return {(r.group_id, r.block_index): (r.status, r.reason) for r in job.reports}
+
+
+def by_group(tasks: list[BlockTask]) -> list[list[BlockTask]]:
+    groups: dict[int, list[BlockTask]] = {}
+    for task in tasks:
+        groups.setdefault(task.store_group, []).append(task)
+    return list(groups.values())
+
+
+async def run_save(h: Harness, message: Save) -> Job:
+    """group_filter -> hashing -> dedup -> transfer -> commit, one batch per store group."""
+    job = h.job(message)
+    transfer = TransferStage(h.pool, h.tracker, h.limiter, CommitStageConfig())
+    commit = CommitStage(h.store, h.pool, h.tracker)
+    if await GroupFilterStage(h.tracker).process(job) is None:
+        return job
+    named = await HashingStage(h.tracker, h.limiter).process(job)
+    missing = await DedupStage(h.store, h.tracker).process(named) if named else None
+    for batch in by_group(missing or []):
+        staged = await transfer.process(batch)
+        assert staged is not None
+        await commit.process(staged)
+    return job
+
+
+async def run_load(h: Harness, message: Load) -> Job:
+    """group_filter -> hashing -> fetch -> scatter, one batch per store group."""
+    job = h.job(message)
+    fetch = FetchStage(h.store, h.pool, h.tracker)
+    scatter = ScatterStage(h.pool, h.tracker, h.limiter)
+    if await GroupFilterStage(h.tracker).process(job) is None:
+        return job
+    named = await HashingStage(h.tracker, h.limiter).process(job)
+    for batch in by_group(named or []):
+        staged = await fetch.process(batch)
+        if staged is not None:
+            await scatter.process(staged)
+    return job
+
+
+# -- group filter ----------------------------------------------------------------------------
+
+
+async def test_group_filter_drops_the_ring_and_null_blocks_of_a_save(hybrid: Harness) -> None:
+    """A save plans every non-null block of the stored groups, in store-group indices."""
+    job = hybrid.job(save(tokens(12), [1, 2, 0], [9], [0, 0, 3]))
+    with anyio.fail_after(TIMEOUT_S):
+        assert await GroupFilterStage(hybrid.tracker).process(job) is job
+    assert planned(job) == [(0, 0, 1), (0, 1, 2), (1, 2, 3)]
+    assert job.pending == 3
+    assert hybrid.finished() == []
+
+
+async def test_group_filter_loads_only_what_the_hit_rule_needs(hybrid: Harness) -> None:
+    """A load of 8 tokens takes full-attention blocks 0-1 and only mamba block 1."""
+    job = hybrid.job(load(tokens(12), 8, [1, 2, 3], [9], [4, 5, 6]))
+    with anyio.fail_after(TIMEOUT_S):
+        await GroupFilterStage(hybrid.tracker).process(job)
+    assert planned(job) == [(0, 0, 1), (0, 1, 2), (1, 1, 5)]
+
+
+async def test_group_filter_loads_only_the_window_of_a_sliding_window_group() -> None:
+    """A window of 5 tokens before P = 16 needs only the sliding-window group's block 3."""
+    h = harness([full(4, "attn.0"), swa(4, 5, "swa.0")])
+    job = h.job(load(tokens(17), 16, [1, 2, 3, 4], [0, 0, 7, 8]))
+    with anyio.fail_after(TIMEOUT_S):
+        await GroupFilterStage(h.tracker).process(job)
+    assert planned(job) == [(0, 0, 1), (0, 1, 2), (0, 2, 3), (0, 3, 4), (1, 3, 8)]
+
+
+async def test_a_job_with_nothing_to_move_completes_at_once(hybrid: Harness) -> None:
+    """A save of only null blocks (and ring blocks) is completed by the filter itself."""
+    job = hybrid.job(save(tokens(8), [0, 0], [5], [0, 0]))
+    with anyio.fail_after(TIMEOUT_S):
+        assert await GroupFilterStage(hybrid.tracker).process(job) is None
+    assert hybrid.finished() == [job]
+    assert job.reports == []
+
+
+# -- hashing ---------------------------------------------------------------------------------
+
+
+async def test_hashing_names_blocks_with_their_store_keys() -> None:
+    """Block j of a group k fine blocks wide is keyed by fine hash (j+1)*k - 1, per store group."""
+    h = harness(
+        [full(8, "attn.0"), ring(4, "ring.0"), mamba(4, "ssm.0")], cache_prefix="ns", tp_rank=1
+    )
+    token_ids = tokens(16)
+    job = h.job(save(token_ids, [1, 2], [9], [0, 0, 0, 3]))
+    with anyio.fail_after(TIMEOUT_S):
+        await GroupFilterStage(h.tracker).process(job)
+        named = await HashingStage(h.tracker, h.limiter).process(job)
+    fine = block_hashes(token_ids, 4)
+    assert job.fine_hashes == fine
+    assert named is not None
+    keys = {(t.store_group, t.block_index): t.key for t in named}
+    common = {"cache_prefix": "ns", "tp_rank": 1}
+    assert keys == {
+        (0, 0): store_key("m", fine[1], store_group=0, **common),
+        (0, 1): store_key("m", fine[3], store_group=0, **common),
+        (1, 3): store_key("m", fine[3], store_group=1, **common),
+    }
+    assert keys[(1, 3)] == f"ns@m@tp_rank:1@pcp0@dcp0@pp_rank:0@group:1@{fine[3].hex()}"
+
+
+async def test_hashing_skips_the_incomplete_tail(hybrid: Harness) -> None:
+    """Blocks past the last full hash block are settled skipped(incomplete_block)."""
+    job = hybrid.job(save(tokens(10), [1, 2, 3], [9], [4, 5, 6]))
+    with anyio.fail_after(TIMEOUT_S):
+        await GroupFilterStage(hybrid.tracker).process(job)
+        named = await HashingStage(hybrid.tracker, hybrid.limiter).process(job)
+    assert named is not None
+    assert sorted((t.store_group, t.block_index) for t in named) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    skipped = (BlockStatus.SKIPPED, "incomplete_block")
+    assert statuses(job) == {(0, 2): skipped, (2, 2): skipped}
+    assert job.pending == 4 and hybrid.finished() == []
+
+
+async def test_hashing_a_request_without_one_full_block_completes_it(hybrid: Harness) -> None:
+    """With fewer tokens than one hash block nothing is named and the job completes."""
+    job = hybrid.job(save(tokens(3), [1], [9], [2]))
+    with anyio.fail_after(TIMEOUT_S):
+        await GroupFilterStage(hybrid.tracker).process(job)
+        assert await HashingStage(hybrid.tracker, hybrid.limiter).process(job) is None
+    assert hybrid.finished() == [job]
+    assert {status for status, _ in statuses(job).values()} == {BlockStatus.SKIPPED}
+
+
+# -- dedup -----------------------------------------------------------------------------------
+
+
+async def test_dedup_reports_present_blocks_and_passes_the_rest(hybrid: Harness) -> None:
+    """Blocks already stored are settled present; only the missing ones go on."""
+    job = hybrid.job(save(tokens(8), [1, 2], [9], [0, 3]))
+    with anyio.fail_after(TIMEOUT_S):
+        await GroupFilterStage(hybrid.tracker).process(job)
+        named = await HashingStage(hybrid.tracker, hybrid.limiter).process(job)
+        assert named is not None
+        first = next(t for t in named if (t.store_group, t.block_index) == (0, 0))
+        await hybrid.store.put([first.key], [torch.ones(8, dtype=torch.uint8)])
+        missing = await DedupStage(hybrid.store, hybrid.tracker).process(named)
+    assert missing is not None and first not in missing and len(missing) == 2
+    assert statuses(job) == {(0, 0): (BlockStatus.PRESENT, "")}
+
+
+async def test_dedup_of_an_all_present_job_completes_it(hybrid: Harness) -> None:
+    """Saving the same blocks twice stores them once; the second save is all present."""
+    with anyio.fail_after(TIMEOUT_S):
+        await run_save(hybrid, save(tokens(8), [1, 2], [9], [0, 3]))
+        again = await run_save(hybrid, save(tokens(8), [4, 5], [9], [0, 6], request_id="r2"))
+    assert set(statuses(again).values()) == {(BlockStatus.PRESENT, "")}
+    assert hybrid.finished()[-1] is again
+
+
+async def test_dedup_settles_failed_when_the_store_is_down(hybrid: Harness) -> None:
+    """A store that cannot answer fails every block of the job; none goes on."""
+    job = hybrid.job(save(tokens(8), [1, 2], [9], [0, 3]))
+    with anyio.fail_after(TIMEOUT_S):
+        await GroupFilterStage(hybrid.tracker).process(job)
+        named = await HashingStage(hybrid.tracker, hybrid.limiter).process(job)
+        await hybrid.store.aclose()
+        assert await DedupStage(hybrid.store, hybrid.tracker).process(named or []) is None
+    assert {s for s, _ in statuses(job).values()} == {BlockStatus.FAILED}
+    assert all(reason.startswith("store:") for _, reason in statuses(job).values())
+    assert hybrid.finished() == [job]
+
+
+# -- transfer, commit, fetch, scatter --------------------------------------------------------
+
+
+async def test_save_then_load_round_trips_bytes_into_other_blocks(hybrid: Harness) -> None:
+    """Bytes saved from blocks (1, 2 | 3) land exactly in blocks (5, 6 | 7); nothing else moves."""
+    token_ids = tokens(9)
+    with anyio.fail_after(TIMEOUT_S):
+        await hybrid.store.register_buffer(hybrid.pool.buffer)
+        saved = await run_save(hybrid, save(token_ids, [1, 2, 0], [9], [0, 3, 0]))
+        assert set(statuses(saved).values()) == {(BlockStatus.STORED, "")}
+        assert len(saved.reports) == 3
+        before = hybrid.snapshot()
+        loaded = await run_load(hybrid, load(token_ids, 8, [5, 6, 0], [9], [0, 7, 0]))
+    assert hybrid.finished() == [saved, loaded]
+    assert set(statuses(loaded).values()) == {(BlockStatus.LOADED, "")}
+    for layer in ("attn.0", "attn.1"):
+        for src, dst in ((1, 5), (2, 6)):
+            assert torch.equal(
+                hybrid.block(layer, dst).view(torch.int32),
+                hybrid.block(layer, src).view(torch.int32),
+            )
+    assert torch.equal(hybrid.block("ssm.0", 7), hybrid.block("ssm.0", 3))
+    changed = {
+        (layer, block)
+        for layer, (tensor, block_dim) in hybrid.tensors.items()
+        for block in range(NUM_BLOCKS)
+        if not torch.equal(
+            tensor[:, block] if block_dim else tensor[block],
+            before[layer][:, block] if block_dim else before[layer][block],
+        )
+    }
+    assert changed == {("attn.0", 5), ("attn.0", 6), ("attn.1", 5), ("attn.1", 6), ("ssm.0", 7)}
+    assert hybrid.pool.free_slots("load") == 2 and hybrid.pool.free_slots("save") == 6
+    message = completion_message(loaded)
+    assert isinstance(message, LoadDone)
+    assert (message.loaded_tokens, message.invalid_block_ids) == (8, ())
+
+
+def test_shared_tensors_are_stored_once_per_value() -> None:
+    """Two layers aliasing one tensor contribute its K and V segments once."""
+    layout = KVCacheLayout.from_dict({"groups": [full(4, "a", "b")], "model": "m"})
+    shared = torch.randn(2, NUM_BLOCKS, 4, 2)
+    groups = build_store_groups(layout, {"a": (shared, 1), "b": (shared, 1)})
+    assert len(groups[0].segments) == 2  # K and V of one tensor
+    assert groups[0].value_bytes == 2 * 4 * 2 * 4
+
+
+async def test_a_missing_key_fails_the_block_and_never_scatters(hybrid: Harness) -> None:
+    """Loading blocks never saved settles them failed(missing) and writes no engine byte."""
+    before = hybrid.snapshot()
+    with anyio.fail_after(TIMEOUT_S):
+        job = await run_load(hybrid, load(tokens(9), 8, [5, 6], [9], [0, 7]))
+    assert hybrid.finished() == [job]
+    assert set(statuses(job).values()) == {(BlockStatus.FAILED, "missing")}
+    assert all(torch.equal(before[layer], tensor) for layer, (tensor, _) in hybrid.tensors.items())
+    assert hybrid.pool.free_slots("load") == 2
+    message = completion_message(job)
+    assert isinstance(message, LoadDone)
+    assert message.loaded_tokens == 0
+    assert sorted(message.invalid_block_ids) == [5, 6, 7]
+
+
+async def test_a_middle_block_missing_loads_the_others_into_the_right_blocks() -> None:
+    """With block 1 of 3 missing, blocks 0 and 2 still land exactly; the hit stops at 4."""
+    h = harness([full(4, "attn.0")])
+    token_ids = tokens(13)
+    with anyio.fail_after(TIMEOUT_S):
+        await run_save(h, save(token_ids, [1, 0, 3]))
+        fetch = FetchStage(h.store, h.pool, h.tracker)
+        job = h.job(load(token_ids, 12, [5, 6, 7]))
+        await GroupFilterStage(h.tracker).process(job)
+        named = await HashingStage(h.tracker, h.limiter).process(job)
+        staged = await fetch.process(named or [])
+        assert isinstance(staged, StagedBatch)
+        assert [t.block_id for t in staged.tasks] == [5, 7]
+        await ScatterStage(h.pool, h.tracker, h.limiter).process(staged)
+    assert torch.equal(h.block("attn.0", 5), h.block("attn.0", 1))
+    assert torch.equal(h.block("attn.0", 7), h.block("attn.0", 3))
+    assert not torch.equal(h.block("attn.0", 6), h.block("attn.0", 2))
+    message = completion_message(job)
+    assert isinstance(message, LoadDone)
+    assert message.loaded_tokens == 4
+    assert message.invalid_block_ids == (6,)
+    assert [r.status for r in message.blocks] == [
+        BlockStatus.LOADED,
+        BlockStatus.FAILED,
+        BlockStatus.LOADED,
+    ]
+
+
+async def test_transfer_skips_and_reports_when_staging_is_full(hybrid: Harness) -> None:
+    """Under overflow=skip a save finding no free slot is settled skipped(staging_full)."""
+    job = hybrid.job(save(tokens(8), [1, 2], [9], [0, 3]))
+    held = [hybrid.pool.try_take("save") for _ in range(hybrid.pool.free_slots("save"))]
+    transfer = TransferStage(
+        hybrid.pool, hybrid.tracker, hybrid.limiter, CommitStageConfig(overflow="skip")
+    )
+    with anyio.fail_after(TIMEOUT_S):
+        await GroupFilterStage(hybrid.tracker).process(job)
+        named = await HashingStage(hybrid.tracker, hybrid.limiter).process(job)
+        assert await transfer.process(named or []) is None
+    assert set(statuses(job).values()) == {(BlockStatus.SKIPPED, "staging_full")}
+    assert hybrid.finished() == [job]
+    assert all(slot is not None for slot in held)
+
+
+async def test_commit_fails_blocks_and_frees_the_slot_when_the_store_is_down(
+    hybrid: Harness,
+) -> None:
+    """A put on a closed store fails the batch with a store reason and releases the slot."""
+    job = hybrid.job(save(tokens(8), [1, 2], [9], [0, 0]))
+    transfer = TransferStage(hybrid.pool, hybrid.tracker, hybrid.limiter, CommitStageConfig())
+    with anyio.fail_after(TIMEOUT_S):
+        await GroupFilterStage(hybrid.tracker).process(job)
+        named = await HashingStage(hybrid.tracker, hybrid.limiter).process(job)
+        staged = await transfer.process(named or [])
+        assert staged is not None and hybrid.pool.free_slots("save") == 5
+        await hybrid.store.aclose()
+        await CommitStage(hybrid.store, hybrid.pool, hybrid.tracker).process(staged)
+    assert hybrid.pool.free_slots("save") == 6
+    assert {s for s, _ in statuses(job).values()} == {BlockStatus.FAILED}
+    assert hybrid.finished() == [job]
+
+
+# -- completion ------------------------------------------------------------------------------
+
+
+def finished_job(
+    h: Harness, message: Save | Load, outcomes: dict[tuple[int, int, int], BlockStatus]
+) -> Job:
+    """A job whose (store group, index, block id) blocks were settled with ``outcomes``."""
+    job = Job(h.session, message)
+    for (store_group, index, block_id), status in outcomes.items():
+        kv_group = h.session.store_groups[store_group].kv_group_id
+        job.reports.append(BlockReport(kv_group, index, block_id, status))
+    return job
+
+
+def test_completion_of_a_load_stops_at_a_failed_middle_block() -> None:
+    """Full attention with block 1 of 3 failed: 4 tokens loaded, the failed id invalid."""
+    h = harness([full(4, "attn.0")])
+    job = finished_job(
+        h,
+        load(tokens(13), 12, [5, 6, 7]),
+        {
+            (0, 0, 5): BlockStatus.LOADED,
+            (0, 1, 6): BlockStatus.FAILED,
+            (0, 2, 7): BlockStatus.LOADED,
+        },
+    )
+    message = completion_message(job)
+    assert isinstance(message, LoadDone)
+    assert (message.loaded_tokens, message.invalid_block_ids) == (4, (6,))
+
+
+def test_completion_of_a_hybrid_load_needs_mamba_state_at_the_resume_point(
+    hybrid: Harness,
+) -> None:
+    """A failed middle attention block leaves no resume point: mamba has state only at 12."""
+    job = finished_job(
+        hybrid,
+        load(tokens(13), 12, [5, 6, 7], [9], [0, 0, 8]),
+        {
+            (0, 0, 5): BlockStatus.LOADED,
+            (0, 1, 6): BlockStatus.FAILED,
+            (0, 2, 7): BlockStatus.LOADED,
+            (1, 2, 8): BlockStatus.LOADED,
+        },
+    )
+    message = completion_message(job)
+    assert isinstance(message, LoadDone)
+    assert (message.loaded_tokens, message.invalid_block_ids) == (0, (6,))
+    assert {r.group_id for r in message.blocks} == {0, 2}  # kv-cache group ids, not store
+
+
+def test_completion_of_a_hybrid_load_with_the_mamba_block_failed(hybrid: Harness) -> None:
+    """All attention loaded but the mamba state failed: nothing is usable."""
+    job = finished_job(
+        hybrid,
+        load(tokens(9), 8, [5, 6], [9], [0, 8]),
+        {
+            (0, 0, 5): BlockStatus.LOADED,
+            (0, 1, 6): BlockStatus.LOADED,
+            (1, 1, 8): BlockStatus.FAILED,
+        },
+    )
+    message = completion_message(job)
+    assert isinstance(message, LoadDone)
+    assert (message.loaded_tokens, message.invalid_block_ids) == (0, (8,))
+
+
+def test_completion_of_a_save_lists_blocks_in_group_order(hybrid: Harness) -> None:
+    """A save completion lists every block report sorted by kv-cache group and index."""
+    job = finished_job(
+        hybrid,
+        save(tokens(8), [1, 2], [9], [0, 3]),
+        {
+            (1, 1, 3): BlockStatus.STORED,
+            (0, 1, 2): BlockStatus.PRESENT,
+            (0, 0, 1): BlockStatus.STORED,
+        },
+    )
+    message = completion_message(job)
+    assert isinstance(message, SaveDone)
+    assert [(r.group_id, r.block_index, r.block_id, r.status) for r in message.blocks] == [
+        (0, 0, 1, BlockStatus.STORED),
+        (0, 1, 2, BlockStatus.PRESENT),
+        (2, 1, 3, BlockStatus.STORED),
+    ]
+
+
+async def test_completion_stage_replies_and_forgets_the_job(hybrid: Harness) -> None:
+    """The completion stage sends the reply to the job's session and closes the job."""
+    replies: list[tuple[EngineSession, Any]] = []
+
+    async def reply(session: EngineSession, message: Any) -> None:
+        replies.append((session, message))
+
+    job = hybrid.job(save(tokens(8), [0, 0], [9], [0, 0]))
+    assert (hybrid.tracker.open_jobs, hybrid.session.jobs_in_flight) == (1, 1)
+    with anyio.fail_after(TIMEOUT_S):
+        await CompletionStage(reply, hybrid.tracker).process(job)
+    assert replies == [(hybrid.session, SaveDone(1, "r", ()))]
+    assert (hybrid.tracker.open_jobs, hybrid.session.jobs_in_flight) == (0, 0)
+
+
+# -- lookup ----------------------------------------------------------------------------------
+
+
+async def test_lookup_reports_the_hybrid_hit_and_keeps_the_last_token(hybrid: Harness) -> None:
+    """After saving attention 0-2 and mamba state 2, only a hit at 12 is possible."""
+    replies: list[Any] = []
+
+    async def reply(session: EngineSession, message: Any) -> None:
+        replies.append(message)
+
+    lookup = LookupStage(hybrid.store, reply, hybrid.limiter)
+    token_ids = tokens(16)
+    with anyio.fail_after(TIMEOUT_S):
+        await run_save(hybrid, save(token_ids, [1, 2, 3, 0], [9], [0, 0, 4, 0]))
+        hits = {
+            count: await lookup.hit_tokens(hybrid.session, Lookup(0, token_ids[:count]))
+            for count in (4, 12, 13, 16)
+        }
+        await lookup.process(LookupRequest(hybrid.session, Lookup(5, token_ids)))
+    # 12 tokens: the last one is recomputed, so the hit would be 8 and mamba has no state there.
+    assert hits == {4: 0, 12: 0, 13: 12, 16: 12}
+    assert [(r.seq, r.hit_tokens) for r in replies] == [(5, 12)]
