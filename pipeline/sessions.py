@@ -161,6 +161,8 @@ class EngineSession:
         # A worker thread may still be copying engine memory: unmap only when idle.
         if self.closed and self.jobs_in_flight == 0:
             release, self._release = self._release, lambda: None
+            # Drop our views first: a mapping is only unmapped once no tensor uses it.
+            self.store_groups = ()
             release()
 
     def fine_hashes(

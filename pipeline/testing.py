@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -17,10 +18,56 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import torch
 
 from pipeline.config import Config
+from pipeline.layout import KVCacheLayout
 
-__all__ = ["SidecarProcess", "hybrid_layout", "run_sidecar_process"]
+__all__ = ["KVEngine", "SidecarProcess", "hybrid_layout", "random_tokens", "run_sidecar_process"]
+
+
+def random_tokens(count: int, seed: int = 0) -> list[int]:
+    """Reproducible token ids."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, 32_000) for _ in range(count)]
+
+
+class KVEngine:
+    """A minimal engine's KV memory: one blocks-first shared tensor per layer, random bytes."""
+
+    def __init__(self, layout: Mapping[str, Any], num_blocks: int = 64) -> None:
+        from transport.tensors import shared_kv_tensor
+
+        self.layout = KVCacheLayout.from_dict(layout)
+        self.kv_caches = {
+            layer: shared_kv_tensor((num_blocks, max(1, group.page_bytes // 2)), torch.bfloat16)
+            for group in self.layout.groups
+            for layer in group.layers
+        }
+        for tensor in self.kv_caches.values():
+            tensor.normal_()
+
+    def pages(self, kv_group_id: int, block_id: int) -> list[torch.Tensor]:
+        """Copies of one block's pages, layer by layer."""
+        return [
+            self.kv_caches[layer][block_id].clone()
+            for layer in self.layout.groups[kv_group_id].layers
+        ]
+
+    def same_block(self, kv_group_id: int, block_a: int, other: KVEngine, block_b: int) -> bool:
+        return all(
+            torch.equal(x, y)
+            for x, y in zip(
+                self.pages(kv_group_id, block_a), other.pages(kv_group_id, block_b), strict=True
+            )
+        )
+
+    async def connect(self, endpoint: str, **kwargs: Any) -> Any:
+        from transport.client import EngineClient
+
+        return await EngineClient.connect(
+            endpoint, layout=self.layout, kv_caches=self.kv_caches, **kwargs
+        )
 
 
 def hybrid_layout(

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
-from typing import Any
 
 import anyio
 import psutil
 import pytest
-import torch
 import zmq
 
 from pipeline.errors import RequestRejected
@@ -24,35 +21,17 @@ from pipeline.messages import (
     decode_sidecar_message,
     encode,
 )
-from pipeline.testing import SidecarProcess, hybrid_layout, run_sidecar_process
-from transport.client import EngineClient
-from transport.tensors import shared_kv_tensor, tensor_handle
+from pipeline.testing import (
+    KVEngine,
+    SidecarProcess,
+    hybrid_layout,
+    random_tokens,
+    run_sidecar_process,
+)
+from transport.tensors import tensor_handle
 
 NUM_BLOCKS = 64
 TIMEOUT = 30
-
-
-class Engine:
-    """KV tensors of one simulated engine, one tensor per layer, blocks-first."""
-
-    def __init__(self, layout: dict[str, Any], num_blocks: int = NUM_BLOCKS) -> None:
-        self.layout = KVCacheLayout.from_dict(layout)
-        self.kv_caches = {
-            layer: shared_kv_tensor((num_blocks, group.page_bytes // 2), torch.bfloat16)
-            for group in self.layout.groups
-            for layer in group.layers
-        }
-        for tensor in self.kv_caches.values():
-            tensor.normal_()
-
-    def pages(self, kv_group_id: int, block_id: int) -> list[torch.Tensor]:
-        return [self.kv_caches[layer][block_id].clone()
-                for layer in self.layout.groups[kv_group_id].layers]
-
-    async def connect(self, endpoint: str, **kwargs: Any) -> EngineClient:
-        return await EngineClient.connect(
-            endpoint, layout=self.layout, kv_caches=self.kv_caches, **kwargs
-        )
 
 
 @pytest.fixture
@@ -61,19 +40,14 @@ def sidecar() -> Iterator[SidecarProcess]:
         yield process
 
 
-def tokens_of(count: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 32_000) for _ in range(count)]
-
-
 async def test_engine_b_loads_what_engine_a_saved_byte_exactly(sidecar: SidecarProcess) -> None:
     """Engine A saves a prefix; engine B (same layout) finds and loads it byte for byte,
     while an engine with another layout shares the sidecar."""
     layout = hybrid_layout(block_size=16)
-    a, b = Engine(layout), Engine(layout)
-    dense = Engine({"model": "other", "groups": [
+    a, b = KVEngine(layout), KVEngine(layout)
+    dense = KVEngine({"model": "other", "groups": [
         {"kind": "full_attention", "block_size": 32, "layers": ["d0"], "page_bytes": 2048}]})
-    tokens = tokens_of(4 * 16 + 5)
+    tokens = random_tokens(4 * 16 + 5)
     with anyio.fail_after(TIMEOUT):
         async with await a.connect(sidecar.endpoint) as ca, \
                 await b.connect(sidecar.endpoint) as cb, \
@@ -81,7 +55,7 @@ async def test_engine_b_loads_what_engine_a_saved_byte_exactly(sidecar: SidecarP
             saved = await ca.save("req-a", tokens, [[1, 2, 3, 4, 5], [7], [1, 2, 3, 4, 5]])
             # 4 full blocks in each of the two stored groups; the partial 5th is skipped.
             assert (saved.stored, saved.skipped, saved.failed) == (8, 2, 0)
-            dense_tokens = tokens_of(3 * 32, seed=9)
+            dense_tokens = random_tokens(3 * 32, seed=9)
             assert (await cd.save("req-d", dense_tokens, [[1, 2, 3]])).stored == 3
             assert await cd.lookup(dense_tokens) == 2 * 32  # the last token is recomputed
 
@@ -91,11 +65,10 @@ async def test_engine_b_loads_what_engine_a_saved_byte_exactly(sidecar: SidecarP
                                                     [21, 22, 23, 24, 25]], hit)
     assert loaded.loaded_tokens == 64 and loaded.invalid_block_ids == ()
     for index in range(4):
-        for page_a, page_b in zip(a.pages(0, 1 + index), b.pages(0, 11 + index), strict=True):
-            assert torch.equal(page_a, page_b)
+        assert a.same_block(0, 1 + index, b, 11 + index)
     # Mamba resumes from the state block ending at the hit, and only that one is loaded.
-    for page_a, page_b in zip(a.pages(2, 4), b.pages(2, 24), strict=True):
-        assert torch.equal(page_a, page_b)
+    assert a.same_block(2, 4, b, 24)
+    assert not a.same_block(2, 3, b, 23)
     assert {r.block_index for r in loaded.blocks if r.group_id == 2} == {3}
 
 
@@ -111,8 +84,8 @@ async def test_other_salt_or_lora_gets_no_hit(
 ) -> None:
     """Blocks saved under one cache_salt or LoRA are invisible to any other."""
     layout = hybrid_layout()
-    engine = Engine(layout)
-    tokens = tokens_of(3 * 16 + 1, seed=1)
+    engine = KVEngine(layout)
+    tokens = random_tokens(3 * 16 + 1, seed=1)
     with anyio.fail_after(TIMEOUT):
         async with await engine.connect(sidecar.endpoint) as client:
             await client.save("r", tokens, [[1, 2, 3], [4], [1, 2, 3]], **keys_a)
@@ -122,8 +95,8 @@ async def test_other_salt_or_lora_gets_no_hit(
 
 async def test_saving_stored_blocks_again_reports_present(sidecar: SidecarProcess) -> None:
     """A second save of the same tokens copies nothing and reports every block present."""
-    engine = Engine(hybrid_layout())
-    tokens = tokens_of(2 * 16, seed=2)
+    engine = KVEngine(hybrid_layout())
+    tokens = random_tokens(2 * 16, seed=2)
     with anyio.fail_after(TIMEOUT):
         async with await engine.connect(sidecar.endpoint) as client:
             first = await client.save("r1", tokens, [[1, 2], [3], [1, 2]])
@@ -150,7 +123,7 @@ def test_ring_tensors_are_never_mapped(sidecar: SidecarProcess) -> None:
     """Registration succeeds although the ring's handle points at memory that does not
     exist: the sidecar never maps (so never reads) a ring tensor."""
     layout = KVCacheLayout.from_dict(hybrid_layout())
-    engine = Engine(hybrid_layout())
+    engine = KVEngine(hybrid_layout())
     handles = [tensor_handle(layer, engine.kv_caches[layer])
                for layers in layout.payload_layers for layer in layers]
     ring_handles = [
@@ -170,7 +143,7 @@ def test_ring_tensors_are_never_mapped(sidecar: SidecarProcess) -> None:
 def test_hash_self_test_mismatch_is_refused(sidecar: SidecarProcess) -> None:
     """An engine whose hashes differ from the sidecar's (other seed) is refused clearly."""
     layout = KVCacheLayout.from_dict(hybrid_layout())
-    engine = Engine(hybrid_layout())
+    engine = KVEngine(hybrid_layout())
     handles = tuple(tensor_handle(layer, engine.kv_caches[layer])
                     for layers in layout.payload_layers for layer in layers)
     tokens = tuple(range(1, 33))
@@ -184,16 +157,16 @@ def test_hash_self_test_mismatch_is_refused(sidecar: SidecarProcess) -> None:
 
 async def test_saves_report_no_ring_blocks(sidecar: SidecarProcess) -> None:
     """Ring block ids sent with a save never come back as stored blocks."""
-    engine = Engine(hybrid_layout())
+    engine = KVEngine(hybrid_layout())
     with anyio.fail_after(TIMEOUT):
         async with await engine.connect(sidecar.endpoint) as client:
-            result = await client.save("r", tokens_of(32, seed=3), [[1, 2], [3], [1, 2]])
+            result = await client.save("r", random_tokens(32, seed=3), [[1, 2], [3], [1, 2]])
     assert {block.group_id for block in result.blocks} == {0, 2}
 
 
 async def test_bad_layout_is_refused_with_the_group_named(sidecar: SidecarProcess) -> None:
     """A mamba group outside align mode is refused at registration, naming group and mode."""
-    engine = Engine(hybrid_layout(mamba_mode="none"))
+    engine = KVEngine(hybrid_layout(mamba_mode="none"))
     with anyio.fail_after(TIMEOUT), pytest.raises(RequestRejected) as error:
         await engine.connect(sidecar.endpoint)
     assert error.value.code == "bad_layout"
@@ -210,13 +183,13 @@ async def test_many_more_saves_than_staging_holds_stay_bounded() -> None:
         "stages": {"receive": {"inbox_size": 4}, "batching": {"max_blocks": 4}},
     }
     layout = hybrid_layout(page_bytes=page)
-    engine = Engine(layout, num_blocks=NUM_BLOCKS)
+    engine = KVEngine(layout, num_blocks=NUM_BLOCKS)
     requests = 150  # 150 * 8 blocks * 64 KiB = 75 MiB offered
     with run_sidecar_process(overrides) as sidecar:
         process = psutil.Process(sidecar.pid)
         with anyio.fail_after(120):
             async with await engine.connect(sidecar.endpoint) as client:
-                await client.save("warm-up", tokens_of(64, seed=99),
+                await client.save("warm-up", random_tokens(64, seed=99),
                                   [[1, 2, 3, 4], [5], [1, 2, 3, 4]])
                 baseline = process.memory_info().rss
                 peak = baseline
@@ -226,7 +199,7 @@ async def test_many_more_saves_than_staging_holds_stay_bounded() -> None:
                     first = 1 + (index % 15) * 4
                     ids = list(range(first, first + 4))
                     results.append(await client.save(
-                        f"r{index}", tokens_of(64, seed=index), [ids, [63], ids]))
+                        f"r{index}", random_tokens(64, seed=index), [ids, [63], ids]))
 
                 async with anyio.create_task_group() as tg:
                     for index in range(requests):
@@ -245,7 +218,7 @@ async def test_many_more_saves_than_staging_holds_stay_bounded() -> None:
 async def test_sigterm_mid_stream_answers_every_request_and_exits_zero() -> None:
     """SIGTERM while saves are in flight: every request gets its completion or a
     shutting_down error, and the sidecar exits 0."""
-    engine = Engine(hybrid_layout(page_bytes=16 * 1024))
+    engine = KVEngine(hybrid_layout(page_bytes=16 * 1024))
     answered: list[str] = []
     with run_sidecar_process({"stages": {"batching": {"deadline_ms": 20.0}}}) as sidecar:
         with anyio.fail_after(60):
@@ -256,7 +229,7 @@ async def test_sigterm_mid_stream_answers_every_request_and_exits_zero() -> None
                     ids = list(range(first, first + 4))
                     try:
                         result = await client.save(
-                            f"r{index}", tokens_of(64, seed=1000 + index), [ids, [63], ids])
+                            f"r{index}", random_tokens(64, seed=1000 + index), [ids, [63], ids])
                         assert result.stored + result.present + result.skipped + result.failed == 8
                         answered.append("done")
                     except RequestRejected as exc:
@@ -266,7 +239,7 @@ async def test_sigterm_mid_stream_answers_every_request_and_exits_zero() -> None
                 async with anyio.create_task_group() as tg:
                     for index in range(60):
                         tg.start_soon(save, index)
-                    while not answered:
+                    while not answered:  # noqa: ASYNC110 - polls a list other tasks fill
                         await anyio.sleep(0.001)
                     exit_code = await anyio.to_thread.run_sync(sidecar.terminate)
     assert exit_code == 0, sidecar.log()

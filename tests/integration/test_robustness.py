@@ -1,0 +1,224 @@
+"""Overload, dead engines and hostile frames: the sidecar keeps serving everyone else."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import anyio
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.messages import ErrorReply, decode_sidecar_message
+from pipeline.testing import (
+    KVEngine,
+    SidecarProcess,
+    hybrid_layout,
+    random_tokens,
+    run_sidecar_process,
+)
+
+TIMEOUT = 30
+
+
+@pytest.fixture(scope="module")
+def sidecar() -> Iterator[SidecarProcess]:
+    with run_sidecar_process({"server": {"max_frame_bytes": 64 * 1024}}) as process:
+        yield process
+
+
+async def test_a_flood_of_saves_does_not_starve_another_engines_loads(
+    sidecar: SidecarProcess,
+) -> None:
+    """While engine A floods saves, engine B's lookups and loads all complete correctly,
+    and every one of A's saves is answered (stored, present or skipped with a reason)."""
+    layout = hybrid_layout(page_bytes=16 * 1024)
+    flooder, reader = KVEngine(layout), KVEngine(layout)
+    prefix = random_tokens(4 * 16 + 1, seed=77)
+    flood_results = []
+    with anyio.fail_after(90):
+        async with await flooder.connect(sidecar.endpoint) as a, \
+                await reader.connect(sidecar.endpoint) as b:
+            await b.save("seed", prefix, [[1, 2, 3, 4, 5], [6], [1, 2, 3, 4, 5]])
+
+            async def flood(index: int) -> None:
+                first = 1 + (index % 15) * 4
+                ids = list(range(first, first + 4))
+                flood_results.append(await a.save(
+                    f"flood-{index}", random_tokens(64, seed=10_000 + index), [ids, [63], ids]))
+
+            async with anyio.create_task_group() as tg:
+                for index in range(300):
+                    tg.start_soon(flood, index)
+                for round_ in range(10):
+                    assert await b.lookup(prefix) == 64
+                    first = 20 + (round_ % 8) * 5
+                    ids = [list(range(first, first + 5)), [62], list(range(first, first + 5))]
+                    loaded = await b.load(f"load-{round_}", prefix, ids, 64)
+                    assert loaded.loaded_tokens == 64 and not loaded.invalid_block_ids
+                    assert all(reader.same_block(0, 1 + j, reader, ids[0][j]) for j in range(4))
+    assert len(flood_results) == 300
+    reasons = {b.reason for r in flood_results for b in r.blocks if b.status == "skipped"}
+    assert reasons <= {"overloaded", "staging_full"}
+    assert all(r.failed == 0 for r in flood_results)
+
+
+frames = st.one_of(
+    st.binary(max_size=512),
+    st.builds(
+        lambda kind, body: msgspec.msgpack.encode({"kind": kind, **body}),
+        st.sampled_from(["register", "heartbeat", "lookup", "save", "load", "unregister",
+                         "bogus", ""]),
+        st.dictionaries(
+            st.sampled_from(["seq", "token_ids", "block_ids", "request_id", "num_tokens",
+                             "layout", "tensors", "engine_id", "keys", "self_test", "extra"]),
+            st.recursive(
+                st.none() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8)
+                | st.binary(max_size=8) | st.booleans(),
+                lambda inner: st.lists(inner, max_size=4)
+                | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                max_leaves=12,
+            ),
+            max_size=6,
+        ),
+    ),
+)
+
+
+def test_fuzzed_frames_each_get_an_error_and_the_sidecar_keeps_serving(
+    sidecar: SidecarProcess,
+) -> None:
+    """Thousands of generated frames from an unregistered peer each get exactly one
+    error reply; afterwards a real engine registers and saves as usual."""
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVTIMEO, TIMEOUT * 1000)
+    socket.connect(sidecar.endpoint)
+
+    @settings(max_examples=2000, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(frame=frames)
+    def one_frame(frame: bytes) -> None:
+        socket.send(frame)
+        reply = decode_sidecar_message(socket.recv())
+        assert isinstance(reply, ErrorReply), reply
+        assert reply.code in {"bad_frame", "not_registered", "bad_layout", "bad_version",
+                              "hash_mismatch", "bad_tensors"}
+        assert reply.message
+
+    try:
+        one_frame()
+        socket.send(b"x" * (64 * 1024 + 1))
+        reply = decode_sidecar_message(socket.recv())
+        assert isinstance(reply, ErrorReply) and reply.code == "too_large"
+    finally:
+        socket.close()
+        context.term()
+
+    async def still_serving() -> None:
+        engine = KVEngine(hybrid_layout())
+        with anyio.fail_after(TIMEOUT):
+            async with await engine.connect(sidecar.endpoint) as client:
+                result = await client.save("after-fuzz", random_tokens(32, seed=5),
+                                           [[1, 2], [3], [1, 2]])
+        assert result.stored + result.present == 4
+
+    anyio.run(still_serving)
+
+
+async def test_bad_requests_from_a_registered_engine_get_clear_errors(
+    sidecar: SidecarProcess,
+) -> None:
+    """Out-of-range block ids, wrong group counts and impossible loads are refused by name."""
+    from pipeline.errors import RequestRejected
+
+    engine = KVEngine(hybrid_layout())
+    tokens = random_tokens(48, seed=6)
+    cases = [
+        ("save", ([[1, 2, 999], [3], [1, 2, 3]],), "out of range"),
+        ("save", ([[1, 2, 3], [1, 2, 3]],), "expected block ids for 3"),
+        ("load", ([[1, 2, 3], [4], [1, 2, 3]], 100), "exceeds"),
+        ("load", ([[1, 2, 3], [4], [1, 2, 3]], 40), "not a multiple"),
+        ("load", ([[1, 0, 3], [4], [1, 2, 3]], 48), "gave no block"),
+    ]
+    with anyio.fail_after(TIMEOUT):
+        async with await engine.connect(sidecar.endpoint) as client:
+            for kind, args, expected in cases:
+                with pytest.raises(RequestRejected) as error:
+                    if kind == "save":
+                        await client.save("bad", tokens, *args)
+                    else:
+                        await client.load("bad", tokens, *args)
+                assert error.value.code == "bad_request"
+                assert expected in str(error.value)
+            ok = await client.save("good", tokens, [[1, 2, 3], [4], [1, 2, 3]])
+    assert ok.failed == 0
+
+
+ENGINE_SCRIPT = textwrap.dedent("""
+    import sys, anyio
+    from pipeline.testing import KVEngine, hybrid_layout, random_tokens
+
+    async def main():
+        engine = KVEngine(hybrid_layout(page_bytes=64 * 1024))
+        client = await engine.connect(sys.argv[1])
+        print("registered", flush=True)
+        index = 0
+        while True:  # saves until killed
+            ids = [[1, 2, 3, 4], [5], [1, 2, 3, 4]]
+            await client.save(f"r{index}", random_tokens(64, seed=index), ids)
+            index += 1
+
+    anyio.run(main)
+""")
+
+
+def _mapped_shm(pid: int) -> set[str]:
+    with open(f"/proc/{pid}/maps") as maps:
+        return {line.split()[-1] for line in maps if "/dev/shm/" in line}
+
+
+def test_an_engine_killed_mid_save_is_reaped_and_its_mappings_released() -> None:
+    """SIGKILL an engine in the middle of saving: the sidecar reaps it after the heartbeat
+    timeout, unmaps its tensors, and serves the next engine normally."""
+    overrides = {"server": {"heartbeat_timeout_s": 1.0}}
+    with run_sidecar_process(overrides) as sidecar:
+        before = _mapped_shm(sidecar.pid)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        engine = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, sidecar.endpoint],
+                                  stdout=subprocess.PIPE, text=True, cwd=root)
+        try:
+            assert engine.stdout is not None
+            assert engine.stdout.readline().strip() == "registered"
+            time.sleep(0.5)  # mid-stream
+            assert _mapped_shm(sidecar.pid) - before, "the engine's tensors should be mapped"
+        finally:
+            engine.send_signal(signal.SIGKILL)
+            engine.wait()
+        deadline = time.monotonic() + 15
+        while b"session.reaped" not in sidecar.log_path.read_bytes():
+            assert time.monotonic() < deadline, sidecar.log()
+            time.sleep(0.1)
+        while _mapped_shm(sidecar.pid) - before:
+            assert time.monotonic() < deadline, "mappings not released"
+            time.sleep(0.1)
+
+        async def next_engine() -> None:
+            other = KVEngine(hybrid_layout())
+            with anyio.fail_after(TIMEOUT):
+                async with await other.connect(sidecar.endpoint) as client:
+                    result = await client.save("next", random_tokens(32, seed=8),
+                                               [[1, 2], [3], [1, 2]])
+            assert result.failed == 0
+
+        anyio.run(next_engine)
+        assert sidecar.terminate() == 0
