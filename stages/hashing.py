@@ -8,7 +8,7 @@ from __future__ import annotations
 import anyio
 
 from pipeline.jobs import BlockTask, Job, JobTracker
-from pipeline.store import KeyOutcome, BlockStatus
+from pipeline.store import BlockStatus, KeyOutcome
 
 __all__ = ["HashingStage"]
 
