@@ -31,6 +31,7 @@ from __future__ import annotations
 import urllib.parse
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
@@ -39,8 +40,8 @@ import anyio.to_thread
 import structlog
 import torch
 
-from pipeline.config import ConfigError, MooncakeStoreConfig
-from pipeline.errors import StoreError
+from pipeline.config import MooncakeStoreConfig
+from pipeline.errors import ConfigError, StoreError
 from pipeline.store import (
     LOADED,
     MISSING,
@@ -145,52 +146,25 @@ class MooncakeStore:
         return [code == 1 for code in codes]
 
     async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
-        outcomes = self._check_values(keys, values)
-        todo = [i for i, outcome in enumerate(outcomes) if outcome is None]
-        if todo:
-            present = await self._call(
-                "batch_is_exist", self._client.batch_is_exist, [keys[i] for i in todo]
-            )
-            self._raise_if_unreachable("batch_is_exist", present)
-            first: dict[str, int] = {}
-            send: list[int] = []
-            for i, code in zip(todo, present, strict=True):
-                if code == 1 or keys[i] in first:
-                    outcomes[i] = PRESENT
-                else:
-                    first[keys[i]] = i
-                    send.append(i)
-            if send:
-                codes = await self._call(
-                    "batch_put_from",
-                    self._client.batch_put_from,
-                    [keys[i] for i in send],
-                    [values[i].data_ptr() for i in send],
-                    [values[i].numel() for i in send],
-                    self._replicate_config,
-                )
-                self._raise_if_unreachable("batch_put_from", codes)
-                for i, code in zip(send, codes, strict=True):
-                    outcomes[i] = _put_outcome(code)
-        return _complete(outcomes)
+        batch = self._prepare(keys, values)
+        if batch.keys:
+            outcomes = await self._call("batch_put_from", self._put_absent, batch)
+            for i, outcome in zip(batch.index, outcomes, strict=True):
+                batch.outcomes[i] = outcome
+        return _complete(batch.outcomes)
 
     async def get_into(
         self, keys: Sequence[str], buffers: Sequence[torch.Tensor]
     ) -> list[KeyOutcome]:
-        outcomes = self._check_values(keys, buffers)
-        todo = [i for i, outcome in enumerate(outcomes) if outcome is None]
-        if todo:
+        batch = self._prepare(keys, buffers)
+        if batch.keys:
             codes = await self._call(
-                "batch_get_into",
-                self._client.batch_get_into,
-                [keys[i] for i in todo],
-                [buffers[i].data_ptr() for i in todo],
-                [buffers[i].numel() for i in todo],
+                "batch_get_into", self._client.batch_get_into, batch.keys, batch.ptrs, batch.sizes
             )
             self._raise_if_unreachable("batch_get_into", codes)
-            for i, code in zip(todo, codes, strict=True):
-                outcomes[i] = _get_outcome(code, buffers[i].numel())
-        return _complete(outcomes)
+            for i, code, size in zip(batch.index, codes, batch.sizes, strict=True):
+                batch.outcomes[i] = _get_outcome(code, size)
+        return _complete(batch.outcomes)
 
     async def remove(self, keys: Sequence[str]) -> int:
         if not keys:
@@ -267,21 +241,63 @@ class MooncakeStore:
     def _registered_range(self, start: int, size: int) -> bool:
         return any(low <= start and start + size <= high for low, high, _ in self._registered)
 
-    def _check_values(
-        self, keys: Sequence[str], values: Sequence[torch.Tensor]
-    ) -> list[KeyOutcome | None]:
+    def _prepare(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> _Batch:
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        outcomes: list[KeyOutcome | None] = []
-        for value in values:
+        batch = _Batch()
+        for i, (key, value) in enumerate(zip(keys, values, strict=True)):
             try:
                 _check_staging(value, "value")
             except ValueError:
-                outcomes.append(failed("bad_buffer"))
+                batch.outcomes.append(failed("bad_buffer"))
                 continue
-            registered = self._registered_range(value.data_ptr(), value.numel())
-            outcomes.append(None if registered else failed("unregistered_buffer"))
+            ptr, size = value.data_ptr(), value.numel()
+            if not self._registered_range(ptr, size):
+                batch.outcomes.append(failed("unregistered_buffer"))
+                continue
+            batch.outcomes.append(None)
+            batch.index.append(i)
+            batch.keys.append(key)
+            batch.ptrs.append(ptr)
+            batch.sizes.append(size)
+        return batch
+
+    def _put_absent(self, batch: _Batch) -> list[KeyOutcome]:
+        """In a worker thread: the existence check and the put, in one hop."""
+        present = self._client.batch_is_exist(batch.keys)
+        self._raise_if_unreachable("batch_is_exist", present)
+        first: dict[str, int] = {}  # key -> its first position, for keys to send
+        for j, (key, code) in enumerate(zip(batch.keys, present, strict=True)):
+            if code != 1:
+                first.setdefault(key, j)
+        outcomes = [PRESENT] * len(batch.keys)
+        if first:
+            send = list(first.values())
+            codes = self._client.batch_put_from(
+                [batch.keys[j] for j in send],
+                [batch.ptrs[j] for j in send],
+                [batch.sizes[j] for j in send],
+                self._replicate_config,
+            )
+            self._raise_if_unreachable("batch_put_from", codes)
+            for j, code in zip(send, codes, strict=True):
+                outcomes[j] = _put_outcome(code)
+            for j, key in enumerate(batch.keys):
+                sent = first.get(key, j)
+                if sent != j and outcomes[sent] not in (STORED, PRESENT):
+                    outcomes[j] = outcomes[sent]  # a later copy shares its first's fate
         return outcomes
+
+
+@dataclass(slots=True)
+class _Batch:
+    """One call's keys: an outcome slot for each, byte ranges for those that passed checks."""
+
+    outcomes: list[KeyOutcome | None] = field(default_factory=list)
+    index: list[int] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    ptrs: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
 
 
 async def open_mooncake_store(config: MooncakeStoreConfig) -> MooncakeStore:
