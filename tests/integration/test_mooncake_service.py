@@ -1,0 +1,89 @@
+"""Sidecars on a real Mooncake cluster (a real mooncake_master on 127.0.0.1)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import psutil
+import pytest
+import pytest_asyncio
+
+from pipeline.config import MooncakeStoreConfig
+from pipeline.testing import KVEngine, hybrid_layout, random_tokens, run_sidecar_process
+from transport.mooncake_master import EmbeddedMaster, open_embedded_master
+
+pytestmark = pytest.mark.mooncake
+
+MIB = 1024 * 1024
+TIMEOUT = 60
+STAGING = {"pool_bytes": 16 * MIB, "slot_bytes": 1 * MIB, "load_slots": 4}
+
+
+def mooncake_overrides(master: EmbeddedMaster | None = None) -> dict[str, Any]:
+    mooncake: dict[str, Any] = {"global_segment_bytes": 64 * MIB,
+                                "local_buffer_bytes": 16 * MIB}
+    if master is not None:
+        mooncake["master"] = master.endpoints.master_address
+        mooncake["metadata_server"] = master.endpoints.metadata_server
+    return {"store": {"backend": "mooncake", "mooncake": mooncake}, "staging": STAGING}
+
+
+@pytest_asyncio.fixture
+async def master() -> AsyncIterator[EmbeddedMaster]:
+    with anyio.fail_after(30):
+        started = await open_embedded_master(MooncakeStoreConfig())
+    async with started:
+        yield started
+
+
+async def test_save_lookup_load_through_a_sidecar_on_mooncake_is_byte_exact() -> None:
+    """With its own embedded master, a sidecar stores, dedups, finds and loads exactly;
+    on SIGTERM it stops the master too."""
+    layout = hybrid_layout(page_bytes=8192)
+    writer, reader = KVEngine(layout), KVEngine(layout)
+    tokens = random_tokens(4 * 16 + 3, seed=21)
+    with run_sidecar_process(mooncake_overrides()) as sidecar:
+        with anyio.fail_after(TIMEOUT):
+            async with await writer.connect(sidecar.endpoint) as a, \
+                    await reader.connect(sidecar.endpoint) as b:
+                first = await a.save("w", tokens, [[1, 2, 3, 4, 5], [6], [1, 2, 3, 4, 5]])
+                again = await a.save("w2", tokens, [[1, 2, 3, 4, 5], [6], [1, 2, 3, 4, 5]])
+                hit = await b.lookup(tokens)
+                loaded = await b.load("r", tokens, [[11, 12, 13, 14, 15], [9],
+                                                   [21, 22, 23, 24, 25]], hit)
+        masters = [p for p in psutil.Process(sidecar.pid).children(recursive=True)
+                   if "mooncake_master" in p.name()]
+        assert masters, "the sidecar should run its own master"
+        assert sidecar.terminate() == 0, sidecar.log()
+    assert (first.stored, first.failed) == (8, 0)
+    assert (again.present, again.stored) == (8, 0)
+    assert hit == 64 and loaded.loaded_tokens == 64 and not loaded.invalid_block_ids
+    assert all(writer.same_block(0, 1 + j, reader, 11 + j) for j in range(4))
+    assert writer.same_block(2, 4, reader, 24)
+    for process in masters:
+        assert not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+
+
+async def test_two_sidecars_share_blocks_through_one_mooncake_cluster(
+    master: EmbeddedMaster,
+) -> None:
+    """Scale-out: engine A saves through sidecar A, engine B loads the same prefix byte
+    for byte through sidecar B; each sidecar contributes its own segment to one master."""
+    layout = hybrid_layout(page_bytes=8192)
+    engine_a, engine_b = KVEngine(layout), KVEngine(layout)
+    tokens = random_tokens(3 * 16 + 1, seed=22)
+    with run_sidecar_process(mooncake_overrides(master)) as sidecar_a, \
+            run_sidecar_process(mooncake_overrides(master)) as sidecar_b:
+        with anyio.fail_after(TIMEOUT):
+            async with await engine_a.connect(sidecar_a.endpoint) as a, \
+                    await engine_b.connect(sidecar_b.endpoint) as b:
+                saved = await a.save("a", tokens, [[1, 2, 3, 4], [5], [1, 2, 3, 4]])
+                hit = await b.lookup(tokens)
+                loaded = await b.load("b", tokens, [[31, 32, 33, 34], [7],
+                                                   [41, 42, 43, 44]], hit)
+    assert saved.stored == 6
+    assert hit == 48 and loaded.loaded_tokens == 48 and not loaded.invalid_block_ids
+    assert all(engine_a.same_block(0, 1 + j, engine_b, 31 + j) for j in range(3))
+    assert engine_a.same_block(2, 3, engine_b, 43)
