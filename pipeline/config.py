@@ -21,6 +21,8 @@ __all__ = [
     "Config",
     "ConfigError",
     "EmbeddedStoreConfig",
+    "FaultPointConfig",
+    "FaultsConfig",
     "LoggingConfig",
     "MooncakeStoreConfig",
     "ReceiveStageConfig",
@@ -184,6 +186,36 @@ class StoreConfig(_Section, frozen=True):
     mooncake: MooncakeStoreConfig = MooncakeStoreConfig()
 
 
+FAULT_POINTS = frozenset({
+    "stage.group_filter", "stage.hashing", "stage.dedup", "stage.transfer", "stage.commit",
+    "stage.fetch", "stage.scatter", "store.exists", "store.put", "store.get",
+})
+Probability = Annotated[float, msgspec.Meta(ge=0, le=1)]
+
+
+class FaultPointConfig(_Section, frozen=True):
+    error_rate: Probability = 0.0
+    """Probability that one call at this point fails."""
+    delay_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Added to every call at this point."""
+    corrupt_rate: Probability = 0.0
+    """``store.get`` only: probability that one loaded value gets a flipped byte."""
+
+
+class FaultsConfig(_Section, frozen=True):
+    """Fault injection for testing: off unless points are named."""
+
+    seed: int = 0
+    points: dict[str, FaultPointConfig] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.points) - FAULT_POINTS
+        if unknown:
+            raise ValueError(
+                f"unknown fault points {sorted(unknown)}; known: {sorted(FAULT_POINTS)}"
+            )
+
+
 class LoggingConfig(_Section, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -195,6 +227,7 @@ class Config(_Section, frozen=True):
     stages: StagesConfig = StagesConfig()
     staging: StagingConfig = StagingConfig()
     store: StoreConfig = StoreConfig()
+    faults: FaultsConfig = FaultsConfig()
     logging: LoggingConfig = LoggingConfig()
 
 
