@@ -29,6 +29,7 @@ from pipeline.layout import KVCacheLayout
 from pipeline.messages import (
     BlockReport,
     EngineMessage,
+    ErrorCode,
     ErrorReply,
     HashSelfTest,
     Heartbeat,
@@ -106,7 +107,9 @@ class EngineClient:
         self._seq = itertools.count(1)
         self._recv_lock = anyio.Lock()
         self._replies: dict[int, SidecarMessage] = {}
+        self._waiting: set[int] = set()
         self._closed = False
+        self._registration: Register | None = None
         self.registered: Registered | None = None
 
     @classmethod
@@ -149,16 +152,24 @@ class EngineClient:
         socket.setsockopt(zmq.IDENTITY, engine_id.encode())
         socket.connect(endpoint)
         client = cls(socket, context, timeout_s)
+        registration = Register(engine_id, layout.to_dict(), handles, self_test, hash_seed)
         try:
-            reply = await client._call(
-                0, Register(engine_id, layout.to_dict(), handles, self_test, hash_seed)
-            )
+            reply = await client._call(0, registration)
         except BaseException:
             await client.aclose()
             raise
         assert isinstance(reply, Registered)
         client.registered = reply
+        client._registration = registration
         return client
+
+    async def run_heartbeats(self, interval_s: float = 5.0) -> None:
+        """Send a heartbeat every ``interval_s`` until cancelled, so an idle engine is not
+        reaped (any request counts as one too). Run it in the engine's task group."""
+        while True:
+            await anyio.sleep(interval_s)
+            with contextlib.suppress(TransportError, RequestRejected):
+                await self.heartbeat()
 
     async def lookup(self, token_ids: Sequence[int], **request_keys: Any) -> int:
         """Tokens from the start of the request that can be loaded (a multiple of the
@@ -228,28 +239,48 @@ class EngineClient:
         await self.aclose()
 
     async def _call(self, seq: int, message: EngineMessage) -> SidecarMessage:
+        """Send and wait for the reply; re-register once if the sidecar forgot us."""
+        reply = await self._exchange(seq, message)
+        if (
+            isinstance(reply, ErrorReply)
+            and reply.code == ErrorCode.NOT_REGISTERED
+            and self._registration is not None
+        ):
+            # The sidecar restarted or reaped us: register again, then retry once.
+            registered = await self._exchange(0, self._registration)
+            if isinstance(registered, Registered):
+                self.registered = registered
+                reply = await self._exchange(seq, message)
+            else:
+                reply = registered
+        if isinstance(reply, ErrorReply):
+            raise RequestRejected(reply.code, reply.message)
+        return reply
+
+    async def _exchange(self, seq: int, message: EngineMessage) -> SidecarMessage:
         if self._closed:
             raise TransportError("client is closed")
-        await self._socket.send(encode(message))
+        self._waiting.add(seq)
         try:
+            await self._socket.send(encode(message))
             with anyio.fail_after(self._timeout_s):
                 while seq not in self._replies:
                     async with self._recv_lock:
                         if seq in self._replies:
                             break
-                        frame = await self._socket.recv()
-                        reply = decode_sidecar_message(frame)
-                        self._replies[getattr(reply, "seq", 0)] = reply
+                        reply = decode_sidecar_message(await self._socket.recv())
+                        reply_seq = getattr(reply, "seq", 0)
+                        if reply_seq in self._waiting:  # else: a call that gave up on it
+                            self._replies[reply_seq] = reply
         except TimeoutError as exc:
             raise TransportError(
                 f"no reply from the sidecar within {self._timeout_s}s ({type(message).__name__})"
             ) from exc
         finally:
+            self._waiting.discard(seq)
             reply_or_none = self._replies.pop(seq, None)
         if reply_or_none is None:
             raise ProtocolError("reply lost")
-        if isinstance(reply_or_none, ErrorReply):
-            raise RequestRejected(reply_or_none.code, reply_or_none.message)
         return reply_or_none
 
 
@@ -260,7 +291,10 @@ def _blocks(block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
 class BlockingEngineClient:
     """The same API for engine threads that do not run an event loop."""
 
-    def __init__(self, endpoint: str, **connect_kwargs: Any) -> None:
+    def __init__(
+        self, endpoint: str, *, heartbeat_interval_s: float = 5.0, **connect_kwargs: Any
+    ) -> None:
+        """Connect like ``EngineClient.connect``; heartbeats run in the client's own thread."""
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
         try:
@@ -270,6 +304,9 @@ class BlockingEngineClient:
         except BaseException:
             self._portal_cm.__exit__(None, None, None)
             raise
+        self._heartbeats = self._portal.start_task_soon(
+            self._client.run_heartbeats, heartbeat_interval_s
+        )
 
     @property
     def registered(self) -> Registered | None:
@@ -294,6 +331,7 @@ class BlockingEngineClient:
 
     def close(self) -> None:
         try:
+            self._heartbeats.cancel()
             self._portal.call(self._client.aclose)
         finally:
             self._portal_cm.__exit__(None, None, None)

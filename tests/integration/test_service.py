@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import anyio
 import psutil
 import pytest
+import torch
 import zmq
 
 from pipeline.errors import RequestRejected
@@ -28,6 +29,7 @@ from pipeline.testing import (
     random_tokens,
     run_sidecar_process,
 )
+from transport.client import EngineClient
 from transport.tensors import tensor_handle
 
 NUM_BLOCKS = 64
@@ -245,3 +247,67 @@ async def test_sigterm_mid_stream_answers_every_request_and_exits_zero() -> None
     assert exit_code == 0, sidecar.log()
     assert len(answered) == 60
     assert "done" in answered
+
+
+def test_blocking_client_for_engine_threads(sidecar: SidecarProcess) -> None:
+    """The blocking wrapper offers the same API to code without an event loop."""
+    from transport.client import BlockingEngineClient
+
+    engine = KVEngine(hybrid_layout())
+    tokens = random_tokens(2 * 16 + 1, seed=11)
+    with BlockingEngineClient(sidecar.endpoint, layout=engine.layout,
+                              kv_caches=engine.kv_caches, heartbeat_interval_s=0.05) as client:
+        assert client.save("r", tokens, [[1, 2, 3], [4], [1, 2, 3]]).stored == 4
+        assert client.lookup(tokens) == 32
+        assert client.load("r2", tokens, [[5, 6, 7], [8], [5, 6, 7]], 32).loaded_tokens == 32
+    assert engine.same_block(0, 1, engine, 5) and engine.same_block(0, 2, engine, 6)
+
+
+async def test_kv_first_tensors_round_trip(sidecar: SidecarProcess) -> None:
+    """Engines with vLLM's K/V-first tensors [2, num_blocks, ...] share blocks exactly."""
+    from transport.tensors import shared_kv_tensor
+
+    layout = {"model": "kvfirst", "groups": [
+        {"kind": "full_attention", "block_size": 16, "layers": ["l0", "l1"],
+         "page_bytes": 2 * 16 * 4 * 8 * 2}]}
+
+    def tensors() -> dict[str, torch.Tensor]:
+        caches = {name: shared_kv_tensor((2, 32, 16, 4, 8), torch.bfloat16)
+                  for name in ("l0", "l1")}
+        for tensor in caches.values():
+            tensor.normal_()
+        return caches
+
+    a, b = tensors(), tensors()
+    tokens = random_tokens(3 * 16 + 1, seed=12)
+    with anyio.fail_after(TIMEOUT):
+        async with await EngineClient.connect(sidecar.endpoint, layout=layout, kv_caches=a,
+                                              kv_cache_shape="kv_first") as ca, \
+                await EngineClient.connect(sidecar.endpoint, layout=layout, kv_caches=b,
+                                           kv_cache_shape="kv_first") as cb:
+            assert (await ca.save("a", tokens, [[1, 2, 3]])).stored == 3
+            loaded = await cb.load("b", tokens, [[7, 8, 9]], await cb.lookup(tokens))
+    assert loaded.loaded_tokens == 48
+    for name in ("l0", "l1"):
+        assert torch.equal(a[name][:, 1:4], b[name][:, 7:10])
+
+
+async def test_engine_reregisters_with_a_restarted_sidecar() -> None:
+    """After the sidecar restarts on the same endpoint, the engine's next request
+    re-registers by itself and succeeds; the engine is not restarted."""
+    engine = KVEngine(hybrid_layout())
+    tokens = random_tokens(2 * 16 + 1, seed=13)
+    with run_sidecar_process() as first:
+        endpoint = first.endpoint
+        overrides = {"server": {"endpoint": endpoint}}
+        with anyio.fail_after(TIMEOUT):
+            client = await engine.connect(endpoint, timeout_s=10)
+            assert (await client.save("r1", tokens, [[1, 2, 3], [4], [1, 2, 3]])).stored == 4
+        assert first.terminate() == 0
+        with run_sidecar_process(overrides):
+            with anyio.fail_after(TIMEOUT):
+                # The new sidecar's store is empty: the save stores again.
+                result = await client.save("r2", tokens, [[1, 2, 3], [4], [1, 2, 3]])
+                assert result.stored == 4
+                assert await client.lookup(tokens) == 32
+                await client.aclose()
