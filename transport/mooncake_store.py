@@ -58,7 +58,9 @@ __all__ = [
     "OBJECT_NOT_FOUND",
     "MooncakeClient",
     "MooncakeStore",
+    "get_outcome",
     "open_mooncake_store",
+    "put_outcome",
 ]
 
 log = structlog.get_logger("kvsidecar.store.mooncake")
@@ -163,7 +165,7 @@ class MooncakeStore:
             )
             self._raise_if_unreachable("batch_get_into", codes)
             for i, code, size in zip(batch.index, codes, batch.sizes, strict=True):
-                batch.outcomes[i] = _get_outcome(code, size)
+                batch.outcomes[i] = get_outcome(code, size)
         return _complete(batch.outcomes)
 
     async def remove(self, keys: Sequence[str]) -> int:
@@ -242,17 +244,23 @@ class MooncakeStore:
         return any(low <= start and start + size <= high for low, high, _ in self._registered)
 
     def _prepare(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> _Batch:
+        # Per block on the hot path: checks kept to a few attribute reads.
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         batch = _Batch()
+        ranges = [(low, high) for low, high, _ in self._registered]
         for i, (key, value) in enumerate(zip(keys, values, strict=True)):
-            try:
-                _check_staging(value, "value")
-            except ValueError:
+            if value.dtype is not torch.uint8 or (
+                value.stride() != (1,) and (value.dim() != 1 or not value.is_contiguous())
+            ):
                 batch.outcomes.append(failed("bad_buffer"))
                 continue
-            ptr, size = value.data_ptr(), value.numel()
-            if not self._registered_range(ptr, size):
+            ptr = value.data_ptr()
+            size = value.numel()
+            for low, high in ranges:
+                if low <= ptr and ptr + size <= high:
+                    break
+            else:
                 batch.outcomes.append(failed("unregistered_buffer"))
                 continue
             batch.outcomes.append(None)
@@ -281,7 +289,7 @@ class MooncakeStore:
             )
             self._raise_if_unreachable("batch_put_from", codes)
             for j, code in zip(send, codes, strict=True):
-                outcomes[j] = _put_outcome(code)
+                outcomes[j] = put_outcome(code)
             for j, key in enumerate(batch.keys):
                 sent = first.get(key, j)
                 if sent != j and outcomes[sent] not in (STORED, PRESENT):
@@ -425,7 +433,8 @@ def _setup_call(client: Any, config: MooncakeStoreConfig, endpoints: MasterEndpo
     return setup
 
 
-def _put_outcome(code: int) -> KeyOutcome:
+def put_outcome(code: int) -> KeyOutcome:
+    """A ``batch_put_from`` per-key code as a store outcome."""
     if code == OK:
         return STORED
     if code == OBJECT_ALREADY_EXISTS:
@@ -435,7 +444,8 @@ def _put_outcome(code: int) -> KeyOutcome:
     return failed(f"mooncake:{code}")
 
 
-def _get_outcome(code: int, expected: int) -> KeyOutcome:
+def get_outcome(code: int, expected: int) -> KeyOutcome:
+    """A ``batch_get_into`` per-key code (bytes read, or an error) as a store outcome."""
     if code == expected:
         return LOADED
     if code == OBJECT_NOT_FOUND:

@@ -20,9 +20,24 @@ from anyio.streams.text import TextReceiveStream
 
 from pipeline.config import MooncakeStoreConfig
 from pipeline.errors import StoreError
-from pipeline.store import LOADED, MISSING, PRESENT, STORE_FULL, STORED, BlockStatus, KVStore
+from pipeline.store import (
+    LOADED,
+    MISSING,
+    PRESENT,
+    STORE_FULL,
+    STORED,
+    BlockStatus,
+    KeyOutcome,
+    KVStore,
+    failed,
+)
 from transport.mooncake_master import EmbeddedMaster, open_embedded_master
-from transport.mooncake_store import MooncakeStore, open_mooncake_store
+from transport.mooncake_store import (
+    MooncakeStore,
+    get_outcome,
+    open_mooncake_store,
+    put_outcome,
+)
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.asyncio(loop_scope="module")]
 
@@ -107,6 +122,31 @@ async def poll_until(check: Callable[[], Awaitable[object]]) -> None:
 def fill_random(view: torch.Tensor, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     view.copy_(torch.randint(0, 256, view.shape, dtype=torch.uint8, generator=generator))
+
+
+@pytest.mark.parametrize(
+    ("code", "outcome"),
+    [(0, STORED), (-705, PRESENT), (-200, STORE_FULL), (-900, failed("mooncake:-900"))],
+)
+async def test_put_codes_map_to_outcomes(code: int, outcome: KeyOutcome) -> None:
+    """Mooncake's put codes: OK stored, exists present, no handle full, others failed."""
+    assert put_outcome(code) == outcome
+
+
+@pytest.mark.parametrize(
+    ("code", "outcome"),
+    [
+        (4096, LOADED),
+        (-704, MISSING),
+        (1024, failed("size_mismatch")),
+        (-600, failed("mooncake:-600")),  # buffer too small
+        (-707, failed("mooncake:-707")),  # lease expired mid-transfer: never loaded
+        (-800, failed("mooncake:-800")),
+    ],
+)
+async def test_get_codes_map_to_outcomes(code: int, outcome: KeyOutcome) -> None:
+    """Only a read of exactly the expected size is LOADED; not found is MISSING."""
+    assert get_outcome(code, 4096) == outcome
 
 
 async def test_store_satisfies_the_kvstore_protocol(store: MooncakeStore) -> None:
