@@ -1,0 +1,222 @@
+"""Lookup round-trip latency through a real sidecar against a bare ZMQ round trip.
+
+The sidecar is started as ``python -m pipeline.cli serve`` on the embedded store; the
+engine (this process) calls ``EngineClient.lookup`` on realistic prompts, all of whose
+blocks are stored (hit) or none (miss). The baseline, measured in the same run and
+interleaved with it, is a bare DEALER -> ROUTER -> DEALER round trip on the same kind of
+endpoint (ipc://, another process, the same asyncio client socket type), carrying the
+same msgpack-encoded Lookup frame and answered with a frame the size of a LookupReply.
+The in-process time to hash the prompt (pipeline.hashing.block_hashes, what the sidecar
+must do on each lookup) is shown alongside, for attribution.
+
+    python benchmarks/bench_lookup_latency.py [--tokens 1024 4096 8192] [--calls 100]
+        [--repeat 5] [--config configs/default.yaml] [--profile {cprofile,py-spy}]
+
+Ratio is sidecar p50 over bare p50 (goal: <= 3). Each figure is the median over
+``--repeat`` repetitions of that repetition's p50 / p99 over ``--calls`` calls. Results
+are also written to benchmarks/results/bench_lookup_latency.json.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Idle OpenMP threads must not spin: on a small machine the sidecar's spinning copy
+# threads steal the cores the engine's baseline copy runs on, and the engine's steal
+# the sidecar's, so neither side would be measured fairly. Set before torch loads
+# OpenMP; the sidecar process inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import contextlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+import zmq
+import zmq.asyncio
+from harness import (
+    DEFAULT_CONFIG,
+    RESULTS_DIR,
+    ROOT,
+    median,
+    percentile,
+    spawned_sidecar,
+    write_results,
+)
+
+from pipeline.hashing import block_hashes
+from pipeline.messages import Lookup, LookupReply, RequestKeys, encode
+from transport.client import EngineClient
+from transport.tensors import shared_kv_tensor
+
+GOAL = 3.0
+BLOCK_SIZE = 16
+LAYERS = 4
+PAGE_BYTES = 16 * 1024
+
+# A ROUTER that answers every frame at once with a fixed reply: the least a server can do.
+ECHO_SERVER = """
+import sys, zmq
+context = zmq.Context()
+socket = context.socket(zmq.ROUTER)
+socket.setsockopt(zmq.LINGER, 0)
+socket.bind(sys.argv[1])
+reply = bytes.fromhex(sys.argv[2])
+while True:
+    identity, _frame = socket.recv_multipart()
+    socket.send_multipart([identity, reply])
+"""
+
+
+@contextlib.contextmanager
+def spawned_echo_server(reply: bytes) -> Iterator[str]:
+    workdir = Path(tempfile.mkdtemp(prefix="kvsidecar-echo-"))
+    sock = workdir / "echo.sock"
+    endpoint = f"ipc://{sock}"
+    process = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, endpoint, reply.hex()])
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("echo server did not start")
+            time.sleep(0.02)
+        yield endpoint
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        with contextlib.suppress(OSError):
+            sock.unlink()
+            workdir.rmdir()
+
+
+async def sample(call: Callable[[], Awaitable[Any]], calls: int) -> list[float]:
+    """Seconds of each of ``calls`` sequential calls."""
+    out = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        await call()
+        out.append(time.perf_counter() - started)
+    return out
+
+
+async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dict[str, Any]]:
+    layout = {"model": "bench/lookup", "groups": [{
+        "kind": "full_attention", "block_size": BLOCK_SIZE, "dtype": "bfloat16",
+        "page_bytes": PAGE_BYTES, "layers": [f"layers.{i}" for i in range(LAYERS)],
+    }]}
+    most_blocks = max(args.tokens) // BLOCK_SIZE
+    kv_caches = {f"layers.{i}": shared_kv_tensor((most_blocks + 1, PAGE_BYTES // 2),
+                                                 torch.bfloat16) for i in range(LAYERS)}
+    context = zmq.asyncio.Context()
+    bare = context.socket(zmq.DEALER)
+    bare.setsockopt(zmq.LINGER, 0)
+    bare.connect(echo)
+    cases: list[tuple[str, int, list[int]]] = []
+    next_token = 1
+    for tokens in args.tokens:
+        for kind in ("hit", "miss"):
+            cases.append((kind, tokens, list(range(next_token, next_token + tokens))))
+            next_token += tokens
+    results: dict[tuple[str, int], dict[str, list[float]]] = {
+        (kind, tokens): {"bare_p50": [], "bare_p99": [], "sidecar_p50": [],
+                         "sidecar_p99": [], "hash_p50": []}
+        for kind, tokens, _ in cases
+    }
+    try:
+        async with await EngineClient.connect(sidecar, layout=layout,
+                                              kv_caches=kv_caches) as client:
+            for kind, tokens, prompt in cases:
+                if kind == "hit":
+                    blocks = tokens // BLOCK_SIZE
+                    saved = await client.save(f"warm-{tokens}", prompt,
+                                              [list(range(1, blocks + 1))])
+                    assert saved.stored == blocks, saved
+            for kind, tokens, prompt in cases:  # warm-up, and the hit rule checked
+                expected = tokens - BLOCK_SIZE if kind == "hit" else 0
+                hit = await client.lookup(prompt)
+                assert hit == expected, (kind, tokens, hit, expected)
+            for _ in range(args.repeat):
+                for kind, tokens, prompt in cases:
+                    frame = encode(Lookup(1, tuple(prompt), RequestKeys()))
+
+                    async def bare_call(frame: bytes = frame) -> None:
+                        await bare.send(frame)
+                        await bare.recv()
+
+                    # Interleaved so drift in machine load hits both alike.
+                    bare_s = await sample(bare_call, args.calls)
+                    side_s = await sample(lambda p=prompt: client.lookup(p), args.calls)
+                    hash_s = []
+                    for _ in range(max(5, args.calls // 10)):
+                        started = time.perf_counter()
+                        block_hashes(prompt[: tokens - 1], BLOCK_SIZE)
+                        hash_s.append(time.perf_counter() - started)
+                    row = results[(kind, tokens)]
+                    row["bare_p50"].append(percentile(bare_s, 0.5))
+                    row["bare_p99"].append(percentile(bare_s, 0.99))
+                    row["sidecar_p50"].append(percentile(side_s, 0.5))
+                    row["sidecar_p99"].append(percentile(side_s, 0.99))
+                    row["hash_p50"].append(percentile(hash_s, 0.5))
+    finally:
+        bare.close(0)
+        context.term()
+    rows = []
+    for (kind, tokens), samples in results.items():
+        us = {name: median(values) * 1e6 for name, values in samples.items()}
+        rows.append({"case": kind, "tokens": tokens, "us": us,
+                     "ratio_p50": us["sidecar_p50"] / us["bare_p50"],
+                     "frame_bytes": len(encode(Lookup(1, tuple(range(tokens)), RequestKeys()))),
+                     "samples_s": samples})
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--calls", type=int, default=100, help="lookups per case and repetition")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--profile", choices=["cprofile", "py-spy"], default="")
+    args = parser.parse_args(argv)
+
+    suffix = {"cprofile": "prof", "py-spy": "txt"}.get(args.profile, "")
+    profile_out = RESULTS_DIR / f"bench_lookup_latency.{suffix}" if suffix else None
+    RESULTS_DIR.mkdir(exist_ok=True)
+    print(f"{BLOCK_SIZE}-token blocks; p50/p99 over {args.calls} calls, median of "
+          f"{args.repeat}; config {args.config.name}"
+          f"{'; profiled: ' + args.profile if args.profile else ''}")
+    reply = encode(LookupReply(1, max(args.tokens)))
+    with spawned_echo_server(reply) as echo, \
+         spawned_sidecar(args.config, profile=args.profile, profile_out=profile_out) as sidecar:
+        rows = anyio.run(measure, args, sidecar, echo)
+
+    print(f"{'case':>5} {'tokens':>6} {'frame B':>8} {'bare p50':>9} {'bare p99':>9} "
+          f"{'sidecar p50':>12} {'sidecar p99':>12} {'ratio':>6} {'hash p50':>9}   (µs)")
+    worst = 0.0
+    for row in rows:
+        us = row["us"]
+        worst = max(worst, row["ratio_p50"])
+        print(f"{row['case']:>5} {row['tokens']:>6} {row['frame_bytes']:>8} "
+              f"{us['bare_p50']:>9.0f} {us['bare_p99']:>9.0f} {us['sidecar_p50']:>12.0f} "
+              f"{us['sidecar_p99']:>12.0f} {row['ratio_p50']:>6.1f} {us['hash_p50']:>9.0f}")
+    verdict = "meets" if worst <= GOAL else "misses"
+    print(f"worst p50 ratio {worst:.1f} {verdict} the goal of {GOAL}")
+    path = write_results("bench_lookup_latency", {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "goal": GOAL, "worst_ratio": worst, "rows": rows,
+        "profile": str(profile_out.name) if profile_out else None,
+    })
+    print(f"results: {path.relative_to(ROOT)}")
+    return 0 if worst <= GOAL else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""Save and load throughput through a real sidecar process against a bare torch copy.
+
+An engine (this process) owns its KV tensors in shared memory and drives a sidecar
+started as ``python -m pipeline.cli serve`` on the embedded store. Each repetition saves
+a batch of requests whose blocks are new to the store (fresh token ids, so nothing is
+deduplicated), then loads the same blocks back into other engine blocks. The baseline,
+timed in the same run on the same block ids and bytes, is the copy the sidecar must do
+at minimum: ``torch.index_select(layer, 0, ids, out=staging_columns)`` per layer for a
+save, ``layer.index_copy_(0, ids, staging_columns)`` for a load.
+
+    python benchmarks/bench_sidecar_throughput.py [--layers 16] [--page-kib 64]
+        [--engine-blocks 2048] [--requests 8] [--blocks-per-request 32]
+        [--concurrency 1 4 8] [--repeat 7] [--config configs/default.yaml]
+        [--profile {cprofile,py-spy}]
+
+Ratios are sidecar GB/s over bare-copy GB/s (goal: >= 0.8). Results are also written to
+benchmarks/results/bench_sidecar_throughput.json.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Idle OpenMP threads must not spin: on a small machine the sidecar's spinning copy
+# threads steal the cores the engine's baseline copy runs on, and the engine's steal
+# the sidecar's, so neither side would be measured fairly. Set before torch loads
+# OpenMP; the sidecar process inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+from harness import DEFAULT_CONFIG, RESULTS_DIR, ROOT, median, spawned_sidecar, write_results
+
+from pipeline.config import load_config
+from pipeline.store import BlockStatus
+from transport.client import EngineClient
+from transport.tensors import shared_kv_tensor
+
+GOAL = 0.8
+BLOCK_SIZE = 16
+
+
+def make_layout(layers: int, page_bytes: int) -> dict[str, Any]:
+    return {
+        "model": "bench/throughput",
+        "groups": [{
+            "kind": "full_attention", "block_size": BLOCK_SIZE, "dtype": "bfloat16",
+            "page_bytes": page_bytes, "layers": [f"layers.{i}" for i in range(layers)],
+        }],
+    }
+
+
+class Engine:
+    """KV tensors in shared memory and the bare-copy baseline over them."""
+
+    def __init__(self, layers: int, page_bytes: int, num_blocks: int, staging_rows: int) -> None:
+        self.kv_caches = {
+            f"layers.{i}": shared_kv_tensor((num_blocks, page_bytes // 2), torch.bfloat16)
+            for i in range(layers)
+        }
+        for tensor in self.kv_caches.values():
+            tensor.view(torch.int16).random_()
+        # The bare copy moves the bytes as 8-byte words: torch's index_copy_ on byte rows
+        # is several times slower, and the baseline must be the fastest plain copy.
+        self.word_bytes = 8 if page_bytes % 8 == 0 else 1
+        word = torch.int64 if self.word_bytes == 8 else torch.uint8
+        self.pages = [t.view(torch.uint8).view(word) for t in self.kv_caches.values()]
+        self.page_bytes = page_bytes
+        self.value_bytes = layers * page_bytes
+        # One row per block, like a staging slot; touched now so no rep pays page faults.
+        self.staging = torch.zeros(staging_rows, self.value_bytes, dtype=torch.uint8).view(word)
+
+    def _columns(self, rows: torch.Tensor, layer: int) -> torch.Tensor:
+        words = self.page_bytes // self.word_bytes
+        return rows[:, layer * words : (layer + 1) * words]
+
+    def bare_gather(self, ids: torch.Tensor) -> None:
+        rows = self.staging[: len(ids)]
+        for i, page in enumerate(self.pages):
+            torch.index_select(page, 0, ids, out=self._columns(rows, i))
+
+    def bare_scatter(self, ids: torch.Tensor) -> None:
+        rows = self.staging[: len(ids)]
+        for i, page in enumerate(self.pages):
+            page.index_copy_(0, ids, self._columns(rows, i))
+
+    def same_bytes(self, a: int, b: int) -> bool:
+        """Whether engine blocks a and b hold the same bytes in every layer."""
+        return all(torch.equal(page[a], page[b]) for page in self.pages)
+
+
+def timed(fn: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+class Workload:
+    """Fresh token ids and block ids for each repetition's requests."""
+
+    def __init__(self, requests: int, blocks_per_request: int, num_blocks: int) -> None:
+        self.requests = requests
+        self.blocks = blocks_per_request
+        self.num_blocks = num_blocks
+        self._next_token = 1
+        self._rng = random.Random(0)
+        self._round = 0
+
+    def next_round(self) -> tuple[list[list[int]], list[list[int]], list[list[int]], str]:
+        """Tokens, source block ids (saved), destination block ids (loaded into), id prefix."""
+        per_request = self.blocks * BLOCK_SIZE
+        tokens = []
+        for _ in range(self.requests):
+            tokens.append(list(range(self._next_token, self._next_token + per_request)))
+            self._next_token += per_request
+        total = self.requests * self.blocks
+        ids = self._rng.sample(range(1, self.num_blocks), 2 * total)  # 0 is the null block
+        src = [ids[r * self.blocks : (r + 1) * self.blocks] for r in range(self.requests)]
+        dst = [ids[total + r * self.blocks : total + (r + 1) * self.blocks]
+               for r in range(self.requests)]
+        self._round += 1
+        return tokens, src, dst, f"r{self._round}"
+
+
+async def run_requests(concurrency: int, calls: Sequence[Callable[[], Any]]) -> float:
+    """Run the calls with at most ``concurrency`` in flight; wall seconds for all."""
+    limiter = anyio.Semaphore(concurrency)
+
+    async def one(call: Callable[[], Any]) -> None:
+        async with limiter:
+            await call()
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for call in calls:
+            tg.start_soon(one, call)
+    return time.perf_counter() - started
+
+
+async def one_round(client: EngineClient, engine: Engine, workload: Workload,
+                    concurrency: int, *, verify: bool) -> dict[str, float]:
+    tokens, src, dst, prefix = workload.next_round()
+    src_ids = torch.tensor([b for ids in src for b in ids], dtype=torch.int64)
+    dst_ids = torch.tensor([b for ids in dst for b in ids], dtype=torch.int64)
+    problems: list[str] = []
+
+    async def save(r: int) -> None:
+        result = await client.save(f"{prefix}-{r}", tokens[r], [src[r]])
+        if result.stored != len(src[r]):
+            problems.append(f"save {r}: {result.stored} stored, {result.present} present, "
+                            f"{result.skipped} skipped, {result.failed} failed")
+
+    async def load(r: int) -> None:
+        result = await client.load(f"{prefix}-{r}", tokens[r], [dst[r]], len(tokens[r]))
+        loaded = sum(1 for b in result.blocks if b.status is BlockStatus.LOADED)
+        if loaded != len(dst[r]):
+            problems.append(f"load {r}: {loaded}/{len(dst[r])} loaded")
+
+    calls = range(workload.requests)
+    # Interleaved so drift in machine load hits the baseline and the sidecar alike.
+    bare_save = timed(lambda: engine.bare_gather(src_ids))
+    side_save = await run_requests(concurrency, [lambda r=r: save(r) for r in calls])
+    bare_load = timed(lambda: engine.bare_scatter(dst_ids))
+    side_load = await run_requests(concurrency, [lambda r=r: load(r) for r in calls])
+    if problems:
+        raise RuntimeError("; ".join(problems[:4]))
+    if verify:
+        for r in calls:
+            for a, b in zip(src[r], dst[r], strict=True):
+                if not engine.same_bytes(a, b):
+                    raise RuntimeError(f"block {b} does not hold block {a}'s bytes after load")
+    return {"bare_save": bare_save, "sidecar_save": side_save,
+            "bare_load": bare_load, "sidecar_load": side_load}
+
+
+async def measure(args: argparse.Namespace, endpoint: str, engine: Engine,
+                  layout: dict[str, Any], store_bytes: int) -> list[dict[str, Any]]:
+    workload = Workload(args.requests, args.blocks_per_request, args.engine_blocks)
+    round_bytes = args.requests * args.blocks_per_request * engine.value_bytes
+    # Fill the store's arena once so every measured round runs in steady state (pages
+    # touched, LRU evicting), as a long-running sidecar does.
+    warmup = math.ceil(store_bytes / round_bytes) + 1
+    rows = []
+    async with await EngineClient.connect(endpoint, layout=layout,
+                                          kv_caches=engine.kv_caches) as client:
+        for index in range(warmup):
+            await one_round(client, engine, workload, max(args.concurrency), verify=index == 0)
+        for concurrency in args.concurrency:
+            samples = [await one_round(client, engine, workload, concurrency, verify=False)
+                       for _ in range(args.repeat)]
+            gbps = {name: median([round_bytes / s[name] / 1e9 for s in samples])
+                    for name in samples[0]}
+            rows.append({
+                "concurrency": concurrency,
+                "round_bytes": round_bytes,
+                "gbps": gbps,
+                "save_ratio": gbps["sidecar_save"] / gbps["bare_save"],
+                "load_ratio": gbps["sidecar_load"] / gbps["bare_load"],
+                "samples_s": samples,
+            })
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--page-kib", type=int, default=64, help="bytes per block per layer")
+    parser.add_argument("--engine-blocks", type=int, default=2048)
+    parser.add_argument("--requests", type=int, default=8, help="requests per round")
+    parser.add_argument("--blocks-per-request", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--profile", choices=["cprofile", "py-spy"], default="")
+    parser.add_argument("--sidecar-env", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="environment of the sidecar process only (e.g. OMP_NUM_THREADS=1)")
+    args = parser.parse_args(argv)
+
+    config = load_config(args.config)
+    store_bytes = config.store.embedded.capacity_bytes
+    page_bytes = args.page_kib * 1024
+    total = args.requests * args.blocks_per_request
+    if 2 * total >= args.engine_blocks:
+        parser.error("--engine-blocks must exceed twice the blocks of a round")
+    if total * args.layers * page_bytes > store_bytes // 2:
+        parser.error("a round must fit in half the store (store.embedded.capacity_bytes)")
+    layout = make_layout(args.layers, page_bytes)
+    engine = Engine(args.layers, page_bytes, args.engine_blocks, total)
+    suffix = {"cprofile": "prof", "py-spy": "txt"}.get(args.profile, "")
+    profile_out = RESULTS_DIR / f"bench_sidecar_throughput.{suffix}" if suffix else None
+    RESULTS_DIR.mkdir(exist_ok=True)
+
+    print(f"{args.layers} layers x {args.page_kib} KiB pages = {engine.value_bytes >> 10} KiB "
+          f"per block; {args.requests} requests x {args.blocks_per_request} blocks = "
+          f"{total * engine.value_bytes / 2**20:.0f} MiB per round; median of {args.repeat}; "
+          f"config {args.config.name}{'; profiled: ' + args.profile if args.profile else ''}")
+    sidecar_env = dict(item.split("=", 1) for item in args.sidecar_env)
+    with spawned_sidecar(args.config, profile=args.profile, profile_out=profile_out,
+                         env=sidecar_env) as endpoint:
+        rows = anyio.run(measure, args, endpoint, engine, layout, store_bytes)
+
+    print(f"{'in flight':>9} {'bare save':>10} {'sidecar save':>13} {'ratio':>6} "
+          f"{'bare load':>10} {'sidecar load':>13} {'ratio':>6}   (GB/s)")
+    worst = math.inf
+    for row in rows:
+        g = row["gbps"]
+        worst = min(worst, row["save_ratio"], row["load_ratio"])
+        print(f"{row['concurrency']:>9} {g['bare_save']:>10.2f} {g['sidecar_save']:>13.2f} "
+              f"{row['save_ratio']:>6.2f} {g['bare_load']:>10.2f} {g['sidecar_load']:>13.2f} "
+              f"{row['load_ratio']:>6.2f}")
+    verdict = "meets" if worst >= GOAL else "misses"
+    print(f"worst ratio {worst:.2f} {verdict} the goal of {GOAL}")
+    path = write_results("bench_sidecar_throughput", {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "goal": GOAL, "worst_ratio": worst, "rows": rows,
+        "profile": str(profile_out.name) if profile_out else None,
+    })
+    print(f"results: {path.relative_to(ROOT)}")
+    return 0 if worst >= GOAL else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Shared helpers of the sidecar benchmarks: a real sidecar process, timing, results.
+
+The sidecar runs exactly as a user starts it (``python -m pipeline.cli serve``), in its
+own process, optionally under a profiler:
+
+- ``cprofile``: ``python -m cProfile -o FILE -m pipeline.cli serve ...``; the profile is
+  written when SIGTERM ends the sidecar cleanly.
+- ``py-spy``: ``py-spy record --pid`` attached to the running sidecar (sampling, so the
+  sidecar runs at full speed); stopped with SIGINT, which makes it write its output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
+
+
+@contextlib.contextmanager
+def spawned_sidecar(
+    config: Path, *, profile: str = "", profile_out: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[str]:
+    """A sidecar process on a fresh ipc:// endpoint; yields the endpoint, SIGTERMs on exit."""
+    workdir = Path(tempfile.mkdtemp(prefix="kvsidecar-bench-"))
+    sock = workdir / "sidecar.sock"
+    endpoint = f"ipc://{sock}"
+    serve = ["-m", "pipeline.cli", "serve", "--config", str(config), "--endpoint", endpoint]
+    if profile == "cprofile":
+        assert profile_out is not None
+        command = [sys.executable, "-m", "cProfile", "-o", str(profile_out), *serve]
+    else:
+        command = [sys.executable, *serve]
+    log_path = workdir / "sidecar.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                   env={**os.environ, **(env or {})})
+    spy: subprocess.Popen[bytes] | None = None
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"sidecar did not start:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.05)
+        if profile == "py-spy":
+            assert profile_out is not None
+            spy = subprocess.Popen(
+                ["py-spy", "record", "--pid", str(process.pid), "--rate", "250",
+                 "--format", "raw", "--threads", "--output", str(profile_out)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            )
+            time.sleep(1.0)  # let it attach before the measured work starts
+            if spy.poll() is not None:
+                raise RuntimeError(f"py-spy failed: {spy.stderr.read().decode()[-2000:]}")
+        yield endpoint
+    finally:
+        if spy is not None and spy.poll() is None:
+            spy.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                spy.wait(timeout=60)
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if process.returncode not in (0, None):
+            print(f"sidecar exited with {process.returncode}:\n{log_path.read_text()[-4000:]}",
+                  file=sys.stderr)
+        with contextlib.suppress(OSError):
+            log_path.unlink()
+            workdir.rmdir()
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) by nearest rank on sorted samples."""
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+    }
+
+
+def write_results(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    payload = {"benchmark": name, "environment": environment(), **payload}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
