@@ -7,8 +7,9 @@ sidecar killed with ``SIGKILL`` leaves no orphan master and no listening port be
 The kernel sends that signal when the *thread* that forked the child exits, which is
 why the master is spawned from the event loop thread and never from a worker thread.
 
-Its output goes to a file (``store.mooncake.master_log``, or a temporary file removed
-on close) rather than a pipe, which would stall the master once nobody drained it.
+Its output goes to a file (``store.mooncake.master_log``, or an unlinked temporary file
+that vanishes with the last descriptor, even after a SIGKILL) rather than a pipe, which
+would stall the master once nobody drained it. Startup errors quote its tail.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import IO
 
 import anyio
 import anyio.to_thread
+import psutil
 import structlog
 
 from pipeline.config import MooncakeStoreConfig
@@ -68,14 +70,11 @@ class EmbeddedMaster:
         self,
         process: subprocess.Popen[bytes],
         endpoints: MasterEndpoints,
-        log_path: Path,
-        *,
-        remove_log: bool,
+        log_file: IO[bytes],
     ) -> None:
         self._process = process
         self.endpoints = endpoints
-        self.log_path = log_path
-        self._remove_log = remove_log
+        self._log_file = log_file
         self._closed = False
 
     @property
@@ -86,6 +85,15 @@ class EmbeddedMaster:
     def returncode(self) -> int | None:
         return self._process.poll()
 
+    def log_tail(self, limit: int = _LOG_TAIL_BYTES) -> str:
+        """The end of the master's output (blocking file I/O: call it from a thread)."""
+        try:
+            fd = self._log_file.fileno()
+            size = os.fstat(fd).st_size
+            return os.pread(fd, limit, max(0, size - limit)).decode(errors="replace")
+        except (OSError, ValueError) as exc:  # ValueError: already closed
+            return f"<log unreadable: {exc}>"
+
     async def aclose(self) -> None:
         """Stop the master: SIGTERM to its process group, SIGKILL after a short grace."""
         if self._closed:
@@ -93,8 +101,7 @@ class EmbeddedMaster:
         self._closed = True
         with anyio.CancelScope(shield=True):
             returncode = await _terminate(self._process, TERMINATE_GRACE_S)
-            if self._remove_log:
-                self.log_path.unlink(missing_ok=True)
+            self._log_file.close()
         log.info("store.mooncake.master.stopped", pid=self.pid, returncode=returncode)
 
     async def __aenter__(self) -> EmbeddedMaster:
@@ -151,23 +158,21 @@ async def open_embedded_master(config: MooncakeStoreConfig) -> EmbeddedMaster:
         f"--eviction_high_watermark_ratio={config.eviction_high_watermark}",
         f"--eviction_ratio={config.eviction_ratio}",
     ]
-    log_path, log_file, remove_log = _open_log(config.master_log)
+    log_file = _open_log(config.master_log)
     try:
-        with log_file:
-            # Spawned here, on the event loop thread: see the module docstring.
-            process = subprocess.Popen(  # noqa: ASYNC220 - fork+exec, it does not wait
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent_hook(),
-            )
+        # Spawned here, on the event loop thread: see the module docstring.
+        process = subprocess.Popen(  # noqa: ASYNC220 - fork+exec, it does not wait
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent_hook(),
+        )
     except OSError as exc:
-        if remove_log:
-            log_path.unlink(missing_ok=True)
+        log_file.close()
         raise StoreError(f"cannot start {binary}: {exc}") from exc
-    master = EmbeddedMaster(process, endpoints, log_path, remove_log=remove_log)
+    master = EmbeddedMaster(process, endpoints, log_file)
     try:
         await _wait_until_serving(master, (rpc_port, metadata_port), config.startup_timeout_s)
     except BaseException:
@@ -178,7 +183,7 @@ async def open_embedded_master(config: MooncakeStoreConfig) -> EmbeddedMaster:
         pid=process.pid,
         master=endpoints.master_address,
         metadata_server=endpoints.metadata_server,
-        log=str(log_path),
+        log=config.master_log or None,
     )
     return master
 
@@ -186,34 +191,34 @@ async def open_embedded_master(config: MooncakeStoreConfig) -> EmbeddedMaster:
 async def _wait_until_serving(
     master: EmbeddedMaster, ports: tuple[int, ...], timeout_s: float
 ) -> None:
-    pending = list(ports)
+    # Asks the kernel which sockets the child itself listens on: a connect() test would
+    # also succeed against another process that holds the port.
     with anyio.move_on_after(timeout_s):
-        while pending:
+        while True:
             if master.returncode is not None:
-                tail = await anyio.to_thread.run_sync(_log_tail, master.log_path)
+                tail = await anyio.to_thread.run_sync(master.log_tail)
                 raise StoreError(
                     f"mooncake_master exited with code {master.returncode} during startup "
                     f"(ports {', '.join(map(str, ports))} in use?); its log ends with:\n{tail}"
                 )
-            if await _accepts(pending[0]):
-                pending.pop(0)
-            else:
-                await anyio.sleep(_POLL_INTERVAL_S)
-        return
-    tail = await anyio.to_thread.run_sync(_log_tail, master.log_path)
+            listening = await anyio.to_thread.run_sync(_listening_ports, master.pid)
+            if listening.issuperset(ports):
+                return
+            await anyio.sleep(_POLL_INTERVAL_S)
+    tail = await anyio.to_thread.run_sync(master.log_tail)
     raise StoreError(
-        f"mooncake_master did not listen on {LOOPBACK} ports {pending} within "
-        f"{timeout_s}s (store.mooncake.startup_timeout_s); its log ends with:\n{tail}"
+        f"mooncake_master did not listen on {LOOPBACK} ports {list(ports)} within "
+        f"{timeout_s}s (store.mooncake.startup_timeout_s; ports taken by another process?); "
+        f"its log ends with:\n{tail}"
     )
 
 
-async def _accepts(port: int) -> bool:
+def _listening_ports(pid: int) -> set[int]:
     try:
-        stream = await anyio.connect_tcp(LOOPBACK, port)
-    except OSError:
-        return False
-    await stream.aclose()
-    return True
+        connections = psutil.Process(pid).net_connections(kind="tcp")
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return set()
+    return {conn.laddr.port for conn in connections if conn.status == psutil.CONN_LISTEN}
 
 
 async def _terminate(process: subprocess.Popen[bytes], grace_s: float) -> int:
@@ -236,21 +241,13 @@ def _free_port() -> int:
         return port
 
 
-def _open_log(path: str) -> tuple[Path, IO[bytes], bool]:
-    if path:
-        return Path(path), open(path, "ab"), False
-    file = tempfile.NamedTemporaryFile(prefix="mooncake-master-", suffix=".log", delete=False)
-    return Path(file.name), file, True
-
-
-def _log_tail(path: Path) -> str:
+def _open_log(path: str) -> IO[bytes]:
     try:
-        with path.open("rb") as file:
-            file.seek(0, os.SEEK_END)
-            file.seek(max(0, file.tell() - _LOG_TAIL_BYTES))
-            return file.read().decode(errors="replace")
+        return open(path, "a+b") if path else tempfile.TemporaryFile(prefix="mooncake-master-")
     except OSError as exc:
-        return f"<log {path} unreadable: {exc.strerror}>"
+        raise StoreError(
+            f"cannot open the master's log {path!r} (store.mooncake.master_log): {exc.strerror}"
+        ) from exc
 
 
 def _die_with_parent_hook() -> Callable[[], None] | None:
