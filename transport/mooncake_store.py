@@ -5,7 +5,8 @@ and get names byte ranges inside them (``batch_put_from`` / ``batch_get_into``).
 blocking Mooncake call runs in a worker thread under a ``CapacityLimiter`` and is
 bounded by ``call_timeout_s``. A call that overruns it is abandoned, and since its
 thread may still write into staging memory later, the store then refuses all further
-calls: a late write must never land in a buffer that was handed out again.
+calls: a late write must never land in a buffer that was handed out again. For the same
+reason a cancelled caller is only released once its call has returned (or timed out).
 
 Mooncake facts this module relies on (0.3.13):
 
@@ -28,6 +29,7 @@ Mooncake facts this module relies on (0.3.13):
 
 from __future__ import annotations
 
+import threading
 import urllib.parse
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
@@ -36,6 +38,7 @@ from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import structlog
 import torch
@@ -73,6 +76,10 @@ OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 RPC_FAIL = -900
 
+_BUSY_POLL_S = 0.01
+_ABANDONED_CLIENTS: list[object] = []
+"""Clients closed while a timed-out call was still inside: kept alive, never destroyed."""
+
 LIBIBVERBS_HINT = "install Debian's libibverbs1 (apt-get install -y libibverbs1)"
 
 
@@ -109,10 +116,12 @@ class MooncakeStore:
         self._master_address = master_address
         self._master = master
         self._limiter = anyio.CapacityLimiter(config.max_concurrent_calls)
+        # Only ever asked by holders of a _limiter slot, so never contended: it keeps the
+        # calls off anyio's shared default thread pool, whose queue would count as call time.
+        self._threads = anyio.CapacityLimiter(config.max_concurrent_calls)
         self._registered: list[tuple[int, int, torch.Tensor]] = []
-        self._inflight = 0
-        self._idle = anyio.Event()
-        self._idle.set()
+        self._busy = 0  # calls inside the client, abandoned ones included
+        self._busy_lock = threading.Lock()
         self._unusable: str | None = None
         self._closed = False
 
@@ -182,15 +191,19 @@ class MooncakeStore:
         self._closed = True
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(self._config.close_timeout_s) as scope:
-                await self._idle.wait()
-                if self._unusable is None:
-                    await anyio.to_thread.run_sync(
-                        self._client.close, abandon_on_cancel=True
-                    )
+                while self._busy:  # noqa: ASYNC110 - counted by worker threads, no event
+                    await anyio.sleep(_BUSY_POLL_S)
+                # close() holds the GIL, so this bounds the wait above, not close itself.
+                await anyio.to_thread.run_sync(self._client.close, abandon_on_cancel=True)
             if scope.cancelled_caught:
                 log.warning(
-                    "store.mooncake.close.timeout", timeout_s=self._config.close_timeout_s
+                    "store.mooncake.close.timeout",
+                    timeout_s=self._config.close_timeout_s,
+                    calls_inside=self._busy,
                 )
+                if self._busy:
+                    # Destroying the client under a running call could crash the process.
+                    _ABANDONED_CLIENTS.append(self._client)
             self._registered.clear()
             if self._master is not None:
                 await self._master.aclose()
@@ -208,30 +221,39 @@ class MooncakeStore:
         await self.aclose()
 
     async def _call(self, op: str, func: Callable[..., T], *args: Any) -> T:
-        if self._closed:
-            raise StoreError("the mooncake store is closed")
-        if self._unusable is not None:
-            raise StoreError(self._unusable)
-        if self._inflight == 0:
-            self._idle = anyio.Event()
-        self._inflight += 1
-        try:
-            with anyio.fail_after(self._config.call_timeout_s):
-                return await anyio.to_thread.run_sync(
-                    func, *args, limiter=self._limiter, abandon_on_cancel=True
-                )
-        except TimeoutError as exc:
+        # Waiting for a slot may be cancelled and does not count against the timeout.
+        async with self._limiter:
+            if self._closed:
+                raise StoreError("the mooncake store is closed")
+            if self._unusable is not None:
+                raise StoreError(self._unusable)
+            with self._busy_lock:
+                self._busy += 1  # the worker thread takes it back when func returns
+            # Shielded: a cancelled caller must not abandon a thread that may still write
+            # into staging memory. The call is bounded by call_timeout_s instead.
+            with anyio.CancelScope(shield=True):
+                with anyio.move_on_after(self._config.call_timeout_s) as deadline:
+                    result = await anyio.to_thread.run_sync(
+                        self._run, func, *args, limiter=self._threads, abandon_on_cancel=True
+                    )
+        if deadline.cancelled_caught:
             self._unusable = (
                 f"mooncake {op} did not return within {self._config.call_timeout_s}s "
                 f"(store.mooncake.call_timeout_s); the store is unusable until restarted: "
                 f"check the master at {self._master_address} and the network"
             )
             log.error("store.mooncake.call.timeout", op=op, master=self._master_address)
-            raise StoreError(self._unusable) from exc
+            raise StoreError(self._unusable)
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        return result
+
+    def _run(self, func: Callable[..., T], *args: Any) -> T:
+        """In a worker thread: the call, then one less call inside the client."""
+        try:
+            return func(*args)
         finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
+            with self._busy_lock:
+                self._busy -= 1
 
     def _raise_if_unreachable(self, op: str, codes: Sequence[int]) -> None:
         if codes and all(code == RPC_FAIL for code in codes):

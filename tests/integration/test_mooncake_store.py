@@ -396,3 +396,19 @@ async def test_calls_after_the_master_died_raise_store_error() -> None:
                 await store.exists(["after"])
         finally:
             await store.aclose()
+
+
+async def test_a_hung_master_times_out_and_the_store_refuses_further_calls() -> None:
+    """A call past call_timeout_s raises StoreError, and so does every later call."""
+    with anyio.fail_after(30):
+        async with await open_mooncake_store(replace(SMALL, call_timeout_s=1.0)) as store:
+            assert store.master is not None
+            master = psutil.Process(store.master.pid)
+            master.suspend()
+            try:
+                with pytest.raises(StoreError, match="call_timeout_s"):
+                    await store.exists(["while-hung"])
+            finally:
+                master.resume()
+            with pytest.raises(StoreError, match="unusable"):
+                await store.exists(["after-resume"])
