@@ -33,7 +33,7 @@ import threading
 import urllib.parse
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
@@ -266,31 +266,27 @@ class MooncakeStore:
         return any(low <= start and start + size <= high for low, high, _ in self._registered)
 
     def _prepare(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> _Batch:
-        # Per block on the hot path: checks kept to a few attribute reads.
+        # On the hot path: a few comprehensions over the blocks, no per-block branching
+        # unless some value is refused.
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        batch = _Batch()
+        ptrs = [value.data_ptr() for value in values]
+        sizes = [value.numel() for value in values]
+        malformed = [i for i, value in enumerate(values) if not _is_flat_bytes(value)]
         ranges = [(low, high) for low, high, _ in self._registered]
-        for i, (key, value) in enumerate(zip(keys, values, strict=True)):
-            if value.dtype is not torch.uint8 or (
-                value.stride() != (1,) and (value.dim() != 1 or not value.is_contiguous())
-            ):
-                batch.outcomes.append(failed("bad_buffer"))
-                continue
-            ptr = value.data_ptr()
-            size = value.numel()
-            for low, high in ranges:
-                if low <= ptr and ptr + size <= high:
-                    break
-            else:
-                batch.outcomes.append(failed("unregistered_buffer"))
-                continue
-            batch.outcomes.append(None)
-            batch.index.append(i)
-            batch.keys.append(key)
-            batch.ptrs.append(ptr)
-            batch.sizes.append(size)
-        return batch
+        outside = _outside(ptrs, sizes, ranges)
+        if not malformed and not outside:
+            return _Batch([None] * len(keys), list(range(len(keys))), list(keys), ptrs, sizes)
+        refused: dict[int, KeyOutcome] = {i: failed("unregistered_buffer") for i in outside}
+        refused.update((i, failed("bad_buffer")) for i in malformed)
+        kept = [i for i in range(len(keys)) if i not in refused]
+        return _Batch(
+            [refused.get(i) for i in range(len(keys))],
+            kept,
+            [keys[i] for i in kept],
+            [ptrs[i] for i in kept],
+            [sizes[i] for i in kept],
+        )
 
     def _put_absent(self, batch: _Batch) -> list[KeyOutcome]:
         """In a worker thread: the existence check and the put, in one hop."""
@@ -323,11 +319,30 @@ class MooncakeStore:
 class _Batch:
     """One call's keys: an outcome slot for each, byte ranges for those that passed checks."""
 
-    outcomes: list[KeyOutcome | None] = field(default_factory=list)
-    index: list[int] = field(default_factory=list)
-    keys: list[str] = field(default_factory=list)
-    ptrs: list[int] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
+    outcomes: list[KeyOutcome | None]
+    index: list[int]
+    keys: list[str]
+    ptrs: list[int]
+    sizes: list[int]
+
+
+def _is_flat_bytes(value: torch.Tensor) -> bool:
+    return value.dtype is torch.uint8 and (
+        value.stride() == (1,) or (value.dim() == 1 and value.is_contiguous())
+    )
+
+
+def _outside(ptrs: list[int], sizes: list[int], ranges: list[tuple[int, int]]) -> list[int]:
+    """Positions of the byte ranges that no registered buffer contains."""
+    if len(ranges) == 1:
+        ((low, high),) = ranges
+        spans = enumerate(zip(ptrs, sizes, strict=True))
+        return [i for i, (ptr, n) in spans if ptr < low or ptr + n > high]
+    return [
+        i
+        for i, (ptr, n) in enumerate(zip(ptrs, sizes, strict=True))
+        if not any(low <= ptr and ptr + n <= high for low, high in ranges)
+    ]
 
 
 async def open_mooncake_store(config: MooncakeStoreConfig) -> MooncakeStore:
