@@ -17,7 +17,6 @@ from pipeline.errors import ConfigError
 __all__ = [
     "BatchingStageConfig",
     "BreakerConfig",
-    "CommitStageConfig",
     "Config",
     "ConfigError",
     "EmbeddedStoreConfig",
@@ -89,11 +88,8 @@ class BatchingStageConfig(StageConfig, frozen=True):
 class TransferStageConfig(StageConfig, frozen=True):
     threads: Positive = 2
     """Worker threads that copy between engine tensors and staging."""
-
-
-class CommitStageConfig(StageConfig, frozen=True):
     overflow: Literal["block", "skip"] = "block"
-    """When staging is exhausted: wait for room, or skip the save with a reported reason."""
+    """A save finding staging exhausted: wait for a slot, or skip it (staging_full)."""
 
 
 class StagesConfig(_Section, frozen=True):
@@ -103,7 +99,7 @@ class StagesConfig(_Section, frozen=True):
     dedup: StageConfig = StageConfig()
     batching: BatchingStageConfig = BatchingStageConfig()
     transfer: TransferStageConfig = TransferStageConfig()
-    commit: CommitStageConfig = CommitStageConfig()
+    commit: StageConfig = StageConfig()
     fetch: StageConfig = StageConfig()
     scatter: StageConfig = StageConfig()
     completion: StageConfig = StageConfig()
@@ -181,6 +177,9 @@ class BreakerConfig(_Section, frozen=True):
 
 class StoreConfig(_Section, frozen=True):
     backend: Literal["embedded", "mooncake"] = "embedded"
+    checksum: bool = True
+    """Seal every stored block with an xxh3 checksum (seeded by the layout fingerprint)
+    and verify it on load; a mismatch fails the block. Off: values are the raw pages."""
     breaker: BreakerConfig = BreakerConfig()
     embedded: EmbeddedStoreConfig = EmbeddedStoreConfig()
     mooncake: MooncakeStoreConfig = MooncakeStoreConfig()

@@ -28,10 +28,12 @@ class SessionRegistry:
         self,
         map_tensors: MapTensors,
         *,
+        checksum: bool = True,
         max_value_bytes: int,
         save_capacity_blocks: Callable[[int], int],
     ) -> None:
         self._map_tensors = map_tensors
+        self._checksum = checksum
         self._max_value_bytes = max_value_bytes
         self._save_capacity_blocks = save_capacity_blocks
         self.sessions: dict[bytes, EngineSession] = {}
@@ -62,11 +64,11 @@ class SessionRegistry:
         except TransportError as exc:
             raise RequestRejected(ErrorCode.BAD_TENSORS, str(exc)) from exc
         try:
-            store_groups = build_store_groups(layout, tensors)
+            store_groups = build_store_groups(layout, tensors, checksum=self._checksum)
             for geometry in store_groups:
-                if geometry.value_bytes > self._max_value_bytes:
+                if geometry.stored_bytes > self._max_value_bytes:
                     raise LayoutError(
-                        f"group {geometry.kv_group_id}: one block is {geometry.value_bytes} "
+                        f"group {geometry.kv_group_id}: one block is {geometry.stored_bytes} "
                         f"bytes, more than a staging slot ({self._max_value_bytes}); raise "
                         "staging.slot_bytes"
                     )
@@ -93,7 +95,7 @@ class SessionRegistry:
             store_group_ids=layout.prefix_cacheable_group_ids,
             layout_fingerprint=layout.fingerprint,
             save_capacity_blocks=min(
-                self._save_capacity_blocks(g.value_bytes) for g in store_groups
+                self._save_capacity_blocks(g.stored_bytes) for g in store_groups
             ),
         )
         return session, reply

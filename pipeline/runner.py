@@ -14,6 +14,8 @@ from typing import Any, Protocol, TypeVar
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
+from pipeline.errors import StoreError
+
 __all__ = ["Edge", "Stage", "create_edge", "run_batcher", "start_stage"]
 
 In = TypeVar("In")
@@ -35,8 +37,34 @@ def create_edge(size: int) -> Edge:
     return anyio.create_memory_object_stream[Any](max_buffer_size=size)
 
 
+Process = Callable[[Any], Awaitable[Any]]
+OnFailure = Callable[[Any, StoreError], Awaitable[None]]
+
+
+def _guarded(process: Process, on_failure: OnFailure | None,
+             before: Callable[[], Awaitable[None]] | None) -> Process:
+    """``process`` with the error policy: an expected per-item failure (a store error,
+    an injected fault) is handed to ``on_failure`` and the stage goes on; anything else
+    propagates and ends the service."""
+    if on_failure is None and before is None:
+        return process
+
+    async def guarded(item: Any) -> Any:
+        try:
+            if before is not None:
+                await before()
+            return await process(item)
+        except StoreError as exc:
+            if on_failure is None:
+                raise
+            await on_failure(item, exc)
+            return None
+
+    return guarded
+
+
 async def _worker(
-    process: Callable[[Any], Awaitable[Any]],
+    process: Process,
     inbox: ObjectReceiveStream[Any],
     outbox: ObjectSendStream[Any] | None,
 ) -> None:
@@ -55,16 +83,23 @@ async def _worker(
 def start_stage(
     tg: TaskGroup,
     name: str,
-    process: Callable[[Any], Awaitable[Any]],
+    process: Process,
     inbox: ObjectReceiveStream[Any],
     outbox: ObjectSendStream[Any] | None,
     *,
     workers: int = 1,
+    on_failure: OnFailure | None = None,
+    before: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Run ``workers`` copies of a stage; the originals of both streams are closed here."""
+    """Run ``workers`` copies of a stage; the originals of both streams are closed here.
+
+    ``before`` runs ahead of every item (a fault point); ``on_failure(item, error)``
+    answers an item whose processing met a store error.
+    """
+    guarded = _guarded(process, on_failure, before)
     for index in range(workers):
         tg.start_soon(
-            _worker, process, inbox.clone(), outbox.clone() if outbox else None,
+            _worker, guarded, inbox.clone(), outbox.clone() if outbox else None,
             name=f"stage.{name}.{index}",
         )
     inbox.close()

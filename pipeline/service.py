@@ -23,7 +23,8 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from pipeline.breaker import CircuitBreakerStore
 from pipeline.config import Config, StoreConfig
-from pipeline.errors import ProtocolError, RequestRejected
+from pipeline.errors import ProtocolError, RequestRejected, StoreError
+from pipeline.faults import Faults, FaultyStore
 from pipeline.hitrule import required_blocks
 from pipeline.jobs import BlockTask, Job, JobTracker
 from pipeline.layout import NULL_BLOCK_ID
@@ -35,6 +36,7 @@ from pipeline.messages import (
     HeartbeatAck,
     Load,
     Lookup,
+    LookupReply,
     Register,
     Save,
     SidecarMessage,
@@ -45,10 +47,10 @@ from pipeline.messages import (
     encode,
 )
 from pipeline.registry import MappedTensors, SessionRegistry
-from pipeline.runner import create_edge, run_batcher, start_stage
+from pipeline.runner import Edge, Process, create_edge, run_batcher, start_stage
 from pipeline.sessions import EngineSession
 from pipeline.staging import StagingPool
-from pipeline.store import BlockStatus, KeyOutcome, KVStore
+from pipeline.store import BlockStatus, KeyOutcome, KVStore, store_error_outcome
 from stages.commit import CommitStage
 from stages.completion import CompletionStage
 from stages.dedup import DedupStage
@@ -56,7 +58,7 @@ from stages.fetch import FetchStage
 from stages.group_filter import GroupFilterStage, plan_tasks
 from stages.hashing import HashingStage
 from stages.lookup import LookupRequest, LookupStage
-from stages.transfer import ScatterStage, TransferStage
+from stages.transfer import ScatterStage, StagedBatch, TransferStage
 from transport.server import SidecarSocket, open_server_socket
 from transport.tensors import MappedTensors as SharedMappings
 
@@ -69,8 +71,11 @@ OVERLOADED = KeyOutcome(BlockStatus.SKIPPED, "overloaded")
 
 
 @contextlib.asynccontextmanager
-async def open_store(config: StoreConfig) -> AsyncIterator[KVStore]:
-    """The configured store backend, closed on exit."""
+async def open_store(
+    config: StoreConfig, faults: Faults | None = None
+) -> AsyncIterator[KVStore]:
+    """The configured store backend behind a circuit breaker (and fault points, if any),
+    closed on exit."""
     store: KVStore
     if config.backend == "mooncake":
         from transport.mooncake_store import open_mooncake_store
@@ -80,6 +85,8 @@ async def open_store(config: StoreConfig) -> AsyncIterator[KVStore]:
         from transport.embedded_store import EmbeddedStore
 
         store = EmbeddedStore(config.embedded)
+    if faults is not None and faults.enabled:
+        store = FaultyStore(store, faults)
     guarded = CircuitBreakerStore(
         store,
         call_timeout_s=config.breaker.call_timeout_s,
@@ -111,14 +118,21 @@ class Sidecar:
     """One running sidecar: sessions, the receive loop and the stage graph."""
 
     def __init__(
-        self, config: Config, store: KVStore, socket: SidecarSocket, pool: StagingPool
+        self,
+        config: Config,
+        store: KVStore,
+        socket: SidecarSocket,
+        pool: StagingPool,
+        faults: Faults | None = None,
     ) -> None:
         self.config = config
+        self.faults = faults or Faults(config.faults)
         self.store = store
         self.socket = socket
         self.pool = pool
         self.registry = SessionRegistry(
             map_shared_tensors,
+            checksum=config.store.checksum,
             max_value_bytes=pool.slot_bytes,
             save_capacity_blocks=lambda value_bytes: (
                 (pool.slots - pool.load_slots) * (pool.slot_bytes // value_bytes)
@@ -155,101 +169,76 @@ class Sidecar:
         group_filter = GroupFilterStage(tracker)
         hashing = HashingStage(tracker, hash_limiter)
 
+        def stage(name: str, process: Process, edge_in: Edge, edge_out: Edge | None,
+                  workers: int) -> None:
+            point = f"stage.{name.split('.')[-1]}"
+            start_stage(
+                tg, name, process, edge_in[1], edge_out[0] if edge_out else None,
+                workers=workers, on_failure=self._fail_item,
+                before=functools.partial(self.faults.check, point) if self.faults.enabled
+                else None,
+            )
+
         def batch_limit(task: BlockTask) -> int:
-            by_bytes = self.pool.slot_bytes // task.geometry.value_bytes
+            by_bytes = self.pool.slot_bytes // task.geometry.stored_bytes
             return max(1, min(config.batching.max_blocks, by_bytes))
 
         def batch_group(task: BlockTask) -> tuple[int, int]:
             return id(task.job.session), task.store_group
 
-        deadline_s = config.batching.deadline_ms / 1000
         for path, inbox in (("save", self._save_inbox), ("load", self._load_inbox)):
             filtered = create_edge(config.group_filter.inbox_size)
             hashed = create_edge(config.hashing.inbox_size)
+            to_batch = create_edge(config.dedup.inbox_size) if path == "save" else hashed
             batched = create_edge(config.batching.inbox_size)
             staged = create_edge(config.transfer.inbox_size)
-            start_stage(
-                tg,
-                f"{path}.group_filter",
-                group_filter.process,
-                inbox[1],
-                filtered[0],
-                workers=config.group_filter.workers,
-            )
-            start_stage(
-                tg,
-                f"{path}.hashing",
-                hashing.process,
-                filtered[1],
-                hashed[0],
-                workers=config.hashing.workers,
-            )
+            stage(f"{path}.group_filter", group_filter.process, inbox, filtered,
+                  config.group_filter.workers)
+            stage(f"{path}.hashing", hashing.process, filtered, hashed, config.hashing.workers)
             if path == "save":
-                deduped = create_edge(config.dedup.inbox_size)
-                start_stage(
-                    tg,
-                    "save.dedup",
-                    DedupStage(self.store, tracker).process,
-                    hashed[1],
-                    deduped[0],
-                    workers=config.dedup.workers,
-                )
-                to_batch = deduped[1]
-            else:
-                to_batch = hashed[1]
+                stage("save.dedup", DedupStage(self.store, tracker).process, hashed, to_batch,
+                      config.dedup.workers)
             tg.start_soon(
                 functools.partial(
-                    run_batcher,
-                    to_batch,
-                    batched[0],
-                    group_of=batch_group,
-                    limit_of=batch_limit,
-                    deadline_s=deadline_s,
+                    run_batcher, to_batch[1], batched[0], group_of=batch_group,
+                    limit_of=batch_limit, deadline_s=config.batching.deadline_ms / 1000,
                 ),
                 name=f"stage.{path}.batching",
             )
             if path == "save":
-                transfer = TransferStage(self.pool, tracker, copy_limiter, config.commit)
+                transfer = TransferStage(self.pool, tracker, copy_limiter, config.transfer)
                 commit = CommitStage(self.store, self.pool, tracker)
-                start_stage(
-                    tg,
-                    "save.transfer",
-                    transfer.process,
-                    batched[1],
-                    staged[0],
-                    workers=config.transfer.workers,
-                )
-                start_stage(
-                    tg,
-                    "save.commit",
-                    commit.process,
-                    staged[1],
-                    None,
-                    workers=config.commit.workers,
-                )
+                stage("save.transfer", transfer.process, batched, staged,
+                      config.transfer.workers)
+                stage("save.commit", commit.process, staged, None, config.commit.workers)
             else:
-                fetch = FetchStage(self.store, self.pool, tracker)
+                fetch = FetchStage(self.store, self.pool, tracker, copy_limiter)
                 scatter = ScatterStage(self.pool, tracker, copy_limiter)
-                start_stage(
-                    tg,
-                    "load.fetch",
-                    fetch.process,
-                    batched[1],
-                    staged[0],
-                    workers=config.fetch.workers,
-                )
-                start_stage(
-                    tg,
-                    "load.scatter",
-                    scatter.process,
-                    staged[1],
-                    None,
-                    workers=config.scatter.workers,
-                )
+                stage("load.fetch", fetch.process, batched, staged, config.fetch.workers)
+                stage("load.scatter", scatter.process, staged, None, config.scatter.workers)
         lookup = LookupStage(self.store, self.reply, hash_limiter)
-        start_stage(
-            tg, "lookup", lookup.process, self._lookup_inbox[1], None, workers=config.lookup.workers
-        )
+        stage("lookup", lookup.process, self._lookup_inbox, None, config.lookup.workers)
+
+    async def _fail_item(self, item: object, error: StoreError) -> None:
+        """Answer every block of an item that met a store error (or an injected fault)."""
+        if isinstance(item, LookupRequest):
+            await self.reply(item.session, LookupReply(item.message.seq, 0))
+            return
+        if isinstance(item, StagedBatch):
+            self.pool.release(item.slot)
+            tasks = item.tasks
+        elif isinstance(item, Job):
+            if not item.planned and item.pending == 0:
+                self.tracker.plan(item, plan_tasks(item))
+            tasks = item.planned
+        else:
+            tasks = list(item)  # type: ignore[call-overload]
+        if not tasks:
+            return
+        saving = not tasks[0].job.is_load
+        log.info("stage.item.failed", error=str(error), blocks=len(tasks))
+        self._count("blocks.failed_in_stage", len(tasks))
+        await self.tracker.settle_all(tasks, store_error_outcome(error, saving=saving))
 
     async def _run_completions(self) -> None:
         completion = CompletionStage(self.reply, self.tracker)
@@ -440,8 +429,9 @@ async def run_sidecar(
     """Open the store and the socket, serve until ``stop``, drain, close everything."""
     staging = config.staging
     pool = StagingPool(staging.pool_bytes, staging.slot_bytes, load_slots=staging.load_slots)
-    async with open_store(config.store) as store:
+    faults = Faults(config.faults)
+    async with open_store(config.store, faults) as store:
         await store.register_buffer(pool.buffer)
         with open_server_socket(config.server) as socket:
-            sidecar = Sidecar(config, store, socket, pool)
+            sidecar = Sidecar(config, store, socket, pool, faults)
             await sidecar.run(stop, task_status=task_status)

@@ -16,6 +16,7 @@ import torch
 
 from pipeline.errors import LayoutError, ProtocolError
 from pipeline.hashing import RequestHasher, group_block_hashes
+from pipeline.integrity import CHECKSUM_BYTES, fingerprint_seed
 from pipeline.keys import layout_key_prefixes
 from pipeline.layout import NULL_BLOCK_ID, KVCacheGroup, KVCacheLayout
 from pipeline.messages import RequestKeys
@@ -43,8 +44,16 @@ class StoreGroupGeometry:
     group: KVCacheGroup
     segments: tuple[Segment, ...]
     value_bytes: int
+    """Payload bytes of one block: every segment's page, in order."""
     num_blocks: int
     key_prefix: str
+    checksum_seed: int | None = None
+    """Seed of the checksum sealed after the payload; None: values carry no checksum."""
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of one stored value: the payload plus its checksum, if any."""
+        return self.value_bytes + (0 if self.checksum_seed is None else CHECKSUM_BYTES)
 
 
 def _block_pages(layer: str, tensor: torch.Tensor, block_dim: int) -> list[torch.Tensor]:
@@ -69,12 +78,17 @@ def _block_pages(layer: str, tensor: torch.Tensor, block_dim: int) -> list[torch
 
 
 def build_store_groups(
-    layout: KVCacheLayout, tensors: Mapping[str, tuple[torch.Tensor, int]]
+    layout: KVCacheLayout,
+    tensors: Mapping[str, tuple[torch.Tensor, int]],
+    *,
+    checksum: bool = True,
 ) -> tuple[StoreGroupGeometry, ...]:
     """Store-group geometry from the mapped tensors of the payload layers.
 
-    Layers whose pages alias the same memory within a group are counted once.
+    Layers whose pages alias the same memory within a group are counted once. With
+    ``checksum`` every stored value is sealed with a checksum seeded by the fingerprint.
     """
+    seed = fingerprint_seed(layout.fingerprint) if checksum else None
     prefixes = layout_key_prefixes(layout)
     result = []
     for index, kv_group_id in enumerate(layout.prefix_cacheable_group_ids):
@@ -108,7 +122,7 @@ def build_store_groups(
         assert num_blocks is not None
         result.append(
             StoreGroupGeometry(
-                kv_group_id, group, tuple(segments), offset, num_blocks, prefixes[index]
+                kv_group_id, group, tuple(segments), offset, num_blocks, prefixes[index], seed
             )
         )
     return tuple(result)

@@ -14,11 +14,12 @@ import dataclasses
 import anyio
 import torch
 
-from pipeline.config import CommitStageConfig
+from pipeline.config import TransferStageConfig
+from pipeline.integrity import seal_rows
 from pipeline.jobs import BlockTask, JobTracker
 from pipeline.sessions import StoreGroupGeometry
 from pipeline.staging import Slot, StagingPool
-from pipeline.store import LOADED, KeyOutcome, BlockStatus
+from pipeline.store import LOADED, BlockStatus, KeyOutcome
 
 __all__ = ["ScatterStage", "StagedBatch", "TransferStage", "gather_blocks", "scatter_blocks"]
 
@@ -55,7 +56,9 @@ def _as_words(blocks: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor
     return blocks, columns
 
 
-def gather_blocks(geometry: StoreGroupGeometry, block_ids: torch.Tensor, rows: torch.Tensor) -> None:
+def gather_blocks(
+    geometry: StoreGroupGeometry, block_ids: torch.Tensor, rows: torch.Tensor
+) -> None:
     """rows[i] = the value of engine block block_ids[i] (all segments, in order)."""
     for segment in geometry.segments:
         blocks, out = _as_words(
@@ -64,13 +67,23 @@ def gather_blocks(geometry: StoreGroupGeometry, block_ids: torch.Tensor, rows: t
         torch.index_select(blocks, 0, block_ids, out=out)
 
 
-def scatter_blocks(geometry: StoreGroupGeometry, block_ids: torch.Tensor, rows: torch.Tensor) -> None:
+def scatter_blocks(
+    geometry: StoreGroupGeometry, block_ids: torch.Tensor, rows: torch.Tensor
+) -> None:
     """Engine block block_ids[i] = rows[i] (the inverse of ``gather_blocks``)."""
     for segment in geometry.segments:
         blocks, source = _as_words(
             segment.blocks, rows[:, segment.offset : segment.offset + segment.page_bytes]
         )
         blocks.index_copy_(0, block_ids, source)
+
+
+def gather_and_seal(
+    geometry: StoreGroupGeometry, block_ids: torch.Tensor, rows: torch.Tensor
+) -> None:
+    gather_blocks(geometry, block_ids, rows)
+    if geometry.checksum_seed is not None:
+        seal_rows(rows, geometry.value_bytes, geometry.checksum_seed)
 
 
 class TransferStage:
@@ -81,7 +94,7 @@ class TransferStage:
         pool: StagingPool,
         tracker: JobTracker,
         limiter: anyio.CapacityLimiter,
-        config: CommitStageConfig,
+        config: TransferStageConfig,
     ) -> None:
         self._pool = pool
         self._tracker = tracker
@@ -98,9 +111,9 @@ class TransferStage:
             slot = await self._pool.take("save")
         try:
             geometry = tasks[0].geometry
-            rows = slot.rows(len(tasks), geometry.value_bytes)
+            rows = slot.rows(len(tasks), geometry.stored_bytes)
             await anyio.to_thread.run_sync(
-                gather_blocks, geometry, _index(tasks), rows, limiter=self._limiter
+                gather_and_seal, geometry, _index(tasks), rows, limiter=self._limiter
             )
         except BaseException:
             self._pool.release(slot)

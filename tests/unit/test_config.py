@@ -82,9 +82,9 @@ def test_cli_reports_a_bad_config_with_exit_code_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`kvsidecar serve --config bad.yaml --endpoint ...` exits 2 naming the key's path."""
-    path = write(tmp_path, "stages:\n  commit: {overflow: sometimes}\n")
+    path = write(tmp_path, "stages:\n  transfer: {overflow: sometimes}\n")
     assert main(["serve", "--config", str(path), "--endpoint", "ipc:///tmp/x.sock"]) == 2
-    assert "$.stages.commit.overflow" in capsys.readouterr().err
+    assert "$.stages.transfer.overflow" in capsys.readouterr().err
 
 
 # -- unknown keys ------------------------------------------------------------------------------

@@ -138,7 +138,9 @@ def test_registration_maps_only_the_stored_groups_layers() -> None:
     assert reply.layout_fingerprint == session.layout.fingerprint
     value_bytes = 2 * 2 * 4 * 2 * 4  # two layers, K and V, 4 tokens x 2 floats each
     assert session.store_groups[0].value_bytes == value_bytes
-    assert reply.save_capacity_blocks == 4096 // value_bytes
+    # Each stored value carries its 8-byte checksum after the payload.
+    assert session.store_groups[0].stored_bytes == value_bytes + 8
+    assert reply.save_capacity_blocks == 4096 // (value_bytes + 8)
 
 
 def test_registration_accepts_a_seeded_self_test() -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from anyio.abc import ObjectReceiveStream
 
-from pipeline.config import CommitStageConfig, EmbeddedStoreConfig
+from pipeline.config import TransferStageConfig, EmbeddedStoreConfig
 from pipeline.hashing import block_hashes
 from pipeline.jobs import BlockTask, Job, JobTracker
 from pipeline.keys import store_key
@@ -169,7 +169,7 @@ def by_group(tasks: list[BlockTask]) -> list[list[BlockTask]]:
 async def run_save(h: Harness, message: Save) -> Job:
     """group_filter -> hashing -> dedup -> transfer -> commit, one batch per store group."""
     job = h.job(message)
-    transfer = TransferStage(h.pool, h.tracker, h.limiter, CommitStageConfig())
+    transfer = TransferStage(h.pool, h.tracker, h.limiter, TransferStageConfig())
     commit = CommitStage(h.store, h.pool, h.tracker)
     if await GroupFilterStage(h.tracker).process(job) is None:
         return job
@@ -185,7 +185,7 @@ async def run_save(h: Harness, message: Save) -> Job:
 async def run_load(h: Harness, message: Load) -> Job:
     """group_filter -> hashing -> fetch -> scatter, one batch per store group."""
     job = h.job(message)
-    fetch = FetchStage(h.store, h.pool, h.tracker)
+    fetch = FetchStage(h.store, h.pool, h.tracker, h.limiter)
     scatter = ScatterStage(h.pool, h.tracker, h.limiter)
     if await GroupFilterStage(h.tracker).process(job) is None:
         return job
@@ -392,7 +392,7 @@ async def test_a_middle_block_missing_loads_the_others_into_the_right_blocks() -
     token_ids = tokens(13)
     with anyio.fail_after(TIMEOUT_S):
         await run_save(h, save(token_ids, [1, 0, 3]))
-        fetch = FetchStage(h.store, h.pool, h.tracker)
+        fetch = FetchStage(h.store, h.pool, h.tracker, h.limiter)
         job = h.job(load(token_ids, 12, [5, 6, 7]))
         await GroupFilterStage(h.tracker).process(job)
         named = await HashingStage(h.tracker, h.limiter).process(job)
@@ -419,7 +419,7 @@ async def test_transfer_skips_and_reports_when_staging_is_full(hybrid: Harness) 
     job = hybrid.job(save(tokens(8), [1, 2], [9], [0, 3]))
     held = [hybrid.pool.try_take("save") for _ in range(hybrid.pool.free_slots("save"))]
     transfer = TransferStage(
-        hybrid.pool, hybrid.tracker, hybrid.limiter, CommitStageConfig(overflow="skip")
+        hybrid.pool, hybrid.tracker, hybrid.limiter, TransferStageConfig(overflow="skip")
     )
     with anyio.fail_after(TIMEOUT_S):
         await GroupFilterStage(hybrid.tracker).process(job)
@@ -435,7 +435,7 @@ async def test_commit_fails_blocks_and_frees_the_slot_when_the_store_is_down(
 ) -> None:
     """A put on a closed store fails the batch with a store reason and releases the slot."""
     job = hybrid.job(save(tokens(8), [1, 2], [9], [0, 0]))
-    transfer = TransferStage(hybrid.pool, hybrid.tracker, hybrid.limiter, CommitStageConfig())
+    transfer = TransferStage(hybrid.pool, hybrid.tracker, hybrid.limiter, TransferStageConfig())
     with anyio.fail_after(TIMEOUT_S):
         await GroupFilterStage(hybrid.tracker).process(job)
         named = await HashingStage(hybrid.tracker, hybrid.limiter).process(job)
