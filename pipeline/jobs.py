@@ -8,15 +8,15 @@ every job still open is completed with failures, so no accepted request goes una
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from anyio.abc import ObjectSendStream
 
 from pipeline.messages import BlockReport, Load, Save
 from pipeline.sessions import EngineSession, StoreGroupGeometry
-from pipeline.store import BlockStatus, KeyOutcome
+from pipeline.store import STORE_FULL, BlockStatus, KeyOutcome
 
-__all__ = ["BlockTask", "Job", "JobTracker"]
+__all__ = ["BlockTask", "Job", "JobTracker", "StorePressure"]
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -116,3 +116,30 @@ class JobTracker:
             job.pending = 0
             job.done = True
         return jobs
+
+
+class StorePressure:
+    """Requests whose blocks met a full store skip their further saves without copying,
+    until some batch is stored again (then the store has room to try)."""
+
+    def __init__(self) -> None:
+        self._requests: set[tuple[int, str]] = set()
+
+    @staticmethod
+    def _request(task: BlockTask) -> tuple[int, str]:
+        return id(task.job.session), task.job.message.request_id
+
+    def record(self, tasks: Sequence[BlockTask], outcomes: Sequence[KeyOutcome]) -> None:
+        if any(o.status is BlockStatus.STORED for o in outcomes):
+            self._requests.clear()
+        self._requests.update(
+            self._request(t) for t, o in zip(tasks, outcomes, strict=True) if o == STORE_FULL
+        )
+
+    def split(self, tasks: list[BlockTask]) -> tuple[list[BlockTask], list[BlockTask]]:
+        """(tasks to skip as store_full, tasks to save)."""
+        if not self._requests:
+            return [], tasks
+        skip = [t for t in tasks if self._request(t) in self._requests]
+        return skip, [t for t in tasks if self._request(t) not in self._requests]
+

@@ -26,7 +26,7 @@ from pipeline.config import Config, StoreConfig
 from pipeline.errors import ProtocolError, RequestRejected, StoreError
 from pipeline.faults import Faults, FaultyStore
 from pipeline.hitrule import required_blocks
-from pipeline.jobs import BlockTask, Job, JobTracker
+from pipeline.jobs import BlockTask, Job, JobTracker, StorePressure
 from pipeline.layout import NULL_BLOCK_ID
 from pipeline.messages import (
     EngineMessage,
@@ -206,8 +206,11 @@ class Sidecar:
                 name=f"stage.{path}.batching",
             )
             if path == "save":
-                transfer = TransferStage(self.pool, tracker, copy_limiter, config.transfer)
-                commit = CommitStage(self.store, self.pool, tracker)
+                pressure = StorePressure()
+                transfer = TransferStage(
+                    self.pool, tracker, copy_limiter, config.transfer, pressure
+                )
+                commit = CommitStage(self.store, self.pool, tracker, pressure)
                 stage("save.transfer", transfer.process, batched, staged,
                       config.transfer.workers)
                 stage("save.commit", commit.process, staged, None, config.commit.workers)

@@ -16,10 +16,10 @@ import torch
 
 from pipeline.config import TransferStageConfig
 from pipeline.integrity import seal_rows
-from pipeline.jobs import BlockTask, JobTracker
+from pipeline.jobs import BlockTask, JobTracker, StorePressure
 from pipeline.sessions import StoreGroupGeometry
 from pipeline.staging import Slot, StagingPool
-from pipeline.store import LOADED, BlockStatus, KeyOutcome
+from pipeline.store import LOADED, STORE_FULL, BlockStatus, KeyOutcome
 
 __all__ = ["ScatterStage", "StagedBatch", "TransferStage", "gather_blocks", "scatter_blocks"]
 
@@ -95,13 +95,20 @@ class TransferStage:
         tracker: JobTracker,
         limiter: anyio.CapacityLimiter,
         config: TransferStageConfig,
+        pressure: StorePressure,
     ) -> None:
         self._pool = pool
         self._tracker = tracker
         self._limiter = limiter
         self._skip_when_full = config.overflow == "skip"
+        self._pressure = pressure
 
     async def process(self, tasks: list[BlockTask]) -> StagedBatch | None:
+        skipped, tasks = self._pressure.split(tasks)
+        if skipped:
+            await self._tracker.settle_all(skipped, STORE_FULL)
+        if not tasks:
+            return None
         if self._skip_when_full:
             slot = self._pool.try_take("save")
             if slot is None:

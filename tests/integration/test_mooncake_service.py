@@ -87,3 +87,30 @@ async def test_two_sidecars_share_blocks_through_one_mooncake_cluster(
     assert hit == 48 and loaded.loaded_tokens == 48 and not loaded.invalid_block_ids
     assert all(engine_a.same_block(0, 1 + j, engine_b, 31 + j) for j in range(3))
     assert engine_a.same_block(2, 3, engine_b, 43)
+
+
+async def test_a_full_mooncake_store_skips_saves_and_keeps_serving(
+    master: EmbeddedMaster,
+) -> None:
+    """Saves beyond the cluster's memory come back skipped(store_full) — under pressure
+    without even being copied — never failed, and the sidecar keeps answering."""
+    layout = hybrid_layout(page_bytes=256 * 1024)  # 1 MiB per stored block
+    engine = KVEngine(layout)
+    overrides = mooncake_overrides(master)
+    overrides["store"]["mooncake"]["global_segment_bytes"] = 16 * MIB
+    results = []
+    with run_sidecar_process(overrides) as sidecar:
+        with anyio.fail_after(TIMEOUT):
+            async with await engine.connect(sidecar.endpoint) as client:
+                for index in range(12):  # 12 requests x 8 blocks x 1 MiB >> 16 MiB
+                    first = 1 + (index % 7) * 8
+                    ids = list(range(first, first + 8))
+                    results.append(await client.save(
+                        f"r{index}", random_tokens(8 * 16, seed=500 + index), [ids, [63], ids]))
+                # Still serving: a stored prefix is found again after the flood.
+                assert await client.lookup(random_tokens(8 * 16, seed=500)) in (0, 112)
+    reasons = {b.reason for r in results for b in r.blocks if b.status == "skipped"}
+    assert "store_full" in reasons, reasons
+    for result in results:
+        assert result.failed == 0
+        assert result.stored + result.present + result.skipped == 16

@@ -11,15 +11,15 @@ import pytest
 import torch
 from anyio.abc import ObjectReceiveStream
 
-from pipeline.config import TransferStageConfig, EmbeddedStoreConfig
+from pipeline.config import EmbeddedStoreConfig, TransferStageConfig
 from pipeline.hashing import block_hashes
-from pipeline.jobs import BlockTask, Job, JobTracker
+from pipeline.jobs import BlockTask, Job, JobTracker, StorePressure
 from pipeline.keys import store_key
 from pipeline.layout import KVCacheLayout
 from pipeline.messages import BlockReport, Load, LoadDone, Lookup, Save, SaveDone
 from pipeline.sessions import EngineSession, build_store_groups
 from pipeline.staging import StagingPool
-from pipeline.store import BlockStatus
+from pipeline.store import STORE_FULL, STORED, BlockStatus
 from stages.commit import CommitStage
 from stages.completion import CompletionStage, completion_message
 from stages.dedup import DedupStage
@@ -169,8 +169,8 @@ def by_group(tasks: list[BlockTask]) -> list[list[BlockTask]]:
 async def run_save(h: Harness, message: Save) -> Job:
     """group_filter -> hashing -> dedup -> transfer -> commit, one batch per store group."""
     job = h.job(message)
-    transfer = TransferStage(h.pool, h.tracker, h.limiter, TransferStageConfig())
-    commit = CommitStage(h.store, h.pool, h.tracker)
+    transfer = TransferStage(h.pool, h.tracker, h.limiter, TransferStageConfig(), StorePressure())
+    commit = CommitStage(h.store, h.pool, h.tracker, StorePressure())
     if await GroupFilterStage(h.tracker).process(job) is None:
         return job
     named = await HashingStage(h.tracker, h.limiter).process(job)
@@ -419,7 +419,8 @@ async def test_transfer_skips_and_reports_when_staging_is_full(hybrid: Harness) 
     job = hybrid.job(save(tokens(8), [1, 2], [9], [0, 3]))
     held = [hybrid.pool.try_take("save") for _ in range(hybrid.pool.free_slots("save"))]
     transfer = TransferStage(
-        hybrid.pool, hybrid.tracker, hybrid.limiter, TransferStageConfig(overflow="skip")
+        hybrid.pool, hybrid.tracker, hybrid.limiter, TransferStageConfig(overflow="skip"),
+        StorePressure(),
     )
     with anyio.fail_after(TIMEOUT_S):
         await GroupFilterStage(hybrid.tracker).process(job)
@@ -435,14 +436,18 @@ async def test_commit_fails_blocks_and_frees_the_slot_when_the_store_is_down(
 ) -> None:
     """A put on a closed store fails the batch with a store reason and releases the slot."""
     job = hybrid.job(save(tokens(8), [1, 2], [9], [0, 0]))
-    transfer = TransferStage(hybrid.pool, hybrid.tracker, hybrid.limiter, TransferStageConfig())
+    transfer = TransferStage(
+        hybrid.pool, hybrid.tracker, hybrid.limiter, TransferStageConfig(), StorePressure()
+    )
     with anyio.fail_after(TIMEOUT_S):
         await GroupFilterStage(hybrid.tracker).process(job)
         named = await HashingStage(hybrid.tracker, hybrid.limiter).process(job)
         staged = await transfer.process(named or [])
         assert staged is not None and hybrid.pool.free_slots("save") == 5
         await hybrid.store.aclose()
-        await CommitStage(hybrid.store, hybrid.pool, hybrid.tracker).process(staged)
+        await CommitStage(
+            hybrid.store, hybrid.pool, hybrid.tracker, StorePressure()
+        ).process(staged)
     assert hybrid.pool.free_slots("save") == 6
     assert {s for s, _ in statuses(job).values()} == {BlockStatus.FAILED}
     assert hybrid.finished() == [job]
@@ -572,3 +577,22 @@ async def test_lookup_reports_the_hybrid_hit_and_keeps_the_last_token(hybrid: Ha
     # 12 tokens: the last one is recomputed, so the hit would be 8 and mamba has no state there.
     assert hits == {4: 0, 12: 0, 13: 12, 16: 12}
     assert [(r.seq, r.hit_tokens) for r in replies] == [(5, 12)]
+
+
+async def test_a_full_store_puts_the_request_under_pressure_until_a_batch_is_stored(
+    hybrid: Harness,
+) -> None:
+    """After store_full, later batches of that request are skipped without copying;
+    a stored batch of any request lifts the pressure."""
+    pressure = StorePressure()
+    job = hybrid.job(save(tokens(8), [1, 2], [9], [0, 3]))
+    with anyio.fail_after(TIMEOUT_S):
+        await GroupFilterStage(hybrid.tracker).process(job)
+        named = await HashingStage(hybrid.tracker, hybrid.limiter).process(job)
+    assert named
+    first, rest = named[:1], named[1:]
+    pressure.record(first, [STORE_FULL])
+    skipped, kept = pressure.split(rest)
+    assert skipped == rest and kept == []
+    pressure.record(first, [STORED])
+    assert pressure.split(rest) == ([], rest)
