@@ -53,8 +53,12 @@ async def run(blocks: int, block_bytes: int, reps: int, warmup: int) -> None:
         dst_ptrs = [view.data_ptr() for view in targets]
         sizes = [block_bytes] * blocks
 
-        times: dict[str, list[float]] = {"store put": [], "raw put": [], "store get": [],
-                                         "raw get": []}
+        times: dict[str, list[float]] = {
+            "store put": [],
+            "raw put": [],
+            "store get": [],
+            "raw get": [],
+        }
         for rep in range(-warmup, reps):  # negative: warm-up, touches segment pages
             store_keys = [f"bench-store-{rep}-{i}" for i in range(blocks)]
             raw_keys = [f"bench-raw-{rep}-{i}" for i in range(blocks)]

@@ -388,9 +388,7 @@ def _import_mooncake() -> Any:
         import mooncake.store as store_module
     except (ImportError, OSError) as exc:
         if "libibverbs" in str(exc):
-            raise StoreError(
-                f"cannot load the Mooncake client ({exc}): {LIBIBVERBS_HINT}"
-            ) from exc
+            raise StoreError(f"cannot load the Mooncake client ({exc}): {LIBIBVERBS_HINT}") from exc
         raise StoreError(
             f"cannot import mooncake.store ({exc}): install mooncake-transfer-engine-non-cuda "
             "(or mooncake-transfer-engine on CUDA hosts), e.g. pip install 'kvsidecar[mooncake]'"
