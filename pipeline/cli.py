@@ -1,4 +1,4 @@
-"""``kvsidecar``: serve, demo, engine-sim.
+"""``kvsidecar``: serve, demo, engine-sim, keygen.
 
 Exit codes: 0 clean shutdown (or a demo whose every byte verified), 1 failure at run
 time, 2 bad configuration or arguments.
@@ -7,6 +7,8 @@ time, 2 bad configuration or arguments.
 from __future__ import annotations
 
 import argparse
+import os
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -74,13 +76,35 @@ def _parser() -> argparse.ArgumentParser:
         help="block size of the scaled-down preset (0: as in the preset)",
     )
     sim.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    keygen = commands.add_parser("keygen", help="write a CURVE key pair (sidecar or engine)")
+    keygen.add_argument("--out", required=True, help="writes OUT.key (secret) and OUT.key.pub")
     return parser
+
+
+def keygen(prefix: str) -> None:
+    """Write a new CURVE key pair: ``prefix.key`` (secret, owner-only) and ``prefix.key.pub``."""
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    for path, key, mode in ((f"{prefix}.key", secret, 0o600), (f"{prefix}.key.pub", public, 0o644)):
+        try:
+            # O_EXCL: never overwrite a key, and the secret is never readable by others.
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        except OSError as exc:
+            raise KVSidecarError(f"cannot write {path}: {exc.strerror}") from exc
+        with os.fdopen(fd, "wb") as file:
+            file.write(key + b"\n")
+        print(path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "serve":
+            # Idle OpenMP workers spinning would steal the CPU that engines on this host
+            # need; set before torch is first imported.
+            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
             config = load_config(args.config, endpoint=args.endpoint)
             configure_logging(config.logging)
             anyio.run(serve, config)
@@ -89,6 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pipeline.demo import run_demo
 
             return run_demo(args)
+        if args.command == "keygen":
+            keygen(args.out)
+            return EXIT_OK
         from pipeline.engine_sim import run_engine_sim
 
         return run_engine_sim(args)

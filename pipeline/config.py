@@ -57,10 +57,20 @@ class ServerConfig(_Section, frozen=True):
     ipc_permissions: int = 0o600
     allow_insecure_tcp: bool = False
     """Allow tcp:// on a non-loopback address without CURVE authentication."""
+    curve_secret_key_file: str = ""
+    """The sidecar's Z85 CURVE secret key (``kvsidecar keygen``); empty: CURVE off."""
+    curve_allowed_keys_file: str = ""
+    """Engine public keys (Z85, one per line, ``#`` comments) admitted when CURVE is on."""
     heartbeat_timeout_s: PositiveFloat = 30.0
     """An engine silent for this long is reaped and its mappings released."""
     drain_timeout_s: PositiveFloat = 10.0
     """On SIGTERM, how long in-flight work may take before it is aborted."""
+
+    def __post_init__(self) -> None:
+        if bool(self.curve_secret_key_file) != bool(self.curve_allowed_keys_file):
+            raise ValueError(
+                "curve_secret_key_file and curve_allowed_keys_file must be set together"
+            )
 
 
 class StageConfig(_Section, frozen=True):
@@ -107,11 +117,11 @@ class StagesConfig(_Section, frozen=True):
 
 
 class StagingConfig(_Section, frozen=True):
-    pool_bytes: Positive = 256 * 1024 * 1024
+    pool_bytes: Positive = 1024 * 1024 * 1024
     """Fixed staging memory for saves and loads; exhausted means backpressure."""
-    slot_bytes: Positive = 8 * 1024 * 1024
+    slot_bytes: Positive = 64 * 1024 * 1024
     """One batch of blocks occupies one slot, so this also caps a batch's bytes."""
-    load_slots: Positive = 8
+    load_slots: Positive = 4
     """Slots only loads may use, so a flood of saves never delays a load."""
 
     def __post_init__(self) -> None:
