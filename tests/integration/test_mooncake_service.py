@@ -115,3 +115,56 @@ async def test_a_full_mooncake_store_skips_saves_and_keeps_serving(
     for result in results:
         assert result.failed == 0
         assert result.stored + result.present + result.skipped == 16
+
+
+async def test_mooncake_master_restart_is_survived_without_timeout_storms() -> None:
+    """Master down: saves are skipped (store_unavailable) and lookups miss at once, not
+    after timeouts. Master back on the same address: service resumes by itself."""
+    import urllib.parse
+
+    import msgspec
+
+    base = MooncakeStoreConfig()
+    first = await open_embedded_master(base)
+    master_port = int(first.endpoints.master_address.rsplit(":", 1)[1])
+    metadata_port = urllib.parse.urlsplit(first.endpoints.metadata_server).port
+    overrides = mooncake_overrides(first)
+    overrides["store"]["breaker"] = {"failure_threshold": 2, "reset_after_s": 0.5}
+    engine = KVEngine(hybrid_layout(page_bytes=8192))
+    restarted: EmbeddedMaster | None = None
+    try:
+        with run_sidecar_process(overrides) as sidecar:
+            async with await engine.connect(sidecar.endpoint) as client:
+                with anyio.fail_after(TIMEOUT):
+                    tokens = random_tokens(2 * 16 + 1, seed=40)
+                    assert (await client.save("up", tokens, [[1, 2], [3], [1, 2]])).stored == 4
+                    await first.aclose()
+
+                    outcomes = set()
+                    started = anyio.current_time()
+                    for index in range(6):
+                        result = await client.save(
+                            f"down-{index}", random_tokens(33, seed=41 + index),
+                            [[5, 6], [7], [5, 6]])
+                        outcomes |= {(b.status, b.reason) for b in result.blocks}
+                        assert await client.lookup(tokens) == 0
+                    assert ("skipped", "store_unavailable") in outcomes, outcomes
+                    assert anyio.current_time() - started < 10  # no timeout storm
+
+                    restarted = await open_embedded_master(msgspec.structs.replace(
+                        base, master_port=master_port, metadata_port=metadata_port))
+                    stored = 0
+                    for index in range(60):
+                        await anyio.sleep(0.25)
+                        result = await client.save(
+                            f"back-{index}", random_tokens(33, seed=100 + index),
+                            [[8, 9], [10], [8, 9]])
+                        stored = result.stored
+                        if stored:
+                            break
+                    assert stored == 4
+            assert sidecar.terminate() == 0
+    finally:
+        await first.aclose()
+        if restarted is not None:
+            await restarted.aclose()
