@@ -60,7 +60,7 @@ class ServerConfig(_Section, frozen=True):
     curve_secret_key_file: str = ""
     """The sidecar's Z85 CURVE secret key (``kvsidecar keygen``); empty: CURVE off."""
     curve_allowed_keys_file: str = ""
-    """Engine public keys (Z85, one per line, ``#`` comments) admitted when CURVE is on."""
+    """Engine public keys admitted when CURVE is on: Z85, one per line, ``#`` comments."""
     heartbeat_timeout_s: PositiveFloat = 30.0
     """An engine silent for this long is reaped and its mappings released."""
     drain_timeout_s: PositiveFloat = 10.0

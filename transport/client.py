@@ -23,7 +23,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from pipeline.errors import ProtocolError, RequestRejected, TransportError
+from pipeline.errors import ConfigError, ProtocolError, RequestRejected, TransportError
 from pipeline.hashing import MMItem, block_hashes
 from pipeline.layout import KVCacheLayout
 from pipeline.messages import (
@@ -100,8 +100,9 @@ class EngineClient:
     """An engine's connection to a sidecar. Use ``await EngineClient.connect(...)``."""
 
     def __init__(self, socket: zmq.asyncio.Socket, context: zmq.asyncio.Context,
-                 timeout_s: float) -> None:
+                 timeout_s: float, *, curve: bool = False) -> None:
         self._socket = socket
+        self._curve = curve
         self._context = context
         self._timeout_s = timeout_s
         self._seq = itertools.count(1)
@@ -124,13 +125,20 @@ class EngineClient:
         hash_seed: str | None = None,
         block_hasher: BlockHasher | None = None,
         timeout_s: float = 30.0,
+        curve_server_key: str | bytes | None = None,
+        curve_key_pair: tuple[str | bytes, str | bytes] | None = None,
     ) -> EngineClient:
         """Connect and register. Only the tensors of stored groups' layers are shared.
 
         ``hash_seed`` is the engine's ``PYTHONHASHSEED`` (None: the default seed).
         ``block_hasher(tokens, hash_block_size)`` is the engine's own block hasher for the
         registration self-test (default: kvsidecar's, i.e. vLLM-compatible hashing).
+        ``curve_server_key`` (the sidecar's public key) and ``curve_key_pair`` (this
+        engine's public and secret keys, all Z85) connect to a sidecar that has CURVE on;
+        ``transport.server.load_key_pair`` reads a pair from a ``kvsidecar keygen`` file.
         """
+        if (curve_server_key is None) != (curve_key_pair is None):
+            raise ConfigError("curve_server_key and curve_key_pair must be given together")
         if not isinstance(layout, KVCacheLayout):
             layout = KVCacheLayout.from_dict(layout)
         payload = {layer for layers in layout.payload_layers for layer in layers}
@@ -150,8 +158,17 @@ class EngineClient:
         socket.setsockopt(zmq.SNDHWM, 1000)
         socket.setsockopt(zmq.RCVHWM, 1000)
         socket.setsockopt(zmq.IDENTITY, engine_id.encode())
+        if curve_server_key is not None and curve_key_pair is not None:
+            try:
+                socket.setsockopt(zmq.CURVE_SERVERKEY, _key_bytes(curve_server_key))
+                socket.setsockopt(zmq.CURVE_PUBLICKEY, _key_bytes(curve_key_pair[0]))
+                socket.setsockopt(zmq.CURVE_SECRETKEY, _key_bytes(curve_key_pair[1]))
+            except zmq.ZMQError as exc:
+                socket.close(0)
+                context.term()
+                raise ConfigError(f"invalid CURVE key (Z85, 40 characters): {exc}") from exc
         socket.connect(endpoint)
-        client = cls(socket, context, timeout_s)
+        client = cls(socket, context, timeout_s, curve=curve_server_key is not None)
         registration = Register(engine_id, layout.to_dict(), handles, self_test, hash_seed)
         try:
             reply = await client._call(0, registration)
@@ -273,8 +290,16 @@ class EngineClient:
                         if reply_seq in self._waiting:  # else: a call that gave up on it
                             self._replies[reply_seq] = reply
         except TimeoutError as exc:
+            hint = (
+                "; CURVE keys are configured: the sidecar may have refused this engine's key "
+                "(authentication failed: is its public key in server.curve_allowed_keys_file, "
+                "and is curve_server_key the sidecar's public key?)"
+                if self._curve
+                else ""
+            )
             raise TransportError(
-                f"no reply from the sidecar within {self._timeout_s}s ({type(message).__name__})"
+                f"no reply from the sidecar within {self._timeout_s}s "
+                f"({type(message).__name__}){hint}"
             ) from exc
         finally:
             self._waiting.discard(seq)
@@ -282,6 +307,11 @@ class EngineClient:
         if reply_or_none is None:
             raise ProtocolError("reply lost")
         return reply_or_none
+
+
+def _key_bytes(key: str | bytes) -> bytes:
+    # A key read from a ``.key.pub`` file carries its newline.
+    return (key.encode() if isinstance(key, str) else key).strip()
 
 
 def _blocks(block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:

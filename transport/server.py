@@ -3,25 +3,83 @@
 High-water marks are set explicitly (never 0 = unbounded) so a sidecar that stops
 reading pushes back on engines; ROUTER_MANDATORY makes a reply to a vanished engine an
 error we can log instead of a silent drop. ipc:// sockets are owner-only by default.
+
+With ``server.curve_secret_key_file`` set, the socket is a CURVE server and pyzmq's ZAP
+authenticator admits only the engine public keys listed in ``curve_allowed_keys_file``;
+a refused engine's handshake fails, so none of its messages reach the sidecar.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import struct
 import urllib.parse
+from pathlib import Path
 from types import TracebackType
 
 import structlog
 import zmq
 import zmq.asyncio
+import zmq.utils.z85
+from zmq.auth.thread import ThreadAuthenticator
 
 from pipeline.config import ServerConfig
-from pipeline.errors import TransportError
+from pipeline.errors import ConfigError, TransportError
 
-__all__ = ["SidecarSocket", "open_server_socket"]
+__all__ = ["SidecarSocket", "load_key_pair", "open_server_socket", "read_key_file"]
 
 log = structlog.get_logger("kvsidecar.server")
+
+
+def _is_z85_key(token: str) -> bool:
+    try:
+        return len(token) == 40 and len(zmq.utils.z85.decode(token.encode())) == 32
+    except (ValueError, KeyError, struct.error):
+        return False
+
+
+def read_key_file(path: str | os.PathLike[str]) -> list[bytes]:
+    """The Z85 CURVE keys in a file, one per line; a line starting with ``#`` that is not
+    a key, and text after a key and whitespace, are comments (``#`` is a Z85 digit)."""
+    try:
+        text = Path(path).expanduser().read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read CURVE key file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"CURVE key file {path} is not text") from exc
+    keys = []
+    for number, line in enumerate(text.splitlines(), 1):
+        token = line.split(maxsplit=1)[0] if line.strip() else "#"
+        if _is_z85_key(token):
+            keys.append(token.encode())
+        elif not token.startswith("#"):
+            # The line itself is not echoed: it may hold a secret.
+            raise ConfigError(f"CURVE key file {path}, line {number}: not a Z85 key")
+    return keys
+
+
+def load_key_pair(secret_key_file: str | os.PathLike[str]) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 keys from a file holding one secret key."""
+    keys = read_key_file(secret_key_file)
+    if len(keys) != 1:
+        raise ConfigError(
+            f"CURVE secret key file {secret_key_file} must hold one key, found {len(keys)}"
+        )
+    return zmq.curve_public(keys[0]), keys[0]
+
+
+class _AllowedKeys:
+    """pyzmq credentials provider: admits the listed engine public keys."""
+
+    def __init__(self, keys: list[bytes]) -> None:
+        self._keys = frozenset(keys)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        allowed = key in self._keys
+        if not allowed:
+            log.warning("server.auth.refused", public_key=key.decode())
+        return allowed
 
 
 def _check_endpoint(config: ServerConfig) -> None:
@@ -35,11 +93,31 @@ def _check_endpoint(config: ServerConfig) -> None:
             loopback = ipaddress.ip_address(host).is_loopback
         except ValueError:
             loopback = host == "localhost"
-        if not loopback and not config.allow_insecure_tcp:
+        if not loopback and not config.allow_insecure_tcp and not config.curve_secret_key_file:
             raise TransportError(
                 f"endpoint {endpoint!r} listens beyond loopback without authentication; "
-                "set server.allow_insecure_tcp: true to allow it"
+                "configure CURVE (server.curve_secret_key_file and "
+                "server.curve_allowed_keys_file) or set server.allow_insecure_tcp: true"
             )
+
+
+def _curve_keys(config: ServerConfig) -> tuple[bytes, list[bytes]] | None:
+    """(sidecar secret key, allowed engine public keys), or None when CURVE is off."""
+    if not config.curve_secret_key_file:
+        return None
+    try:
+        _, secret_key = load_key_pair(config.curve_secret_key_file)
+    except ConfigError as exc:
+        raise ConfigError(f"server.curve_secret_key_file: {exc}") from exc
+    try:
+        allowed_keys = read_key_file(config.curve_allowed_keys_file)
+    except ConfigError as exc:
+        raise ConfigError(f"server.curve_allowed_keys_file: {exc}") from exc
+    if not allowed_keys:
+        raise ConfigError(
+            f"server.curve_allowed_keys_file: {config.curve_allowed_keys_file} lists no keys"
+        )
+    return secret_key, allowed_keys
 
 
 class SidecarSocket:
@@ -47,8 +125,22 @@ class SidecarSocket:
 
     def __init__(self, config: ServerConfig) -> None:
         _check_endpoint(config)
+        curve_keys = _curve_keys(config)  # read before anything needs closing
         self._context = zmq.asyncio.Context()
+        self._authenticator: ThreadAuthenticator | None = None
         self._socket = self._context.socket(zmq.ROUTER)
+        if curve_keys is not None:
+            secret_key, allowed_keys = curve_keys
+            # The ZAP handler runs in its own thread, off the event loop, and is in place
+            # before the socket can accept a handshake.
+            self._authenticator = ThreadAuthenticator(self._context)
+            self._authenticator.start()
+            self._authenticator.configure_curve_callback(
+                credentials_provider=_AllowedKeys(allowed_keys)
+            )
+            self._socket.setsockopt(zmq.CURVE_SERVER, 1)
+            self._socket.setsockopt(zmq.CURVE_SECRETKEY, secret_key)
+            log.info("server.curve.enabled", allowed_keys=len(allowed_keys))
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._socket.setsockopt(zmq.RCVHWM, config.rcvhwm)
@@ -69,8 +161,7 @@ class SidecarSocket:
             else:
                 self._socket.bind(config.endpoint)
         except zmq.ZMQError as exc:
-            self._socket.close(0)
-            self._context.term()
+            self._close_zmq()
             raise TransportError(f"cannot bind {config.endpoint}: {exc}") from exc
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -92,9 +183,14 @@ class SidecarSocket:
             raise TransportError(f"send failed: {exc}") from exc
         return True
 
-    def close(self) -> None:
+    def _close_zmq(self) -> None:
         self._socket.close(0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._context.term()
+
+    def close(self) -> None:
+        self._close_zmq()
         if self._ipc_path and os.path.exists(self._ipc_path):
             os.unlink(self._ipc_path)
 
