@@ -1,0 +1,389 @@
+"""Save and load throughput through a real sidecar on Mooncake against raw Mooncake batch calls.
+
+This process starts a ``mooncake_master`` on loopback (tcp), sets up a raw
+``mooncake.store.MooncakeDistributedStore`` against it (same segment size as the
+sidecar's), and spawns sidecars (``python -m pipeline.cli serve``) whose config is
+``--config`` pointed at that same master, one after the other, with ``store.checksum``
+on and off. It plays the engine: KV tensors in shared memory, fresh token ids every
+round (nothing is deduplicated). Each repetition, in alternating order:
+
+- sidecar: ``save`` the round's requests, then ``load`` them into other engine blocks;
+- raw: ``batch_put_from`` of the same number of values of the same size (one call per
+  request, from a registered buffer), then ``batch_get_into`` of them back.
+
+Both land in the same cluster (the sidecar's segment and the raw client's, placed by the
+master). Every object is removed (forced) after each repetition, so every put lands in
+free space. The raw calls are the floor of what the sidecar must do; its extra work is
+the engine <-> staging copies, the existence checks, hashing, checksums and the socket.
+
+    python benchmarks/bench_mooncake_sidecar.py [--layers 8] [--page-kib 64]
+        [--requests 8] [--blocks-per-request 8] [--concurrency 1 4] [--repeat 7]
+        [--checksum on off] [--config configs/mooncake.yaml] [--profile {cprofile,py-spy}]
+
+Ratios are sidecar GB/s over raw GB/s (goal: >= 0.9). Results are also written to
+benchmarks/results/bench_mooncake_sidecar.json.
+"""
+
+from __future__ import annotations
+
+import os
+
+# See bench_sidecar_throughput.py: idle OpenMP threads must not spin on a small machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import math
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import msgspec
+import torch
+from bench_sidecar_throughput import Engine, Workload, make_layout, run_requests
+from harness import RESULTS_DIR, ROOT, median, spawned_sidecar, write_results
+
+from pipeline.config import Config, MooncakeStoreConfig, load_config
+from pipeline.integrity import CHECKSUM_BYTES
+from pipeline.store import BlockStatus
+from transport.client import EngineClient
+from transport.mooncake_master import EmbeddedMaster, open_embedded_master
+
+GOAL = 0.9
+DEFAULT_CONFIG = ROOT / "configs" / "mooncake.yaml"
+
+
+class RawClient:
+    """A raw Mooncake client on the same master, with one registered buffer of two halves."""
+
+    def __init__(self, config: MooncakeStoreConfig, master: EmbeddedMaster, round_bytes: int):
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+        self.client = MooncakeDistributedStore()
+        rc = self.client.setup(
+            local_hostname=config.local_hostname,
+            metadata_server=master.endpoints.metadata_server,
+            global_segment_size=config.global_segment_bytes,
+            local_buffer_size=config.local_buffer_bytes,
+            protocol=config.protocol,
+            rdma_devices=config.device_name,
+            master_server_addr=master.endpoints.master_address,
+        )
+        if rc != 0:
+            raise RuntimeError(f"raw mooncake setup failed with code {rc}")
+        self.replicate = ReplicateConfig()
+        self.replicate.replica_num = config.replica_num
+        self.round_bytes = round_bytes
+        self.buffer = torch.randint(0, 256, (2 * round_bytes,), dtype=torch.uint8)
+        rc = self.client.register_buffer(self.buffer.data_ptr(), self.buffer.numel())
+        if rc != 0:
+            raise RuntimeError(f"raw mooncake register_buffer failed with code {rc}")
+
+    def calls(
+        self,
+        prefix: str,
+        requests: int,
+        blocks: int,
+        value_bytes: int,
+    ) -> tuple[list[Callable[[], None]], list[Callable[[], None]]]:
+        """One batch_put_from and one batch_get_into per request, over fresh keys."""
+        puts, gets = [], []
+        for r in range(requests):
+            keys = [f"raw-{prefix}-{r}-{i}" for i in range(blocks)]
+            first = r * blocks * value_bytes
+            src = [self.buffer.data_ptr() + first + i * value_bytes for i in range(blocks)]
+            dst = [p + self.round_bytes for p in src]
+            sizes = [value_bytes] * blocks
+
+            def put(
+                keys: list[str] = keys,
+                src: list[int] = src,
+                sizes: list[int] = sizes,
+            ) -> None:
+                codes = self.client.batch_put_from(keys, src, sizes, self.replicate)
+                if codes != [0] * len(keys):
+                    raise RuntimeError(f"raw batch_put_from: {sorted(set(codes))}")
+
+            def get(
+                keys: list[str] = keys,
+                dst: list[int] = dst,
+                sizes: list[int] = sizes,
+            ) -> None:
+                codes = self.client.batch_get_into(keys, dst, sizes)
+                if codes != sizes:
+                    raise RuntimeError(f"raw batch_get_into: {sorted(set(codes))}")
+
+            puts.append(put)
+            gets.append(get)
+        return puts, gets
+
+    def same_halves(self, used: int) -> bool:
+        return torch.equal(
+            self.buffer[:used], self.buffer[self.round_bytes : self.round_bytes + used]
+        )
+
+    def close(self) -> None:
+        self.client.close()
+
+
+async def run_raw(concurrency: int, calls: Sequence[Callable[[], None]]) -> float:
+    """Wall seconds for the calls, ``concurrency`` at a time (worker threads when > 1)."""
+    if concurrency == 1:  # called directly, no thread hop: the strictest baseline
+        started = time.perf_counter()
+        for call in calls:
+            call()
+        return time.perf_counter() - started
+    limiter = anyio.CapacityLimiter(concurrency)
+    return await run_requests(
+        concurrency,
+        [lambda call=call: anyio.to_thread.run_sync(call, limiter=limiter) for call in calls],
+    )
+
+
+async def one_round(
+    client: EngineClient,
+    engine: Engine,
+    raw: RawClient,
+    workload: Workload,
+    concurrency: int,
+    stored_bytes: int,
+    *,
+    sidecar_first: bool,
+    verify: bool,
+) -> dict[str, float]:
+    tokens, src, dst, prefix = workload.next_round()
+    raw_puts, raw_gets = raw.calls(prefix, workload.requests, workload.blocks, stored_bytes)
+    problems: list[str] = []
+
+    async def save(r: int) -> None:
+        result = await client.save(f"{prefix}-{r}", tokens[r], [src[r]])
+        if result.stored != len(src[r]):
+            reasons = sorted(
+                {b.reason or "" for b in result.blocks if b.status is not BlockStatus.STORED}
+            )
+            problems.append(
+                f"save {r}: {result.stored} stored, {result.present} present, "
+                f"{result.skipped} skipped, {result.failed} failed {reasons}"
+            )
+
+    async def load(r: int) -> None:
+        result = await client.load(f"{prefix}-{r}", tokens[r], [dst[r]], len(tokens[r]))
+        loaded = sum(1 for b in result.blocks if b.status is BlockStatus.LOADED)
+        if loaded != len(dst[r]):
+            problems.append(f"load {r}: {loaded}/{len(dst[r])} loaded")
+
+    calls = range(workload.requests)
+    sides = {
+        "sidecar": (
+            lambda: run_requests(concurrency, [lambda r=r: save(r) for r in calls]),
+            lambda: run_requests(concurrency, [lambda r=r: load(r) for r in calls]),
+        ),
+        "raw": (lambda: run_raw(concurrency, raw_puts), lambda: run_raw(concurrency, raw_gets)),
+    }
+    times: dict[str, float] = {}
+    for name in ("sidecar", "raw") if sidecar_first else ("raw", "sidecar"):
+        put, get = sides[name]
+        times[f"{name}_save"] = await put()
+        times[f"{name}_load"] = await get()
+    if problems:
+        raise RuntimeError("; ".join(problems[:4]))
+    if verify:
+        for r in calls:
+            for a, b in zip(src[r], dst[r], strict=True):
+                if not engine.same_bytes(a, b):
+                    raise RuntimeError(f"block {b} does not hold block {a}'s bytes after load")
+        if not raw.same_halves(workload.requests * workload.blocks * stored_bytes):
+            raise RuntimeError("raw batch_get_into did not return the bytes put")
+    # Forced: the puts' and gets' leases would keep the objects for kv_lease_ttl_ms.
+    await anyio.to_thread.run_sync(raw.client.remove_all, True)
+    return times
+
+
+async def measure_variant(
+    args: argparse.Namespace,
+    endpoint: str,
+    engine: Engine,
+    raw: RawClient,
+    layout: dict[str, Any],
+    stored_bytes: int,
+) -> list[dict[str, Any]]:
+    workload = Workload(args.requests, args.blocks_per_request, args.engine_blocks)
+    round_bytes = args.requests * args.blocks_per_request * engine.value_bytes
+    rows = []
+    async with await EngineClient.connect(
+        endpoint, layout=layout, kv_caches=engine.kv_caches
+    ) as client:
+        for index in range(args.warmup):
+            await one_round(
+                client,
+                engine,
+                raw,
+                workload,
+                max(args.concurrency),
+                stored_bytes,
+                sidecar_first=index % 2 == 0,
+                verify=index == 0,
+            )
+        for concurrency in args.concurrency:
+            samples = [
+                await one_round(
+                    client,
+                    engine,
+                    raw,
+                    workload,
+                    concurrency,
+                    stored_bytes,
+                    sidecar_first=rep % 2 == 0,
+                    verify=False,
+                )
+                for rep in range(args.repeat)
+            ]
+            gbps = {
+                name: median([round_bytes / s[name] / 1e9 for s in samples]) for name in samples[0]
+            }
+            paired = {
+                op: statistics.median(s[f"raw_{op}"] / s[f"sidecar_{op}"] for s in samples)
+                for op in ("save", "load")
+            }
+            rows.append(
+                {
+                    "concurrency": concurrency,
+                    "round_bytes": round_bytes,
+                    "gbps": gbps,
+                    "save_ratio": gbps["sidecar_save"] / gbps["raw_save"],
+                    "load_ratio": gbps["sidecar_load"] / gbps["raw_load"],
+                    "paired_save_ratio": paired["save"],
+                    "paired_load_ratio": paired["load"],
+                    "samples_s": samples,
+                }
+            )
+    return rows
+
+
+def sidecar_config(
+    base: Config,
+    master: EmbeddedMaster,
+    checksum: bool,
+    directory: Path,
+) -> Path:
+    """``base`` pointed at the benchmark's master, with ``store.checksum`` set."""
+    mooncake = msgspec.structs.replace(
+        base.store.mooncake,
+        master=master.endpoints.master_address,
+        metadata_server=master.endpoints.metadata_server,
+    )
+    store = msgspec.structs.replace(base.store, mooncake=mooncake, checksum=checksum)
+    config = msgspec.structs.replace(base, store=store)
+    path = directory / f"sidecar-checksum-{'on' if checksum else 'off'}.yaml"
+    path.write_bytes(msgspec.yaml.encode(config))
+    return path
+
+
+async def run(args: argparse.Namespace, base: Config) -> dict[str, list[dict[str, Any]]]:
+    page_bytes = args.page_kib * 1024
+    layout = make_layout(args.layers, page_bytes)
+    total = args.requests * args.blocks_per_request
+    engine = Engine(args.layers, page_bytes, args.engine_blocks, total)
+    widest = engine.value_bytes + CHECKSUM_BYTES
+    results: dict[str, list[dict[str, Any]]] = {}
+    async with await open_embedded_master(base.store.mooncake) as master:
+        raw = RawClient(base.store.mooncake, master, total * widest)
+        try:
+            with tempfile.TemporaryDirectory(prefix="kvsidecar-bench-") as tmp:
+                for variant in args.checksum:
+                    checksum = variant == "on"
+                    stored_bytes = engine.value_bytes + (CHECKSUM_BYTES if checksum else 0)
+                    config = sidecar_config(base, master, checksum, Path(tmp))
+                    suffix = {"cprofile": "prof", "py-spy": "txt"}.get(args.profile, "")
+                    profile_out = (
+                        (RESULTS_DIR / f"bench_mooncake_sidecar.checksum-{variant}.{suffix}")
+                        if suffix
+                        else None
+                    )
+                    with spawned_sidecar(
+                        config, profile=args.profile, profile_out=profile_out
+                    ) as endpoint:
+                        results[variant] = await measure_variant(
+                            args, endpoint, engine, raw, layout, stored_bytes
+                        )
+        finally:
+            raw.close()
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--page-kib", type=int, default=64, help="bytes per block per layer")
+    parser.add_argument("--engine-blocks", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=8, help="requests per round")
+    parser.add_argument("--blocks-per-request", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--checksum", nargs="+", choices=["on", "off"], default=["on", "off"])
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--profile", choices=["cprofile", "py-spy"], default="")
+    args = parser.parse_args(argv)
+
+    base = load_config(args.config)
+    if base.store.backend != "mooncake":
+        parser.error(f"{args.config} does not use store.backend: mooncake")
+    page_bytes = args.page_kib * 1024
+    value_bytes = args.layers * page_bytes
+    total = args.requests * args.blocks_per_request
+    if 2 * total >= args.engine_blocks:
+        parser.error("--engine-blocks must exceed twice the blocks of a round")
+    if value_bytes + CHECKSUM_BYTES > base.staging.slot_bytes:
+        parser.error("a block does not fit in a staging slot (staging.slot_bytes)")
+    round_bytes = total * value_bytes
+    if 2 * round_bytes > base.store.mooncake.global_segment_bytes // 2:
+        parser.error("a round must fit in half a segment (store.mooncake.global_segment_bytes)")
+    RESULTS_DIR.mkdir(exist_ok=True)
+
+    print(
+        f"{args.layers} layers x {args.page_kib} KiB pages = {value_bytes >> 10} KiB per "
+        f"block; {args.requests} requests x {args.blocks_per_request} blocks = "
+        f"{round_bytes / 2**20:.0f} MiB per round; median of {args.repeat}; config "
+        f"{args.config.name} on an embedded master, {base.store.mooncake.protocol}"
+        f"{'; profiled: ' + args.profile if args.profile else ''}"
+    )
+    results = anyio.run(run, args, base)
+
+    print(
+        f"{'checksum':>8} {'in flight':>9} {'raw save':>9} {'sidecar save':>13} {'ratio':>6} "
+        f"{'raw load':>9} {'sidecar load':>13} {'ratio':>6}   (GB/s; ratio of medians)"
+    )
+    worst = math.inf
+    for variant, rows in results.items():
+        for row in rows:
+            g = row["gbps"]
+            worst = min(worst, row["save_ratio"], row["load_ratio"])
+            print(
+                f"{variant:>8} {row['concurrency']:>9} {g['raw_save']:>9.2f} "
+                f"{g['sidecar_save']:>13.2f} {row['save_ratio']:>6.2f} {g['raw_load']:>9.2f} "
+                f"{g['sidecar_load']:>13.2f} {row['load_ratio']:>6.2f}   (paired: save "
+                f"{row['paired_save_ratio']:.2f}, load {row['paired_load_ratio']:.2f})"
+            )
+    verdict = "meets" if worst >= GOAL else "misses"
+    print(f"worst ratio {worst:.2f} {verdict} the goal of {GOAL}")
+    path = write_results(
+        "bench_mooncake_sidecar",
+        {
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "goal": GOAL,
+            "worst_ratio": worst,
+            "results": results,
+        },
+    )
+    print(f"results: {path.relative_to(ROOT)}")
+    return 0 if worst >= GOAL else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
