@@ -118,12 +118,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pipeline.engine_sim import run_engine_sim
 
         return run_engine_sim(args)
-    except ConfigError as exc:
-        print(f"kvsidecar: configuration error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    except KVSidecarError as exc:
-        print(f"kvsidecar: {exc}", file=sys.stderr)
+    except BaseException as exc:
+        error = _our_error(exc)
+        if error is None:
+            raise
+        if isinstance(error, ConfigError):
+            print(f"kvsidecar: configuration error: {error}", file=sys.stderr)
+            return EXIT_CONFIG
+        print(f"kvsidecar: {error}", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def _our_error(exc: BaseException) -> KVSidecarError | None:
+    """The one KVSidecarError behind ``exc``, through task-group exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, KVSidecarError) else None
 
 
 if __name__ == "__main__":

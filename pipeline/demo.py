@@ -33,14 +33,6 @@ DEMO_BLOCK_SIZE = 32
 ENGINES = ("engine-a", "engine-b")
 
 
-def _spawn(args: list[str], **kwargs: object) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", *args],
-        text=True,
-        **kwargs,  # type: ignore[call-overload]
-    )
-
-
 async def _wait_for_socket(path: Path, sidecar: subprocess.Popen[str], timeout_s: float) -> None:
     with anyio.fail_after(timeout_s):
         while not path.exists():  # noqa: ASYNC240 - a stat per 50 ms poll
@@ -145,8 +137,10 @@ def run_demo(args: argparse.Namespace) -> int:
         log_path = Path(tmp) / "sidecar.log"
         started = time.perf_counter()
         with log_path.open("w") as log:
-            sidecar = _spawn(
-                ["serve", "--config", config, "--endpoint", endpoint],
+            sidecar = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.cli", "serve", "--config", config,
+                 "--endpoint", endpoint],
+                text=True,
                 stdout=log,
                 stderr=log,
                 env={**os.environ, "NO_COLOR": "1"},

@@ -22,7 +22,8 @@ def fingerprint_seed(fingerprint: str) -> int:
 
 
 def _digest(payload: torch.Tensor, seed: int) -> int:
-    return xxhash.xxh3_64_intdigest(payload.numpy(), seed)
+    digest: int = xxhash.xxh3_64_intdigest(payload.numpy().data, seed)
+    return digest
 
 
 def seal_rows(rows: torch.Tensor, payload_bytes: int, seed: int) -> None:

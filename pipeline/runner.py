@@ -12,22 +12,25 @@ from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, Protocol, TypeVar
 
 import anyio
-from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pipeline.errors import StoreError
 
 __all__ = ["Edge", "Stage", "create_edge", "run_batcher", "start_stage"]
 
-In = TypeVar("In")
-Out = TypeVar("Out")
+In = TypeVar("In", contravariant=True)
+Out = TypeVar("Out", covariant=True)
 Item = TypeVar("Item")
 
 
 class Stage(Protocol[In, Out]):
+    """What every stage offers the runner: one item in, its output (or None) out."""
+
     async def process(self, item: In) -> Out | None: ...
 
 
-Edge = tuple[ObjectSendStream[Any], ObjectReceiveStream[Any]]
+Edge = tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]
 
 
 def create_edge(size: int) -> Edge:
@@ -65,8 +68,8 @@ def _guarded(process: Process, on_failure: OnFailure | None,
 
 async def _worker(
     process: Process,
-    inbox: ObjectReceiveStream[Any],
-    outbox: ObjectSendStream[Any] | None,
+    inbox: MemoryObjectReceiveStream[Any],
+    outbox: MemoryObjectSendStream[Any] | None,
 ) -> None:
     async with inbox:
         if outbox is None:
@@ -84,8 +87,8 @@ def start_stage(
     tg: TaskGroup,
     name: str,
     process: Process,
-    inbox: ObjectReceiveStream[Any],
-    outbox: ObjectSendStream[Any] | None,
+    inbox: MemoryObjectReceiveStream[Any],
+    outbox: MemoryObjectSendStream[Any] | None,
     *,
     workers: int = 1,
     on_failure: OnFailure | None = None,
@@ -108,8 +111,8 @@ def start_stage(
 
 
 async def run_batcher(
-    inbox: ObjectReceiveStream[list[Item]],
-    outbox: ObjectSendStream[list[Item]],
+    inbox: MemoryObjectReceiveStream[list[Item]],
+    outbox: MemoryObjectSendStream[list[Item]],
     *,
     group_of: Callable[[Item], Hashable],
     limit_of: Callable[[Item], int],

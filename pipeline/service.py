@@ -270,10 +270,10 @@ class Sidecar:
 
     async def _dispatch(self, identity: bytes, message: EngineMessage) -> None:
         if isinstance(message, Register):
-            session, registered = self.registry.register(identity, message)
+            registered_session, registered = self.registry.register(identity, message)
             log.info(
                 "session.registered",
-                engine_id=session.engine_id,
+                engine_id=registered_session.engine_id,
                 store_groups=registered.store_group_ids,
                 fingerprint=registered.layout_fingerprint,
             )

@@ -197,16 +197,18 @@ def test_unreadable_or_invalid_key_file_is_a_config_error_naming_it(
 
 
 def test_serve_with_a_missing_key_file_fails_naming_it(tmp_path: Path, keys: Keys) -> None:
-    """`kvsidecar serve` stops at start-up, naming the key and the file, when a key file
-    is missing."""
+    """`kvsidecar serve` stops at start-up with exit code 2, naming the key and the file,
+    when a key file is missing."""
     missing = tmp_path / "missing.key"
     overrides = keys.server_overrides(f"ipc://{tmp_path}/s.sock")
     overrides["server"]["curve_secret_key_file"] = str(missing)
-    with pytest.raises(RuntimeError, match="sidecar exited with") as failed:
+    with pytest.raises(RuntimeError, match="sidecar exited with 2") as failed:
         with run_sidecar_process(overrides):
             pass
-    assert f"ConfigError: server.curve_secret_key_file: cannot read CURVE key file {missing}" \
+    assert (
+        f"configuration error: server.curve_secret_key_file: cannot read CURVE key file {missing}"
         in str(failed.value)
+    )
 
 
 def test_curve_files_must_be_set_together() -> None:
