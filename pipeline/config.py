@@ -91,7 +91,7 @@ class ReceiveStageConfig(StageConfig, frozen=True):
 class BatchingStageConfig(StageConfig, frozen=True):
     max_blocks: Positive = 64
     """Blocks per batch (also capped by what fits in one staging slot)."""
-    deadline_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    deadline_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """How long a partial batch may wait for more blocks."""
 
 

@@ -59,8 +59,15 @@ class Job:
 class JobTracker:
     """Counts each job's unsettled blocks and completes it when none are left."""
 
-    def __init__(self, completions: ObjectSendStream[Job]) -> None:
+    def __init__(
+        self,
+        completions: ObjectSendStream[Job],
+        load_completions: ObjectSendStream[Job] | None = None,
+    ) -> None:
+        """Finished jobs go to ``completions``; loads to ``load_completions`` if given, so
+        that a load's reply never queues behind a backlog of save replies."""
         self._completions = completions
+        self._load_completions = load_completions or completions
         self._open: set[Job] = set()
 
     @property
@@ -100,7 +107,8 @@ class JobTracker:
     async def _finish(self, job: Job) -> None:
         if not job.done:
             job.done = True
-            await self._completions.send(job)
+            lane = self._load_completions if job.is_load else self._completions
+            await lane.send(job)
 
     def abandon_open(self, reason: str) -> list[Job]:
         """Jobs not yet answered, their unsettled blocks failed with ``reason`` (on abort)."""

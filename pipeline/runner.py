@@ -30,6 +30,9 @@ class Stage(Protocol[In, Out]):
     async def process(self, item: In) -> Out | None: ...
 
 
+MAX_DRAIN = 256
+"""Upstream lists taken in at once before the batcher flushes."""
+
 Edge = tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]
 
 
@@ -120,6 +123,8 @@ async def run_batcher(
 ) -> None:
     """Regroup items into batches of one group each, flushed when full or when the oldest
     item has waited ``deadline_s``. ``limit_of`` gives the item count that fills a batch.
+    Items already queued are always taken in before flushing, so with ``deadline_s`` 0
+    batches are as large as the backlog allows and an idle pipeline adds no delay.
 
     Input items arrive in lists (one list per upstream job); output is one list per batch.
     """
@@ -130,14 +135,22 @@ async def run_batcher(
             timeout = math.inf
             if started:
                 timeout = max(0.0, min(started.values()) + deadline_s - anyio.current_time())
-            items: list[Item] | None = None
+            received: list[list[Item]] = []
             ended = False
             with anyio.move_on_after(timeout):
                 try:
-                    items = await inbox.receive()
+                    received.append(await inbox.receive())
                 except anyio.EndOfStream:
                     ended = True
-            for item in items or ():
+            # Whatever is queued already joins this round: batches fill without waiting.
+            while received and not ended and len(received) < MAX_DRAIN:
+                try:
+                    received.append(inbox.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+                except anyio.EndOfStream:
+                    ended = True
+            for item in (item for items in received for item in items):
                 key = group_of(item)
                 batch = pending.setdefault(key, [])
                 if not batch:

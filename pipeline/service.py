@@ -52,7 +52,7 @@ from pipeline.sessions import EngineSession
 from pipeline.staging import StagingPool
 from pipeline.store import BlockStatus, KeyOutcome, KVStore, store_error_outcome
 from stages.commit import CommitStage
-from stages.completion import CompletionStage
+from stages.completion import CompletionStage, completion_message
 from stages.dedup import DedupStage
 from stages.fetch import FetchStage
 from stages.group_filter import GroupFilterStage, plan_tasks
@@ -140,7 +140,8 @@ class Sidecar:
         )
         stages = config.stages
         self._completions = create_edge(stages.completion.inbox_size)
-        self.tracker = JobTracker(self._completions[0])
+        self._load_completions = create_edge(stages.completion.inbox_size)
+        self.tracker = JobTracker(self._completions[0], self._load_completions[0])
         self._save_inbox = create_edge(stages.receive.inbox_size)
         self._load_inbox = create_edge(stages.receive.inbox_size)
         self._lookup_inbox = create_edge(stages.lookup.inbox_size)
@@ -243,9 +244,9 @@ class Sidecar:
         self._count("blocks.failed_in_stage", len(tasks))
         await self.tracker.settle_all(tasks, store_error_outcome(error, saving=saving))
 
-    async def _run_completions(self) -> None:
+    async def _run_completions(self, edge: Edge) -> None:
         completion = CompletionStage(self.reply, self.tracker)
-        async with self._completions[1] as inbox:
+        async with edge[1] as inbox:
             async for job in inbox:
                 await completion.process(job)
 
@@ -296,28 +297,32 @@ class Sidecar:
         else:
             _check_request(session, message)
             job = Job(session, message)
-            self.tracker.accept(job)
             if isinstance(message, Load):
+                self.tracker.accept(job)
                 await self._load_inbox[0].send(job)
             else:
                 await self._accept_save(job)
 
     async def _accept_save(self, job: Job) -> None:
-        """Queue a save, or under overload answer it at once with every block skipped."""
+        """Queue a save, or under overload answer it at once with every block skipped.
+
+        The refusal is answered right here: it costs no stage, and it never queues in
+        front of completions that loads are waiting for."""
         receive = self.config.stages.receive
         if receive.overflow == "block":
+            self.tracker.accept(job)
             await self._save_inbox[0].send(job)
             return
-        if job.session.saves_in_flight <= receive.max_saves_per_engine:
+        if job.session.saves_in_flight < receive.max_saves_per_engine:
+            self.tracker.accept(job)
             try:
                 self._save_inbox[0].send_nowait(job)
                 return
             except anyio.WouldBlock:
-                pass
+                self.tracker.answered(job)
         self._count("saves.overloaded")
-        tasks = plan_tasks(job)
-        self.tracker.plan(job, tasks)
-        await self.tracker.settle(job, ((task, OVERLOADED) for task in tasks))
+        job.reports = [job.report(task, OVERLOADED) for task in plan_tasks(job)]
+        await self.reply(job.session, completion_message(job))
 
     async def _reap_loop(self) -> None:
         timeout = self.config.server.heartbeat_timeout_s
@@ -349,11 +354,15 @@ class Sidecar:
             async def run_pipeline() -> None:
                 with pipeline_scope:
                     async with anyio.create_task_group() as outer:
-                        outer.start_soon(self._run_completions, name="stage.completion")
+                        for lane, edge in (("save", self._completions),
+                                           ("load", self._load_completions)):
+                            outer.start_soon(self._run_completions, edge,
+                                             name=f"stage.{lane}.completion")
                         async with anyio.create_task_group() as tg:
                             self._start_stages(tg)
                         # Every stage has drained: no job can settle any more.
                         self._completions[0].close()
+                        self._load_completions[0].close()
                 drained.set()
 
             root.start_soon(run_pipeline, name="pipeline")
