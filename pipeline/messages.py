@@ -102,6 +102,9 @@ class Lookup(_Wire, frozen=True, tag="lookup"):
     seq: NonNegative
     token_ids: tuple[int, ...]
     keys: RequestKeys = RequestKeys()
+    block_hashes: tuple[bytes, ...] | None = None
+    """The engine's own fine block hashes (vLLM's ``request.block_hashes``): the sidecar
+    then skips hashing and only checks the first one against the tokens."""
 
 
 class Save(_Wire, frozen=True, tag="save"):
@@ -111,6 +114,9 @@ class Save(_Wire, frozen=True, tag="save"):
     block_ids: tuple[tuple[NonNegative, ...], ...]
     """One list per kv-cache group, block j of the request at index j (0 = null block)."""
     keys: RequestKeys = RequestKeys()
+    block_hashes: tuple[bytes, ...] | None = None
+    """The engine's own fine block hashes (vLLM's ``request.block_hashes``): the sidecar
+    then skips hashing and only checks the first one against the tokens."""
 
 
 class Load(_Wire, frozen=True, tag="load"):
@@ -121,6 +127,9 @@ class Load(_Wire, frozen=True, tag="load"):
     num_tokens: NonNegative
     """Tokens to load from the start of the request (the lookup's hit)."""
     keys: RequestKeys = RequestKeys()
+    block_hashes: tuple[bytes, ...] | None = None
+    """The engine's own fine block hashes (vLLM's ``request.block_hashes``): the sidecar
+    then skips hashing and only checks the first one against the tokens."""
 
 
 class Unregister(_Wire, frozen=True, tag="unregister"):

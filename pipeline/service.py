@@ -220,7 +220,7 @@ class Sidecar:
                 scatter = ScatterStage(self.pool, tracker, copy_limiter)
                 stage("load.fetch", fetch.process, batched, staged, config.fetch.workers)
                 stage("load.scatter", scatter.process, staged, None, config.scatter.workers)
-        lookup = LookupStage(self.store, self.reply, hash_limiter)
+        lookup = LookupStage(self.store, self.reply)
         stage("lookup", lookup.process, self._lookup_inbox, None, config.lookup.workers)
 
     async def _fail_item(self, item: object, error: StoreError) -> None:
@@ -293,6 +293,7 @@ class Sidecar:
         elif not self._accepting:
             raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
         elif isinstance(message, Lookup):
+            _check_engine_hashes(session, message)
             await self._lookup_inbox[0].send(LookupRequest(session, message))
         else:
             _check_request(session, message)
@@ -401,8 +402,31 @@ def _seq(message: object) -> int:
     return int(getattr(message, "seq", 0))
 
 
+def _check_engine_hashes(session: EngineSession, message: Lookup | Save | Load) -> None:
+    """Engine-sent block hashes must match the tokens in number and, on a sample (the
+    first block), in value: a wrong hash would name another prefix's KV."""
+    if message.block_hashes is None:
+        return
+    hbs = session.layout.hash_block_size
+    expected = len(message.token_ids) // hbs
+    if len(message.block_hashes) != expected:
+        raise RequestRejected(
+            ErrorCode.BAD_REQUEST,
+            f"{len(message.block_hashes)} block hashes for {len(message.token_ids)} tokens; "
+            f"expected {expected} (hash_block_size {hbs})",
+        )
+    if expected and message.block_hashes[0] != session.new_hasher(message.keys).extend(
+        message.token_ids[:hbs]
+    )[0]:
+        raise RequestRejected(
+            ErrorCode.HASH_MISMATCH,
+            "the first block hash differs from the sidecar's hash of the same tokens",
+        )
+
+
 def _check_request(session: EngineSession, message: Save | Load) -> None:
     """Reject a save or load that cannot be served, before it is accepted."""
+    _check_engine_hashes(session, message)
     try:
         projected = session.check_block_ids(message.block_ids)
     except ProtocolError as exc:

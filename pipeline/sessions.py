@@ -184,7 +184,7 @@ class EngineSession:
     ) -> list[bytes]:
         """Fine hashes of the request's full blocks, reusing a growing request's prefix."""
         if request_id is None:
-            return self._new_hasher(keys).extend(token_ids)
+            return self.new_hasher(keys).extend(token_ids)
         cache_key = (request_id, keys)
         cached = self._hashers.pop(cache_key, None)
         hasher = None
@@ -193,7 +193,7 @@ class EngineSession:
             if token_ids[: len(seen)] != seen:
                 hasher = None  # same id, other tokens: never trust the old chain
         if hasher is None:
-            hasher = self._new_hasher(keys)
+            hasher = self.new_hasher(keys)
         hashes = list(hasher.extend(token_ids))
         hashed = len(hashes) * self.layout.hash_block_size
         self._hashers[cache_key] = (hasher, token_ids[:hashed])
@@ -201,7 +201,7 @@ class EngineSession:
             self._hashers.popitem(last=False)
         return hashes
 
-    def _new_hasher(self, keys: RequestKeys) -> RequestHasher:
+    def new_hasher(self, keys: RequestKeys) -> RequestHasher:
         return RequestHasher(
             self.layout.hash_block_size,
             lora_name=keys.lora_name,

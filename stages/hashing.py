@@ -26,7 +26,9 @@ class HashingStage:
         message = job.message
         session = job.session
         hbs = session.layout.hash_block_size
-        if len(message.token_ids) // hbs <= INLINE_BLOCKS:
+        if message.block_hashes is not None:
+            fine = list(message.block_hashes)  # checked against the tokens at receive
+        elif len(message.token_ids) // hbs <= INLINE_BLOCKS:
             fine = session.fine_hashes(message.token_ids, message.keys, message.request_id)
         else:
             fine = await anyio.to_thread.run_sync(

@@ -1,24 +1,32 @@
 """Lookup: how many leading tokens of a request can be loaded from the store.
 
-One existence query for every block a hit could need, then the hybrid hit rule.
+The prompt is hashed and checked in growing chunks: a miss in a full-attention group
+bounds every possible hit, so a miss costs one small chunk, not the whole prompt.
+Hashing runs inline, yielding to the event loop between chunks (no thread hop), and is
+skipped when the engine sends its own block hashes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import anyio
+import anyio.lowlevel
 
 from pipeline.errors import StoreError
+from pipeline.hashing import RequestHasher
 from pipeline.hitrule import longest_hit, max_hit_tokens
+from pipeline.layout import GroupKind
 from pipeline.messages import Lookup, LookupReply
 from pipeline.sessions import EngineSession
 from pipeline.store import KVStore
 from stages.completion import Reply
 
-__all__ = ["LookupRequest", "LookupStage"]
+__all__ = ["FIRST_CHUNK_BLOCKS", "LookupRequest", "LookupStage"]
 
-INLINE_BLOCKS = 32
+FIRST_CHUNK_BLOCKS = 16
+"""Fine blocks hashed and checked first; each later chunk is 8x larger."""
+_NEEDS_PREFIX = (GroupKind.FULL_ATTENTION, GroupKind.MLA_ATTENTION,
+                 GroupKind.CHUNKED_LOCAL_ATTENTION)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -28,37 +36,46 @@ class LookupRequest:
 
 
 class LookupStage:
-    def __init__(self, store: KVStore, reply: Reply, limiter: anyio.CapacityLimiter) -> None:
+    def __init__(self, store: KVStore, reply: Reply) -> None:
         self._store = store
         self._reply = reply
-        self._limiter = limiter
 
     async def hit_tokens(self, session: EngineSession, message: Lookup) -> int:
         layout = session.layout
-        max_tokens = max_hit_tokens(layout, len(message.token_ids))
-        if max_tokens == 0:
-            return 0
-        tokens = message.token_ids[:max_tokens]
-        if max_tokens // layout.hash_block_size <= INLINE_BLOCKS:
-            fine = session.fine_hashes(tokens, message.keys)
-        else:
-            fine = await anyio.to_thread.run_sync(
-                session.fine_hashes, tokens, message.keys, limiter=self._limiter
-            )
-        group_keys = [session.group_keys(g, fine) for g in range(len(session.store_groups))]
-        flat = [key for keys in group_keys for key in keys]
-        try:
-            exists = await self._store.exists(flat)
-        except StoreError:
-            return 0  # a store that cannot answer is a miss, never a wait
+        hbs = layout.hash_block_size
+        bound = max_hit_tokens(layout, len(message.token_ids))
+        groups = session.store_groups
         available: set[tuple[int, int]] = set()
-        position = 0
-        for group, keys in enumerate(group_keys):
-            for block in range(len(keys)):
-                if exists[position]:
-                    available.add((group, block))
-                position += 1
-        return longest_hit(layout, max_tokens, lambda g, b: (g, b) in available)
+        hasher: RequestHasher | None = None
+        if message.block_hashes is None:
+            hasher = session.new_hasher(message.keys)
+        done = 0  # fine blocks hashed and checked
+        chunk = FIRST_CHUNK_BLOCKS
+        while done * hbs < bound:
+            end = min(bound // hbs, done + chunk)
+            if hasher is not None:
+                fine = hasher.extend(message.token_ids[: end * hbs])
+            else:
+                fine = list(message.block_hashes[:end])  # type: ignore[index]
+            # Blocks of each store group that end inside the new chunk of fine blocks.
+            wanted: list[tuple[int, int, str]] = []
+            for index, geometry in enumerate(groups):
+                k = geometry.group.block_size // hbs
+                keys = session.group_keys(index, fine)
+                wanted.extend((index, j, keys[j]) for j in range(done // k, end // k))
+            try:
+                exists = await self._store.exists([key for _, _, key in wanted])
+            except StoreError:
+                return 0  # a store that cannot answer is a miss, never a wait
+            for (index, block, _), hit in zip(wanted, exists, strict=True):
+                if hit:
+                    available.add((index, block))
+                elif groups[index].group.kind in _NEEDS_PREFIX:
+                    bound = min(bound, block * groups[index].group.block_size)
+            done = end
+            chunk *= 8
+            await anyio.lowlevel.checkpoint()
+        return longest_hit(layout, bound, lambda g, b: (g, b) in available)
 
     async def process(self, request: LookupRequest) -> None:
         hit = await self.hit_tokens(request.session, request.message)

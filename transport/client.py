@@ -188,11 +188,23 @@ class EngineClient:
             with contextlib.suppress(TransportError, RequestRejected):
                 await self.heartbeat()
 
-    async def lookup(self, token_ids: Sequence[int], **request_keys: Any) -> int:
+    async def lookup(
+        self,
+        token_ids: Sequence[int],
+        *,
+        block_hashes: Sequence[bytes] | None = None,
+        **request_keys: Any,
+    ) -> int:
         """Tokens from the start of the request that can be loaded (a multiple of the
-        alignment, never the last token)."""
+        alignment, never the last token).
+
+        ``block_hashes``: the engine's own fine block hashes of ``token_ids`` (vLLM's
+        ``request.block_hashes``), sparing the sidecar the hashing; optional everywhere.
+        """
         seq = next(self._seq)
-        reply = await self._call(seq, Lookup(seq, tuple(token_ids), _request_keys(**request_keys)))
+        message = Lookup(seq, tuple(token_ids), _request_keys(**request_keys),
+                         _hashes(block_hashes))
+        reply = await self._call(seq, message)
         assert isinstance(reply, LookupReply)
         return reply.hit_tokens
 
@@ -201,12 +213,14 @@ class EngineClient:
         request_id: str,
         token_ids: Sequence[int],
         block_ids: Sequence[Sequence[int]],
+        *,
+        block_hashes: Sequence[bytes] | None = None,
         **request_keys: Any,
     ) -> SaveResult:
         """Store the request's full blocks; the engine may reuse them once this returns."""
         seq = next(self._seq)
         message = Save(seq, request_id, tuple(token_ids), _blocks(block_ids),
-                       _request_keys(**request_keys))
+                       _request_keys(**request_keys), _hashes(block_hashes))
         reply = await self._call(seq, message)
         assert isinstance(reply, SaveDone)
         return SaveResult.from_reply(reply)
@@ -217,12 +231,14 @@ class EngineClient:
         token_ids: Sequence[int],
         block_ids: Sequence[Sequence[int]],
         num_tokens: int,
+        *,
+        block_hashes: Sequence[bytes] | None = None,
         **request_keys: Any,
     ) -> LoadResult:
         """Load the first ``num_tokens`` tokens' blocks into ``block_ids``."""
         seq = next(self._seq)
         message = Load(seq, request_id, tuple(token_ids), _blocks(block_ids), num_tokens,
-                       _request_keys(**request_keys))
+                       _request_keys(**request_keys), _hashes(block_hashes))
         reply = await self._call(seq, message)
         assert isinstance(reply, LoadDone)
         return LoadResult(reply.loaded_tokens, reply.invalid_block_ids, reply.blocks)
@@ -312,6 +328,10 @@ class EngineClient:
 def _key_bytes(key: str | bytes) -> bytes:
     # A key read from a ``.key.pub`` file carries its newline.
     return (key.encode() if isinstance(key, str) else key).strip()
+
+
+def _hashes(block_hashes: Sequence[bytes] | None) -> tuple[bytes, ...] | None:
+    return None if block_hashes is None else tuple(block_hashes)
 
 
 def _blocks(block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:

@@ -565,7 +565,7 @@ async def test_lookup_reports_the_hybrid_hit_and_keeps_the_last_token(hybrid: Ha
     async def reply(session: EngineSession, message: Any) -> None:
         replies.append(message)
 
-    lookup = LookupStage(hybrid.store, reply, hybrid.limiter)
+    lookup = LookupStage(hybrid.store, reply)
     token_ids = tokens(16)
     with anyio.fail_after(TIMEOUT_S):
         await run_save(hybrid, save(token_ids, [1, 2, 3, 0], [9], [0, 0, 4, 0]))
