@@ -127,7 +127,8 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
             next_token += tokens
     results: dict[tuple[str, int], dict[str, list[float]]] = {
         (kind, tokens): {"bare_p50": [], "bare_p99": [], "sidecar_p50": [],
-                         "sidecar_p99": [], "hash_p50": []}
+                         "sidecar_p99": [], "hash_p50": [], "bare_hashes_p50": [],
+                         "engine_hashes_p50": [], "engine_hashes_p99": []}
         for kind, tokens, _ in cases
     }
     try:
@@ -146,6 +147,10 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
             for _ in range(args.repeat):
                 for kind, tokens, prompt in cases:
                     frame = encode(Lookup(1, tuple(prompt), RequestKeys()))
+                    # vLLM engines already hold their block hashes and may send them.
+                    hashes = block_hashes(prompt, BLOCK_SIZE)
+                    hashes_frame = encode(Lookup(1, tuple(prompt), RequestKeys(),
+                                                 tuple(hashes)))
 
                     async def bare_call(frame: bytes = frame) -> None:
                         await bare.send(frame)
@@ -154,6 +159,9 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
                     # Interleaved so drift in machine load hits both alike.
                     bare_s = await sample(bare_call, args.calls)
                     side_s = await sample(lambda p=prompt: client.lookup(p), args.calls)
+                    bare_h = await sample(lambda f=hashes_frame: bare_call(f), args.calls)
+                    side_h = await sample(
+                        lambda p=prompt, h=hashes: client.lookup(p, block_hashes=h), args.calls)
                     hash_s = []
                     for _ in range(max(5, args.calls // 10)):
                         started = time.perf_counter()
@@ -165,6 +173,9 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
                     row["sidecar_p50"].append(percentile(side_s, 0.5))
                     row["sidecar_p99"].append(percentile(side_s, 0.99))
                     row["hash_p50"].append(percentile(hash_s, 0.5))
+                    row["bare_hashes_p50"].append(percentile(bare_h, 0.5))
+                    row["engine_hashes_p50"].append(percentile(side_h, 0.5))
+                    row["engine_hashes_p99"].append(percentile(side_h, 0.99))
     finally:
         bare.close(0)
         context.term()
@@ -173,6 +184,7 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
         us = {name: median(values) * 1e6 for name, values in samples.items()}
         rows.append({"case": kind, "tokens": tokens, "us": us,
                      "ratio_p50": us["sidecar_p50"] / us["bare_p50"],
+                     "ratio_engine_hashes_p50": us["engine_hashes_p50"] / us["bare_hashes_p50"],
                      "frame_bytes": len(encode(Lookup(1, tuple(range(tokens)), RequestKeys()))),
                      "samples_s": samples})
     return rows
@@ -199,19 +211,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = anyio.run(measure, args, sidecar, echo)
 
     print(f"{'case':>5} {'tokens':>6} {'frame B':>8} {'bare p50':>9} {'bare p99':>9} "
-          f"{'sidecar p50':>12} {'sidecar p99':>12} {'ratio':>6} {'hash p50':>9}   (µs)")
-    worst = 0.0
+          f"{'sidecar p50':>12} {'sidecar p99':>12} {'ratio':>6} {'hash p50':>9} "
+          f"{'w/ engine hashes: bare p50':>27} {'sidecar p50':>12} {'ratio':>6}   (µs)")
+    worst = worst_hashes = 0.0
     for row in rows:
         us = row["us"]
         worst = max(worst, row["ratio_p50"])
+        worst_hashes = max(worst_hashes, row["ratio_engine_hashes_p50"])
         print(f"{row['case']:>5} {row['tokens']:>6} {row['frame_bytes']:>8} "
               f"{us['bare_p50']:>9.0f} {us['bare_p99']:>9.0f} {us['sidecar_p50']:>12.0f} "
-              f"{us['sidecar_p99']:>12.0f} {row['ratio_p50']:>6.1f} {us['hash_p50']:>9.0f}")
-    verdict = "meets" if worst <= GOAL else "misses"
-    print(f"worst p50 ratio {worst:.1f} {verdict} the goal of {GOAL}")
+              f"{us['sidecar_p99']:>12.0f} {row['ratio_p50']:>6.1f} {us['hash_p50']:>9.0f} "
+              f"{us['bare_hashes_p50']:>27.0f} {us['engine_hashes_p50']:>12.0f} "
+              f"{row['ratio_engine_hashes_p50']:>6.1f}")
+    for name, ratio in (("tokens only", worst), ("engine hashes", worst_hashes)):
+        verdict = "meets" if ratio <= GOAL else "misses"
+        print(f"{name}: worst p50 ratio {ratio:.1f} {verdict} the goal of {GOAL}")
     path = write_results("bench_lookup_latency", {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "goal": GOAL, "worst_ratio": worst, "rows": rows,
+        "goal": GOAL, "worst_ratio": worst, "worst_ratio_engine_hashes": worst_hashes,
+        "rows": rows,
         "profile": str(profile_out.name) if profile_out else None,
     })
     print(f"results: {path.relative_to(ROOT)}")

@@ -9,6 +9,7 @@ skipped when the engine sends its own block hashes.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import anyio.lowlevel
 
@@ -54,15 +55,18 @@ class LookupStage:
         while done * hbs < bound:
             end = min(bound // hbs, done + chunk)
             if hasher is not None:
-                fine = hasher.extend(message.token_ids[: end * hbs])
+                fine: Sequence[bytes] = hasher.extend(message.token_ids[: end * hbs])
             else:
-                fine = list(message.block_hashes[:end])  # type: ignore[index]
+                fine = message.block_hashes  # type: ignore[assignment]
             # Blocks of each store group that end inside the new chunk of fine blocks.
             wanted: list[tuple[int, int, str]] = []
             for index, geometry in enumerate(groups):
                 k = geometry.group.block_size // hbs
-                keys = session.group_keys(index, fine)
-                wanted.extend((index, j, keys[j]) for j in range(done // k, end // k))
+                prefix = geometry.key_prefix
+                wanted.extend(
+                    (index, j, f"{prefix}@{fine[(j + 1) * k - 1].hex()}")
+                    for j in range(done // k, end // k)
+                )
             try:
                 exists = await self._store.exists([key for _, _, key in wanted])
             except StoreError:

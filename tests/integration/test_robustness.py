@@ -222,3 +222,26 @@ def test_an_engine_killed_mid_save_is_reaped_and_its_mappings_released() -> None
 
         anyio.run(next_engine)
         assert sidecar.terminate() == 0
+
+
+async def test_engine_sent_block_hashes_are_used_and_checked(sidecar: SidecarProcess) -> None:
+    """Engines may send their own block hashes: right ones give the same answers as
+    tokens alone; a wrong count or a wrong first hash is refused by name."""
+    from pipeline.errors import RequestRejected
+    from pipeline.hashing import block_hashes
+
+    engine = KVEngine(hybrid_layout())
+    tokens = random_tokens(3 * 16 + 4, seed=71)
+    hashes = block_hashes(tokens, 16, cache_salt="s")
+    with anyio.fail_after(TIMEOUT):
+        async with await engine.connect(sidecar.endpoint) as client:
+            saved = await client.save("h", tokens, [[1, 2, 3, 4], [5], [1, 2, 3, 4]],
+                                      block_hashes=hashes, cache_salt="s")
+            assert saved.stored == 6
+            assert await client.lookup(tokens, cache_salt="s") == 48
+            assert await client.lookup(tokens, block_hashes=hashes, cache_salt="s") == 48
+            for bad, code in ((hashes[:-1], "bad_request"),
+                              (block_hashes(tokens, 16), "hash_mismatch")):
+                with pytest.raises(RequestRejected) as error:
+                    await client.lookup(tokens, block_hashes=bad, cache_salt="s")
+                assert error.value.code == code
