@@ -17,7 +17,7 @@ import structlog
 import torch
 
 from pipeline.errors import StoreError, StoreUnavailable
-from pipeline.store import KeyOutcome, KVStore
+from pipeline.store import DirectKVStore, Extents, KeyOutcome, KVStore, direct_store
 
 __all__ = ["BreakerState", "CircuitBreakerStore"]
 
@@ -104,3 +104,30 @@ class CircuitBreakerStore:
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+    # -- DirectKVStore, when the wrapped store lends its memory --------------------------
+
+    @property
+    def lends_memory(self) -> bool:
+        return direct_store(self.inner) is not None
+
+    async def reserve(self, keys: Sequence[str], size: int) -> Extents:
+        inner = _direct(self.inner)
+        return await self._call("reserve", lambda: inner.reserve(keys, size))
+
+    def commit(self, extents: Extents, *, written: bool) -> list[KeyOutcome]:
+        return _direct(self.inner).commit(extents, written=written)
+
+    async def lease(self, keys: Sequence[str], size: int) -> Extents:
+        inner = _direct(self.inner)
+        return await self._call("lease", lambda: inner.lease(keys, size))
+
+    def release(self, extents: Extents) -> None:
+        _direct(self.inner).release(extents)
+
+
+def _direct(store: KVStore) -> DirectKVStore:
+    direct = direct_store(store)
+    if direct is None:
+        raise TypeError(f"{type(store).__name__} does not lend its memory")
+    return direct

@@ -208,7 +208,9 @@ class FaultPointConfig(_Section, frozen=True):
     delay_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """Added to every call at this point."""
     corrupt_rate: Probability = 0.0
-    """``store.get`` only: probability that one loaded value gets a flipped byte."""
+    """Probability that one value gets a flipped byte: at ``store.put`` the value as
+    stored (every later load of it must fail), at ``store.get`` the copy one load
+    receives (copying backends; lent memory is shared by readers)."""
 
 
 class FaultsConfig(_Section, frozen=True):

@@ -1,8 +1,9 @@
 """Fault injection: named fault points in the stages and around the store, from config.
 
 A point fires with a configured probability (seeded, so a run is reproducible): it may
-delay, raise ``InjectedFault`` (an expected, per-item failure), or — at ``store.get`` —
-corrupt the bytes it just loaded, which the integrity check must catch. With no points
+delay, raise ``InjectedFault`` (an expected, per-item failure), or — at ``store.put`` /
+``store.get`` — corrupt a value as stored or as loaded, which the integrity check must
+catch. With no points
 configured every check is a dictionary miss.
 """
 
@@ -16,7 +17,7 @@ import torch
 
 from pipeline.config import FaultsConfig
 from pipeline.errors import StoreError
-from pipeline.store import KeyOutcome, KVStore
+from pipeline.store import DirectKVStore, Extents, KeyOutcome, KVStore, direct_store
 
 __all__ = ["Faults", "FaultyStore", "InjectedFault"]
 
@@ -72,6 +73,7 @@ class FaultyStore:
 
     async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
         await self._faults.check("store.put")
+        self._faults.corrupt("store.put", values)  # the value as stored
         return await self.inner.put(keys, values)
 
     async def get_into(
@@ -87,3 +89,32 @@ class FaultyStore:
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+    # -- DirectKVStore, when the wrapped store lends its memory --------------------------
+
+    @property
+    def lends_memory(self) -> bool:
+        return direct_store(self.inner) is not None
+
+    async def reserve(self, keys: Sequence[str], size: int) -> Extents:
+        await self._faults.check("store.put")
+        return await self._direct().reserve(keys, size)
+
+    def commit(self, extents: Extents, *, written: bool) -> list[KeyOutcome]:
+        if written:  # the value as stored
+            self._faults.corrupt("store.put", [v for v in extents.views if v is not None])
+        return self._direct().commit(extents, written=written)
+
+    async def lease(self, keys: Sequence[str], size: int) -> Extents:
+        await self._faults.check("store.get")
+        # Leased memory is shared by concurrent readers: corruption at rest is injected
+        # at store.put; store.get corrupts only copies (copying backends).
+        return await self._direct().lease(keys, size)
+
+    def release(self, extents: Extents) -> None:
+        self._direct().release(extents)
+
+    def _direct(self) -> DirectKVStore:
+        direct = direct_store(self.inner)
+        assert direct is not None, "only called when lends_memory"
+        return direct

@@ -2,8 +2,8 @@
 
 A stored value is the block's payload followed by 8 bytes: xxh3-64 of the payload,
 seeded with the layout fingerprint. A torn, corrupted or foreign value (another
-geometry under the same key) fails the check, and the block is reported failed instead
-of being handed to the engine.
+geometry under the same key) fails the check before anything is copied to the engine,
+and the block is reported failed instead.
 """
 
 from __future__ import annotations
@@ -11,7 +11,12 @@ from __future__ import annotations
 import torch
 import xxhash
 
-__all__ = ["CHECKSUM_BYTES", "fingerprint_seed", "seal_rows", "verify_rows"]
+__all__ = [
+    "CHECKSUM_BYTES",
+    "fingerprint_seed",
+    "seal_rows",
+    "verify_rows",
+]
 
 CHECKSUM_BYTES = 8
 

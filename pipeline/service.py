@@ -50,7 +50,7 @@ from pipeline.registry import MappedTensors, SessionRegistry
 from pipeline.runner import Edge, Process, create_edge, run_batcher, start_stage
 from pipeline.sessions import EngineSession
 from pipeline.staging import StagingPool
-from pipeline.store import BlockStatus, KeyOutcome, KVStore, store_error_outcome
+from pipeline.store import BlockStatus, KeyOutcome, KVStore, direct_store, store_error_outcome
 from stages.commit import CommitStage
 from stages.completion import CompletionStage, completion_message
 from stages.dedup import DedupStage
@@ -58,7 +58,7 @@ from stages.fetch import FetchStage
 from stages.group_filter import GroupFilterStage, plan_tasks
 from stages.hashing import HashingStage
 from stages.lookup import LookupRequest, LookupStage
-from stages.transfer import ScatterStage, StagedBatch, TransferStage
+from stages.transfer import ScatterStage, StagedBatch, TransferStage, release_values
 from transport.server import SidecarSocket, open_server_socket
 from transport.tensors import MappedTensors as SharedMappings
 
@@ -169,6 +169,8 @@ class Sidecar:
         copy_limiter = anyio.CapacityLimiter(config.transfer.threads)
         group_filter = GroupFilterStage(tracker)
         hashing = HashingStage(tracker, hash_limiter)
+        # A store that lends its memory (the embedded one) spares a copy through staging.
+        direct = direct_store(self.store)
 
         def stage(name: str, process: Process, edge_in: Edge, edge_out: Edge | None,
                   workers: int) -> None:
@@ -209,15 +211,15 @@ class Sidecar:
             if path == "save":
                 pressure = StorePressure()
                 transfer = TransferStage(
-                    self.pool, tracker, copy_limiter, config.transfer, pressure
+                    self.pool, tracker, copy_limiter, config.transfer, pressure, direct
                 )
-                commit = CommitStage(self.store, self.pool, tracker, pressure)
+                commit = CommitStage(self.store, self.pool, tracker, pressure, direct)
                 stage("save.transfer", transfer.process, batched, staged,
                       config.transfer.workers)
                 stage("save.commit", commit.process, staged, None, config.commit.workers)
             else:
-                fetch = FetchStage(self.store, self.pool, tracker, copy_limiter)
-                scatter = ScatterStage(self.pool, tracker, copy_limiter)
+                fetch = FetchStage(self.store, self.pool, tracker, copy_limiter, direct)
+                scatter = ScatterStage(self.store, self.pool, tracker, copy_limiter, direct)
                 stage("load.fetch", fetch.process, batched, staged, config.fetch.workers)
                 stage("load.scatter", scatter.process, staged, None, config.scatter.workers)
         lookup = LookupStage(self.store, self.reply)
@@ -229,7 +231,11 @@ class Sidecar:
             await self.reply(item.session, LookupReply(item.message.seq, 0))
             return
         if isinstance(item, StagedBatch):
-            self.pool.release(item.slot)
+            direct = direct_store(self.store)
+            if item.extents is not None and direct is not None and not item.tasks[0].job.is_load:
+                direct.commit(item.extents, written=False)
+            else:
+                release_values(item, self.pool, direct)
             tasks = item.tasks
         elif isinstance(item, Job):
             if not item.planned and item.pending == 0:

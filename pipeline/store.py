@@ -8,16 +8,17 @@ the store as a whole is unusable (down, closed), never for a single key.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import torch
 
 from pipeline.errors import StoreError, StoreUnavailable
 
-__all__ = ["BlockStatus", "KVStore", "KeyOutcome"]
+__all__ = ["BlockStatus", "DirectKVStore", "Extents", "KVStore", "KeyOutcome", "direct_store"]
 
 
 class BlockStatus(enum.StrEnum):
@@ -89,3 +90,38 @@ class KVStore(Protocol):
 
     async def aclose(self) -> None:
         """Release the backend's resources; idempotent."""
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Extents:
+    """Store memory lent for one batch: per key a view (1-D uint8) or the outcome that
+    says why there is none. ``handle`` is the backend's own bookkeeping."""
+
+    views: list[torch.Tensor | None]
+    outcomes: list[KeyOutcome]
+    handle: list[Any]
+
+
+@runtime_checkable
+class DirectKVStore(Protocol):
+    """A store whose values live in this process: stages copy straight into and out of
+    its memory, one copy instead of two through staging."""
+
+    async def reserve(self, keys: Sequence[str], size: int) -> Extents:
+        """Writable, not yet readable extents of ``size`` bytes for new keys (outcome
+        ``STORED`` once committed); present keys and a full store say so instead."""
+
+    def commit(self, extents: Extents, *, written: bool) -> list[KeyOutcome]:
+        """Make reserved extents readable (``written``) or give them back."""
+
+    async def lease(self, keys: Sequence[str], size: int) -> Extents:
+        """Pinned, readable extents of stored values (outcome ``LOADED``)."""
+
+    def release(self, extents: Extents) -> None:
+        """End a lease; the store may evict those values again."""
+
+
+def direct_store(store: KVStore) -> DirectKVStore | None:
+    """The store itself if it lends its memory (through wrappers that say so), else None."""
+    return store if getattr(store, "lends_memory", False) else None  # type: ignore[return-value]
+

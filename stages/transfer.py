@@ -1,46 +1,81 @@
-"""Transfer between engine KV tensors and the staging pool (the CPU copy engine).
+"""Transfer between engine KV tensors and stored values (the CPU copy engine).
 
-Saves gather engine blocks into a staging slot; loads scatter a slot into engine blocks.
-Copies run in worker threads (torch releases the GIL), one ``index_select`` /
-``index_copy_`` per segment for the whole batch, straight into or out of the slot. Both
-sides are seen as the widest integer words the geometry allows: torch moves uint8 rows
-element by element, several times slower than the same bytes as 8-byte words.
+Values live in a staging slot, or — when the store lends its memory (the embedded
+store) — in the store itself, which saves one copy each way. Saves gather engine blocks
+into the values; loads scatter values into engine blocks. Copies run in worker threads
+(torch releases the GIL), one ``index_select`` / ``index_copy_`` per segment for each run
+of adjacent values. Both sides are seen as the widest integer words the geometry
+allows: torch moves uint8 rows element by element, several times slower than words.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Sequence
 
 import anyio
 import torch
 
 from pipeline.config import TransferStageConfig
-from pipeline.integrity import seal_rows
+from pipeline.errors import StoreError
+from pipeline.integrity import seal_rows, verify_rows
 from pipeline.jobs import BlockTask, JobTracker, StorePressure
 from pipeline.sessions import StoreGroupGeometry
 from pipeline.staging import Slot, StagingPool
-from pipeline.store import LOADED, STORE_FULL, BlockStatus, KeyOutcome
+from pipeline.store import (
+    LOADED,
+    STORE_FULL,
+    BlockStatus,
+    DirectKVStore,
+    Extents,
+    KeyOutcome,
+    KVStore,
+)
 
-__all__ = ["ScatterStage", "StagedBatch", "TransferStage", "gather_blocks", "scatter_blocks"]
+__all__ = [
+    "ScatterStage",
+    "StagedBatch",
+    "TransferStage",
+    "gather_blocks",
+    "runs",
+    "scatter_blocks",
+]
 
 STAGING_FULL = KeyOutcome(BlockStatus.SKIPPED, "staging_full")
+CHECKSUM_MISMATCH = KeyOutcome(BlockStatus.FAILED, "checksum_mismatch")
 
 
 @dataclasses.dataclass(slots=True, eq=False)
 class StagedBatch:
-    """A batch of one session's store group, its values as rows of a staging slot."""
+    """A batch of one session's store group with a value per block, held in a staging
+    slot (``slot``) or in memory the store lent (``extents``)."""
 
     tasks: list[BlockTask]
-    slot: Slot
-    rows: torch.Tensor
+    views: list[torch.Tensor]
+    """Value i belongs to tasks[i]: 1-D uint8, ``geometry.stored_bytes`` long."""
+    slot: Slot | None = None
+    extents: Extents | None = None
 
     @property
     def geometry(self) -> StoreGroupGeometry:
         return self.tasks[0].geometry
 
 
-def _index(tasks: list[BlockTask]) -> torch.Tensor:
+def _index(tasks: Sequence[BlockTask]) -> torch.Tensor:
     return torch.tensor([task.block_id for task in tasks], dtype=torch.int64)
+
+
+def runs(views: Sequence[torch.Tensor], size: int) -> list[tuple[int, torch.Tensor]]:
+    """Adjacent values as matrices: (index of the first, a [count, size] view)."""
+    result = []
+    start = 0
+    for index in range(1, len(views) + 1):
+        if index == len(views) or views[index].data_ptr() != views[index - 1].data_ptr() + size:
+            matrix = torch.as_strided(views[start], (index - start, size), (size, 1))
+            result.append((start, matrix))
+            start = index
+    return result
 
 
 _WORDS = (torch.int64, torch.int32, torch.int16)
@@ -79,15 +114,37 @@ def scatter_blocks(
 
 
 def gather_and_seal(
-    geometry: StoreGroupGeometry, block_ids: torch.Tensor, rows: torch.Tensor
+    geometry: StoreGroupGeometry, block_ids: torch.Tensor, views: Sequence[torch.Tensor]
 ) -> None:
-    gather_blocks(geometry, block_ids, rows)
-    if geometry.checksum_seed is not None:
-        seal_rows(rows, geometry.value_bytes, geometry.checksum_seed)
+    """Fill each value from its engine block, then seal its checksum."""
+    for start, rows in runs(views, geometry.stored_bytes):
+        gather_blocks(geometry, block_ids[start : start + rows.shape[0]], rows)
+        if geometry.checksum_seed is not None:
+            seal_rows(rows, geometry.value_bytes, geometry.checksum_seed)
+
+
+def verify_and_scatter(
+    geometry: StoreGroupGeometry, block_ids: torch.Tensor, views: Sequence[torch.Tensor]
+) -> list[bool]:
+    """Check each value against its sealed checksum, then copy only the intact ones into
+    their engine blocks: the engine never receives a corrupted byte. Whether each is intact.
+    """
+    if geometry.checksum_seed is None:
+        intact = [True] * len(views)
+    else:
+        intact = []
+        for _, rows in runs(views, geometry.stored_bytes):
+            intact.extend(verify_rows(rows, geometry.value_bytes, geometry.checksum_seed))
+    keep = [index for index, ok in enumerate(intact) if ok]
+    kept_ids = block_ids[keep] if len(keep) < len(views) else block_ids
+    kept_views = [views[index] for index in keep]
+    for start, rows in runs(kept_views, geometry.stored_bytes):
+        scatter_blocks(geometry, kept_ids[start : start + rows.shape[0]], rows)
+    return intact
 
 
 class TransferStage:
-    """Save side: engine blocks -> a staging slot."""
+    """Save side: engine blocks -> values (staging, or store memory when lent)."""
 
     def __init__(
         self,
@@ -96,12 +153,14 @@ class TransferStage:
         limiter: anyio.CapacityLimiter,
         config: TransferStageConfig,
         pressure: StorePressure,
+        direct: DirectKVStore | None = None,
     ) -> None:
         self._pool = pool
         self._tracker = tracker
         self._limiter = limiter
         self._skip_when_full = config.overflow == "skip"
         self._pressure = pressure
+        self._direct = direct
 
     async def process(self, tasks: list[BlockTask]) -> StagedBatch | None:
         skipped, tasks = self._pressure.split(tasks)
@@ -109,6 +168,23 @@ class TransferStage:
             await self._tracker.settle_all(skipped, STORE_FULL)
         if not tasks:
             return None
+        batch = await (self._reserve(tasks) if self._direct else self._stage(tasks))
+        if batch is None:
+            return None
+        try:
+            await anyio.to_thread.run_sync(
+                gather_and_seal, batch.geometry, _index(batch.tasks), batch.views,
+                limiter=self._limiter,
+            )
+        except BaseException:
+            if batch.slot is not None:
+                self._pool.release(batch.slot)
+            if batch.extents is not None and self._direct is not None:
+                self._direct.commit(batch.extents, written=False)
+            raise
+        return batch
+
+    async def _stage(self, tasks: list[BlockTask]) -> StagedBatch | None:
         if self._skip_when_full:
             slot = self._pool.try_take("save")
             if slot is None:
@@ -116,34 +192,77 @@ class TransferStage:
                 return None
         else:
             slot = await self._pool.take("save")
-        try:
-            geometry = tasks[0].geometry
-            rows = slot.rows(len(tasks), geometry.stored_bytes)
-            await anyio.to_thread.run_sync(
-                gather_and_seal, geometry, _index(tasks), rows, limiter=self._limiter
-            )
-        except BaseException:
-            self._pool.release(slot)
-            raise
-        return StagedBatch(tasks, slot, rows)
+        rows = slot.rows(len(tasks), tasks[0].geometry.stored_bytes)
+        return StagedBatch(tasks, list(rows.unbind(0)), slot=slot)
+
+    async def _reserve(self, tasks: list[BlockTask]) -> StagedBatch | None:
+        assert self._direct is not None
+        extents = await self._direct.reserve(
+            [task.key for task in tasks], tasks[0].geometry.stored_bytes
+        )
+        kept: list[BlockTask] = []
+        views: list[torch.Tensor] = []
+        refused: list[tuple[BlockTask, KeyOutcome]] = []
+        for task, view, outcome in zip(tasks, extents.views, extents.outcomes, strict=True):
+            if view is None:
+                refused.append((task, outcome))
+            else:
+                kept.append(task)
+                views.append(view)
+        if refused:
+            self._pressure.record([t for t, _ in refused], [o for _, o in refused])
+            for task, outcome in refused:
+                await self._tracker.settle(task.job, ((task, outcome),))
+        if not kept:
+            return None
+        return StagedBatch(kept, views, extents=extents)
 
 
 class ScatterStage:
-    """Load side: the loaded rows of a staging slot -> engine blocks."""
+    """Load side: verified values -> engine blocks.
+
+    A value that does not match its checksum is never copied: its block is reported
+    failed (the engine recomputes it) and the value is removed from the store, so that
+    a fresh save can replace it.
+    """
 
     def __init__(
-        self, pool: StagingPool, tracker: JobTracker, limiter: anyio.CapacityLimiter
+        self,
+        store: KVStore,
+        pool: StagingPool,
+        tracker: JobTracker,
+        limiter: anyio.CapacityLimiter,
+        direct: DirectKVStore | None = None,
     ) -> None:
+        self._store = store
         self._pool = pool
         self._tracker = tracker
         self._limiter = limiter
+        self._direct = direct
 
     async def process(self, batch: StagedBatch) -> None:
         try:
-            await anyio.to_thread.run_sync(
-                scatter_blocks, batch.geometry, _index(batch.tasks), batch.rows,
+            intact = await anyio.to_thread.run_sync(
+                verify_and_scatter, batch.geometry, _index(batch.tasks), batch.views,
                 limiter=self._limiter,
             )
         finally:
-            self._pool.release(batch.slot)
-        await self._tracker.settle_all(batch.tasks, LOADED)
+            release_values(batch, self._pool, self._direct)
+        corrupt = [task for task, ok in zip(batch.tasks, intact, strict=True) if not ok]
+        if corrupt:
+            with contextlib.suppress(StoreError):  # the next load finds it and tries again
+                await self._store.remove([task.key for task in corrupt])
+            await self._tracker.settle_all(corrupt, CHECKSUM_MISMATCH)
+        await self._tracker.settle_all(
+            [task for task, ok in zip(batch.tasks, intact, strict=True) if ok], LOADED
+        )
+
+
+def release_values(
+    batch: StagedBatch, pool: StagingPool, direct: DirectKVStore | None
+) -> None:
+    """Give back the memory holding a batch's values (a lease, or a staging slot)."""
+    if batch.slot is not None:
+        pool.release(batch.slot)
+    if batch.extents is not None and direct is not None:
+        direct.release(batch.extents)

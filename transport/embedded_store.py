@@ -33,7 +33,16 @@ import torch
 
 from pipeline.config import EmbeddedStoreConfig
 from pipeline.errors import StoreError
-from pipeline.store import LOADED, MISSING, PRESENT, STORE_FULL, STORED, KeyOutcome, failed
+from pipeline.store import (
+    LOADED,
+    MISSING,
+    PRESENT,
+    STORE_FULL,
+    STORED,
+    Extents,
+    KeyOutcome,
+    failed,
+)
 
 __all__ = ["ArenaAllocator", "EmbeddedStore", "EmbeddedStoreStats"]
 
@@ -273,6 +282,81 @@ class EmbeddedStore:
             if error is not None:
                 outcomes[index] = failed(error)
         return outcomes
+
+    # -- DirectKVStore: stages copy straight into and out of the arena ---------------------
+
+    lends_memory = True
+
+    async def reserve(self, keys: Sequence[str], size: int) -> Extents:
+        self._check_open()
+        fresh = len({key for key in keys if key not in self._entries})
+        # One extent for the whole batch when a hole fits it, so the caller can copy the
+        # batch as one matrix; otherwise one extent per key, evicting as needed.
+        run = self._allocator.allocate(fresh * size) if fresh > 1 else None
+        next_offset = run
+        lent: list[tuple[_Entry | None, KeyOutcome]] = []
+        for key in keys:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                lent.append((None, PRESENT))
+                continue
+            if next_offset is not None:
+                offset: int | None = next_offset
+                next_offset += size
+            else:
+                offset = self._make_room(size)
+            if offset is None:
+                lent.append((None, STORE_FULL))
+                continue
+            entry = _Entry(key, offset, size)
+            self._pin(entry)
+            self._entries[key] = entry
+            lent.append((entry, STORED))
+        if run is not None and next_offset is not None and next_offset < run + fresh * size:
+            self._allocator.free(next_offset, run + fresh * size - next_offset)
+        return self._extents(lent)
+
+    def commit(self, extents: Extents, *, written: bool) -> list[KeyOutcome]:
+        outcomes = list(extents.outcomes)
+        for index, entry in enumerate(extents.handle):
+            if entry is None:
+                continue
+            if written:
+                entry.ready = True
+                self._unpin(entry)
+            else:
+                self._abandon(entry)
+                outcomes[index] = failed("not_written")
+        extents.handle = []
+        return outcomes
+
+    async def lease(self, keys: Sequence[str], size: int) -> Extents:
+        self._check_open()
+        lent: list[tuple[_Entry | None, KeyOutcome]] = []
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None or not entry.ready:
+                lent.append((None, MISSING))
+            elif entry.size != size:
+                lent.append((None, failed(f"size_mismatch: stored {entry.size}, want {size}")))
+            else:
+                self._pin(entry)
+                self._entries.move_to_end(key)
+                lent.append((entry, LOADED))
+        return self._extents(lent)
+
+    def release(self, extents: Extents) -> None:
+        for entry in extents.handle:
+            if entry is not None:
+                self._unpin(entry)
+        extents.handle = []
+
+    def _extents(self, lent: list[tuple[_Entry | None, KeyOutcome]]) -> Extents:
+        return Extents(
+            views=[None if entry is None else self._slot(entry) for entry, _ in lent],
+            outcomes=[outcome for _, outcome in lent],
+            handle=[entry for entry, _ in lent],
+        )
 
     async def remove(self, keys: Sequence[str]) -> int:
         self._check_open()

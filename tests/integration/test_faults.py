@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import anyio
 import psutil
-import pytest
 
 from pipeline.engine_sim import SimReport, load_layout, run_workload
 from pipeline.testing import KVEngine, hybrid_layout, random_tokens, run_sidecar_process
@@ -22,8 +21,9 @@ def fault_config(error_rate: float, corrupt_rate: float) -> dict[str, object]:
         f"stage.{name}": {"error_rate": error_rate} for name in STAGE_POINTS
     }
     points["store.exists"] = {"error_rate": error_rate}
-    points["store.put"] = {"error_rate": error_rate, "delay_ms": 1.0}
-    points["store.get"] = {"error_rate": error_rate, "corrupt_rate": corrupt_rate}
+    points["store.put"] = {"error_rate": error_rate, "delay_ms": 1.0,
+                           "corrupt_rate": corrupt_rate}
+    points["store.get"] = {"error_rate": error_rate}
     # A high threshold keeps the breaker closed so that every point keeps firing.
     return {
         "faults": {"seed": 7, "points": points},
@@ -78,11 +78,11 @@ async def test_every_request_is_answered_and_no_corrupt_byte_is_loaded() -> None
     assert peak_rss < 1536 * 2**20
 
 
-@pytest.mark.parametrize("corrupt_rate", [1.0])
-async def test_corrupted_stored_bytes_reach_no_engine(corrupt_rate: float) -> None:
-    """Every loaded value corrupted in the store: the engine gets each block back as
-    failed with checksum_mismatch and its own memory is left untouched."""
-    config = {"faults": {"points": {"store.get": {"corrupt_rate": corrupt_rate}}}}
+async def test_corrupted_stored_bytes_reach_no_engine() -> None:
+    """Every stored value corrupted at rest: the engine gets each block back as failed
+    with checksum_mismatch, its own memory is left untouched, and the corrupted values
+    are dropped so that the next save stores them afresh."""
+    config: dict[str, object] = {"faults": {"points": {"store.put": {"corrupt_rate": 1.0}}}}
     layout = hybrid_layout()
     writer, reader = KVEngine(layout), KVEngine(layout)
     tokens = random_tokens(2 * 16 + 1, seed=31)
@@ -93,9 +93,11 @@ async def test_corrupted_stored_bytes_reach_no_engine(corrupt_rate: float) -> No
                 assert (await a.save("w", tokens, [[1, 2, 3], [4], [1, 2, 3]])).stored == 4
                 before = [reader.pages(0, 7), reader.pages(0, 8), reader.pages(2, 8)]
                 loaded = await b.load("r", tokens, [[7, 8, 9], [5], [7, 8, 9]], 32)
+                dropped = await b.lookup(tokens)
     assert loaded.loaded_tokens == 0
     assert sorted(loaded.invalid_block_ids) == [7, 8, 8]
     assert {r.reason for r in loaded.blocks} == {"checksum_mismatch"}
+    assert dropped == 0
     after = [reader.pages(0, 7), reader.pages(0, 8), reader.pages(2, 8)]
     for pages_before, pages_after in zip(before, after, strict=True):
         assert all((x == y).all() for x, y in zip(pages_before, pages_after, strict=True))

@@ -186,7 +186,7 @@ async def run_load(h: Harness, message: Load) -> Job:
     """group_filter -> hashing -> fetch -> scatter, one batch per store group."""
     job = h.job(message)
     fetch = FetchStage(h.store, h.pool, h.tracker, h.limiter)
-    scatter = ScatterStage(h.pool, h.tracker, h.limiter)
+    scatter = ScatterStage(h.store, h.pool, h.tracker, h.limiter)
     if await GroupFilterStage(h.tracker).process(job) is None:
         return job
     named = await HashingStage(h.tracker, h.limiter).process(job)
@@ -399,7 +399,7 @@ async def test_a_middle_block_missing_loads_the_others_into_the_right_blocks() -
         staged = await fetch.process(named or [])
         assert isinstance(staged, StagedBatch)
         assert [t.block_id for t in staged.tasks] == [5, 7]
-        await ScatterStage(h.pool, h.tracker, h.limiter).process(staged)
+        await ScatterStage(h.store, h.pool, h.tracker, h.limiter).process(staged)
     assert torch.equal(h.block("attn.0", 5), h.block("attn.0", 1))
     assert torch.equal(h.block("attn.0", 7), h.block("attn.0", 3))
     assert not torch.equal(h.block("attn.0", 6), h.block("attn.0", 2))
