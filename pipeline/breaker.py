@@ -9,15 +9,14 @@ let through; its success closes the circuit again, its failure re-opens it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import anyio
 import structlog
-import torch
 
 from pipeline.errors import StoreError, StoreUnavailable
-from pipeline.store import DirectKVStore, Extents, KeyOutcome, KVStore, direct_store
+from pipeline.store import KVStore, StoreWrapper
 
 __all__ = ["BreakerState", "CircuitBreakerStore"]
 
@@ -31,7 +30,7 @@ class BreakerState(enum.StrEnum):
     HALF_OPEN = "half_open"
 
 
-class CircuitBreakerStore:
+class CircuitBreakerStore(StoreWrapper):
     """Wraps a ``KVStore``; the same contract, with timeouts and fast failure."""
 
     def __init__(
@@ -42,7 +41,7 @@ class CircuitBreakerStore:
         failure_threshold: int = 3,
         reset_after_s: float = 2.0,
     ) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self._timeout_s = call_timeout_s
         self._threshold = failure_threshold
         self._reset_after_s = reset_after_s
@@ -51,7 +50,7 @@ class CircuitBreakerStore:
         self._probing = False
         self.state = BreakerState.CLOSED
 
-    async def _call(self, name: str, call: Callable[[], Awaitable[T]]) -> T:
+    async def _around(self, name: str, call: Callable[[], Awaitable[T]]) -> T:
         if self.state is BreakerState.OPEN:
             if anyio.current_time() - self._opened_at < self._reset_after_s or self._probing:
                 raise StoreUnavailable("the store is unavailable (circuit open)")
@@ -84,50 +83,3 @@ class CircuitBreakerStore:
                 )
             self.state = BreakerState.OPEN
             self._opened_at = anyio.current_time()
-
-    async def register_buffer(self, buffer: torch.Tensor) -> None:
-        await self.inner.register_buffer(buffer)
-
-    async def exists(self, keys: Sequence[str]) -> list[bool]:
-        return await self._call("exists", lambda: self.inner.exists(keys))
-
-    async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
-        return await self._call("put", lambda: self.inner.put(keys, values))
-
-    async def get_into(
-        self, keys: Sequence[str], buffers: Sequence[torch.Tensor]
-    ) -> list[KeyOutcome]:
-        return await self._call("get_into", lambda: self.inner.get_into(keys, buffers))
-
-    async def remove(self, keys: Sequence[str]) -> int:
-        return await self._call("remove", lambda: self.inner.remove(keys))
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-    # -- DirectKVStore, when the wrapped store lends its memory --------------------------
-
-    @property
-    def lends_memory(self) -> bool:
-        return direct_store(self.inner) is not None
-
-    async def reserve(self, keys: Sequence[str], size: int) -> Extents:
-        inner = _direct(self.inner)
-        return await self._call("reserve", lambda: inner.reserve(keys, size))
-
-    def commit(self, extents: Extents, *, written: bool) -> list[KeyOutcome]:
-        return _direct(self.inner).commit(extents, written=written)
-
-    async def lease(self, keys: Sequence[str], size: int) -> Extents:
-        inner = _direct(self.inner)
-        return await self._call("lease", lambda: inner.lease(keys, size))
-
-    def release(self, extents: Extents) -> None:
-        _direct(self.inner).release(extents)
-
-
-def _direct(store: KVStore) -> DirectKVStore:
-    direct = direct_store(store)
-    if direct is None:
-        raise TypeError(f"{type(store).__name__} does not lend its memory")
-    return direct

@@ -10,16 +10,19 @@ configured every check is a dictionary miss.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import anyio
 import torch
 
 from pipeline.config import FaultsConfig
 from pipeline.errors import StoreError
-from pipeline.store import DirectKVStore, Extents, KeyOutcome, KVStore, direct_store
+from pipeline.store import Extents, KeyOutcome, KVStore, StoreWrapper
 
 __all__ = ["Faults", "FaultyStore", "InjectedFault"]
+
+T = TypeVar("T")
 
 
 class InjectedFault(StoreError):
@@ -57,64 +60,31 @@ class Faults:
                 buffer[self._rng.randrange(buffer.numel())] ^= 0x5A
 
 
-class FaultyStore:
+class FaultyStore(StoreWrapper):
     """A store with fault points ``store.exists`` / ``store.put`` / ``store.get``."""
 
     def __init__(self, inner: KVStore, faults: Faults) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self._faults = faults
 
-    async def register_buffer(self, buffer: torch.Tensor) -> None:
-        await self.inner.register_buffer(buffer)
-
-    async def exists(self, keys: Sequence[str]) -> list[bool]:
-        await self._faults.check("store.exists")
-        return await self.inner.exists(keys)
+    async def _around(self, name: str, call: Callable[[], Awaitable[T]]) -> T:
+        await self._faults.check(f"store.{name}")
+        return await call()
 
     async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
-        await self._faults.check("store.put")
         self._faults.corrupt("store.put", values)  # the value as stored
-        return await self.inner.put(keys, values)
+        return await super().put(keys, values)
 
     async def get_into(
         self, keys: Sequence[str], buffers: Sequence[torch.Tensor]
     ) -> list[KeyOutcome]:
-        await self._faults.check("store.get")
-        outcomes = await self.inner.get_into(keys, buffers)
-        self._faults.corrupt("store.get", buffers)
+        outcomes = await super().get_into(keys, buffers)
+        self._faults.corrupt("store.get", buffers)  # the copy this load receives
         return outcomes
 
-    async def remove(self, keys: Sequence[str]) -> int:
-        return await self.inner.remove(keys)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-    # -- DirectKVStore, when the wrapped store lends its memory --------------------------
-
-    @property
-    def lends_memory(self) -> bool:
-        return direct_store(self.inner) is not None
-
-    async def reserve(self, keys: Sequence[str], size: int) -> Extents:
-        await self._faults.check("store.put")
-        return await self._direct().reserve(keys, size)
-
     def commit(self, extents: Extents, *, written: bool) -> list[KeyOutcome]:
-        if written:  # the value as stored
+        # Lent memory is shared by concurrent readers, so it is corrupted only at rest
+        # (here, as stored); store.get corrupts only copies.
+        if written:
             self._faults.corrupt("store.put", [v for v in extents.views if v is not None])
-        return self._direct().commit(extents, written=written)
-
-    async def lease(self, keys: Sequence[str], size: int) -> Extents:
-        await self._faults.check("store.get")
-        # Leased memory is shared by concurrent readers: corruption at rest is injected
-        # at store.put; store.get corrupts only copies (copying backends).
-        return await self._direct().lease(keys, size)
-
-    def release(self, extents: Extents) -> None:
-        self._direct().release(extents)
-
-    def _direct(self) -> DirectKVStore:
-        direct = direct_store(self.inner)
-        assert direct is not None, "only called when lends_memory"
-        return direct
+        return super().commit(extents, written=written)

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 import torch
 
 from pipeline.errors import StoreError, StoreUnavailable
 
-__all__ = ["BlockStatus", "DirectKVStore", "Extents", "KVStore", "KeyOutcome", "direct_store"]
+__all__ = ["BlockStatus", "DirectKVStore", "Extents", "KVStore", "KeyOutcome",
+           "StoreWrapper", "direct_store"]
 
 
 class BlockStatus(enum.StrEnum):
@@ -124,4 +125,60 @@ class DirectKVStore(Protocol):
 def direct_store(store: KVStore) -> DirectKVStore | None:
     """The store itself if it lends its memory (through wrappers that say so), else None."""
     return store if getattr(store, "lends_memory", False) else None  # type: ignore[return-value]
+
+
+T = TypeVar("T")
+
+
+class StoreWrapper:
+    """A store around another: each call goes through ``_around(name, call)``, which a
+    subclass overrides to guard it (timeouts, fault points); lent memory is passed on."""
+
+    def __init__(self, inner: KVStore) -> None:
+        self.inner = inner
+
+    async def _around(self, name: str, call: Callable[[], Awaitable[T]]) -> T:
+        return await call()
+
+    async def register_buffer(self, buffer: torch.Tensor) -> None:
+        await self.inner.register_buffer(buffer)
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        return await self._around("exists", lambda: self.inner.exists(keys))
+
+    async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
+        return await self._around("put", lambda: self.inner.put(keys, values))
+
+    async def get_into(
+        self, keys: Sequence[str], buffers: Sequence[torch.Tensor]
+    ) -> list[KeyOutcome]:
+        return await self._around("get", lambda: self.inner.get_into(keys, buffers))
+
+    async def remove(self, keys: Sequence[str]) -> int:
+        return await self._around("remove", lambda: self.inner.remove(keys))
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    @property
+    def lends_memory(self) -> bool:
+        return direct_store(self.inner) is not None
+
+    async def reserve(self, keys: Sequence[str], size: int) -> Extents:
+        return await self._around("put", lambda: self._direct().reserve(keys, size))
+
+    def commit(self, extents: Extents, *, written: bool) -> list[KeyOutcome]:
+        return self._direct().commit(extents, written=written)
+
+    async def lease(self, keys: Sequence[str], size: int) -> Extents:
+        return await self._around("get", lambda: self._direct().lease(keys, size))
+
+    def release(self, extents: Extents) -> None:
+        self._direct().release(extents)
+
+    def _direct(self) -> DirectKVStore:
+        direct = direct_store(self.inner)
+        if direct is None:
+            raise TypeError(f"{type(self.inner).__name__} does not lend its memory")
+        return direct
 
