@@ -188,10 +188,5 @@ def run_sidecar_process(
                 time.sleep(0.02)
             yield sidecar
         finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                sidecar.terminate(timeout_s=15)

@@ -290,9 +290,9 @@ class EmbeddedStore:
     async def reserve(self, keys: Sequence[str], size: int) -> Extents:
         self._check_open()
         fresh = len({key for key in keys if key not in self._entries})
-        # One extent for the whole batch when a hole fits it, so the caller can copy the
-        # batch as one matrix; otherwise one extent per key, evicting as needed.
-        run = self._allocator.allocate(fresh * size) if fresh > 1 else None
+        # One extent for the whole batch (evicting as needed), so the caller copies the
+        # batch as one matrix; if none can be had, one extent per key.
+        run = self._make_room(fresh * size) if fresh > 1 else None
         next_offset = run
         lent: list[tuple[_Entry | None, KeyOutcome]] = []
         for key in keys:

@@ -256,6 +256,9 @@ class MappedTensors:
                 mapping.close()
 
 
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere faults on use
+
+
 def _attach(handle: TensorHandle) -> mmap.mmap:
     name = handle.shm_name
     if not name or "/" in name or name in (".", "..") or len(name) > _NAME_MAX:
@@ -270,7 +273,9 @@ def _attach(handle: TensorHandle) -> mmap.mmap:
         size = os.fstat(fd).st_size
         if size == 0:
             raise _fail(handle, f"shared memory segment {name!r} is empty")
-        return mmap.mmap(fd, size)
+        # Populate the page tables now: a first touch per page at copy time would run
+        # the first transfers of every block several times slower.
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
     except OSError as exc:
         raise _fail(handle, f"cannot map shared memory segment {name!r}: {exc}") from exc
     finally:
