@@ -23,6 +23,7 @@ __all__ = [
     "FaultPointConfig",
     "FaultsConfig",
     "LoggingConfig",
+    "MetricsConfig",
     "MooncakeStoreConfig",
     "ReceiveStageConfig",
     "ServerConfig",
@@ -227,6 +228,12 @@ class FaultsConfig(_Section, frozen=True):
             )
 
 
+class MetricsConfig(_Section, frozen=True):
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """Serve Prometheus metrics at http://host:port/metrics (0: off)."""
+
+
 class LoggingConfig(_Section, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -239,6 +246,7 @@ class Config(_Section, frozen=True):
     staging: StagingConfig = StagingConfig()
     store: StoreConfig = StoreConfig()
     faults: FaultsConfig = FaultsConfig()
+    metrics: MetricsConfig = MetricsConfig()
     logging: LoggingConfig = LoggingConfig()
 
 

@@ -19,6 +19,10 @@ class ProtocolError(KVSidecarError):
     """A wire message is malformed, oversized, or violates the protocol."""
 
 
+class FrameTooLarge(ProtocolError):
+    """A frame larger than ``server.max_frame_bytes``."""
+
+
 class TransportError(KVSidecarError):
     """A socket, shared-memory mapping or peer process failed."""
 

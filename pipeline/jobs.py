@@ -8,6 +8,7 @@ every job still open is completed with failures, so no accepted request goes una
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterable, Sequence
 
 from anyio.abc import ObjectSendStream
@@ -44,6 +45,7 @@ class Job:
     reports: list[BlockReport] = dataclasses.field(default_factory=list)
     pending: int = 0
     done: bool = False
+    received_at: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
     def is_load(self) -> bool:

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from pipeline.errors import ProtocolError
+from pipeline.errors import FrameTooLarge, ProtocolError
 from pipeline.store import BlockStatus
 
 __all__ = [
@@ -226,7 +226,7 @@ def encode(message: EngineMessage | SidecarMessage) -> bytes:
 def decode_engine_message(frame: bytes, *, max_bytes: int) -> EngineMessage:
     """Decode one engine frame; any problem becomes a ``ProtocolError`` naming it."""
     if len(frame) > max_bytes:
-        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {max_bytes}-byte limit")
+        raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds the {max_bytes}-byte limit")
     try:
         return _engine_decoder.decode(frame)
     except (msgspec.DecodeError, RecursionError) as exc:

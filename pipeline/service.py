@@ -23,7 +23,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from pipeline.breaker import CircuitBreakerStore
 from pipeline.config import Config, StoreConfig
-from pipeline.errors import ProtocolError, RequestRejected, StoreError
+from pipeline.errors import FrameTooLarge, ProtocolError, RequestRejected, StoreError
 from pipeline.faults import Faults, FaultyStore
 from pipeline.hitrule import required_blocks
 from pipeline.jobs import BlockTask, Job, JobTracker, StorePressure
@@ -46,6 +46,7 @@ from pipeline.messages import (
     decode_engine_message,
     encode,
 )
+from pipeline.metrics import Metrics
 from pipeline.registry import MappedTensors, SessionRegistry
 from pipeline.runner import Edge, Process, create_edge, run_batcher, start_stage
 from pipeline.sessions import EngineSession
@@ -147,7 +148,8 @@ class Sidecar:
         self._lookup_inbox = create_edge(stages.lookup.inbox_size)
         self._accepting = True
         self._last_receive = 0.0
-        self.counters: dict[str, int] = {}
+        self.metrics = Metrics()
+        self.metrics.open_jobs.set_function(lambda: self.tracker.open_jobs)
 
     # -- replies ---------------------------------------------------------------------
 
@@ -156,9 +158,6 @@ class Sidecar:
 
     async def _send(self, identity: bytes, message: SidecarMessage) -> None:
         await self.socket.send(identity, encode(message))
-
-    def _count(self, name: str, amount: int = 1) -> None:
-        self.counters[name] = self.counters.get(name, 0) + amount
 
     # -- the stage graph --------------------------------------------------------------
 
@@ -222,7 +221,7 @@ class Sidecar:
                 scatter = ScatterStage(self.store, self.pool, tracker, copy_limiter, direct)
                 stage("load.fetch", fetch.process, batched, staged, config.fetch.workers)
                 stage("load.scatter", scatter.process, staged, None, config.scatter.workers)
-        lookup = LookupStage(self.store, self.reply)
+        lookup = LookupStage(self.store, self.reply, self.metrics.replied)
         stage("lookup", lookup.process, self._lookup_inbox, None, config.lookup.workers)
 
     async def _fail_item(self, item: object, error: StoreError) -> None:
@@ -247,11 +246,10 @@ class Sidecar:
             return
         saving = not tasks[0].job.is_load
         log.info("stage.item.failed", error=str(error), blocks=len(tasks))
-        self._count("blocks.failed_in_stage", len(tasks))
         await self.tracker.settle_all(tasks, store_error_outcome(error, saving=saving))
 
     async def _run_completions(self, edge: Edge) -> None:
-        completion = CompletionStage(self.reply, self.tracker)
+        completion = CompletionStage(self.reply, self.tracker, self.metrics.replied)
         async with edge[1] as inbox:
             async for job in inbox:
                 await completion.process(job)
@@ -266,18 +264,21 @@ class Sidecar:
                 message = decode_engine_message(frame, max_bytes=self.config.server.max_frame_bytes)
                 await self._dispatch(identity, message)
             except ProtocolError as exc:
-                self._count("errors.protocol")
-                code = ErrorCode.TOO_LARGE if "exceeds" in str(exc) else ErrorCode.BAD_FRAME
+                too_large = isinstance(exc, FrameTooLarge)
+                code = ErrorCode.TOO_LARGE if too_large else ErrorCode.BAD_FRAME
+                self.metrics.rejected.labels(code).inc()
                 log.info("server.frame.rejected", code=code, error=str(exc))
                 await self._send(identity, ErrorReply(code, str(exc)))
             except RequestRejected as exc:
-                self._count(f"errors.{exc.code}")
+                self.metrics.rejected.labels(exc.code).inc()
                 log.info("server.request.rejected", code=exc.code, error=str(exc))
                 await self._send(identity, ErrorReply(exc.code, str(exc), _seq(message)))
 
     async def _dispatch(self, identity: bytes, message: EngineMessage) -> None:
+        self.metrics.requests.labels(message.__struct_config__.tag).inc()
         if isinstance(message, Register):
             registered_session, registered = self.registry.register(identity, message)
+            self.metrics.sessions.set(len(self.registry.sessions))
             log.info(
                 "session.registered",
                 engine_id=registered_session.engine_id,
@@ -294,6 +295,7 @@ class Sidecar:
             await self._send(identity, HeartbeatAck(message.seq))
         elif isinstance(message, Unregister):
             self.registry.remove(identity)
+            self.metrics.sessions.set(len(self.registry.sessions))
             log.info("session.unregistered", engine_id=session.engine_id)
             await self._send(identity, Unregistered(message.seq))
         elif not self._accepting:
@@ -327,9 +329,10 @@ class Sidecar:
                 return
             except anyio.WouldBlock:
                 self.tracker.answered(job)
-        self._count("saves.overloaded")
         job.reports = [job.report(task, OVERLOADED) for task in plan_tasks(job)]
-        await self.reply(job.session, completion_message(job))
+        message = completion_message(job)
+        await self.reply(job.session, message)
+        self.metrics.replied(message, job.received_at)
 
     async def _reap_loop(self) -> None:
         timeout = self.config.server.heartbeat_timeout_s
@@ -343,8 +346,9 @@ class Sidecar:
                         engine_id=session.engine_id,
                         silent_s=round(now - session.last_seen, 1),
                     )
-                    self._count("sessions.reaped")
+                    self.metrics.reaped.inc()
                     self.registry.remove(identity)
+                    self.metrics.sessions.set(len(self.registry.sessions))
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -373,6 +377,8 @@ class Sidecar:
                 drained.set()
 
             root.start_soon(run_pipeline, name="pipeline")
+            if self.config.metrics.port:
+                self.metrics.serve(self.config.metrics.host, self.config.metrics.port)
             task_status.started(self.socket.endpoint)
             log.info("sidecar.ready", endpoint=self.socket.endpoint)
             await stop.wait()

@@ -10,9 +10,11 @@ from pipeline.messages import Load, LoadDone, SaveDone, SidecarMessage
 from pipeline.sessions import EngineSession
 from pipeline.store import BlockStatus
 
-__all__ = ["CompletionStage", "Reply", "completion_message"]
+__all__ = ["CompletionStage", "Observe", "Reply", "completion_message"]
 
 Reply = Callable[[EngineSession, SidecarMessage], Awaitable[None]]
+Observe = Callable[[SidecarMessage, float], None]
+"""Told of each reply sent and when its request was received (for metrics)."""
 
 
 def completion_message(job: Job) -> SaveDone | LoadDone:
@@ -39,12 +41,16 @@ def completion_message(job: Job) -> SaveDone | LoadDone:
 
 
 class CompletionStage:
-    def __init__(self, reply: Reply, tracker: JobTracker) -> None:
+    def __init__(self, reply: Reply, tracker: JobTracker, observe: Observe | None = None) -> None:
         self._reply = reply
         self._tracker = tracker
+        self._observe = observe
 
     async def process(self, job: Job) -> None:
+        message = completion_message(job)
         try:
-            await self._reply(job.session, completion_message(job))
+            await self._reply(job.session, message)
         finally:
             self._tracker.answered(job)
+        if self._observe is not None:
+            self._observe(message, job.received_at)

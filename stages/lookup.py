@@ -9,6 +9,7 @@ skipped when the engine sends its own block hashes.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import anyio.lowlevel
@@ -20,7 +21,7 @@ from pipeline.layout import GroupKind
 from pipeline.messages import Lookup, LookupReply
 from pipeline.sessions import EngineSession
 from pipeline.store import KVStore
-from stages.completion import Reply
+from stages.completion import Observe, Reply
 
 __all__ = ["FIRST_CHUNK_BLOCKS", "LookupRequest", "LookupStage"]
 
@@ -34,12 +35,14 @@ _NEEDS_PREFIX = (GroupKind.FULL_ATTENTION, GroupKind.MLA_ATTENTION,
 class LookupRequest:
     session: EngineSession
     message: Lookup
+    received_at: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class LookupStage:
-    def __init__(self, store: KVStore, reply: Reply) -> None:
+    def __init__(self, store: KVStore, reply: Reply, observe: Observe | None = None) -> None:
         self._store = store
         self._reply = reply
+        self._observe = observe
 
     async def hit_tokens(self, session: EngineSession, message: Lookup) -> int:
         layout = session.layout
@@ -83,4 +86,7 @@ class LookupStage:
 
     async def process(self, request: LookupRequest) -> None:
         hit = await self.hit_tokens(request.session, request.message)
-        await self._reply(request.session, LookupReply(request.message.seq, hit))
+        reply = LookupReply(request.message.seq, hit)
+        await self._reply(request.session, reply)
+        if self._observe is not None:
+            self._observe(reply, request.received_at)

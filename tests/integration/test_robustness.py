@@ -245,3 +245,37 @@ async def test_engine_sent_block_hashes_are_used_and_checked(sidecar: SidecarPro
                 with pytest.raises(RequestRejected) as error:
                     await client.lookup(tokens, block_hashes=bad, cache_salt="s")
                 assert error.value.code == code
+
+
+async def test_prometheus_metrics_count_requests_outcomes_and_rejections() -> None:
+    """With metrics.port set, /metrics reports requests, block outcomes, refusals and
+    latencies as they happen."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    engine = KVEngine(hybrid_layout())
+    tokens = random_tokens(2 * 16 + 1, seed=81)
+    with run_sidecar_process({"metrics": {"port": port}}) as sidecar:
+        with anyio.fail_after(TIMEOUT):
+            async with await engine.connect(sidecar.endpoint) as client:
+                await client.save("m", tokens, [[1, 2, 3], [4], [1, 2, 3]])
+                await client.lookup(tokens)
+                with pytest.raises(Exception):  # noqa: B017 - any refusal will do
+                    await client.load("bad", tokens, [[1, 2, 3], [4], [1, 2, 3]], 31)
+
+        def scrape() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                return str(r.read().decode())
+
+        text = await anyio.to_thread.run_sync(scrape)
+    assert 'kvsidecar_requests_total{kind="save"} 1.0' in text
+    assert 'kvsidecar_blocks_total{path="save",reason="",status="stored"} 4.0' in text
+    assert 'kvsidecar_blocks_total{path="save",reason="incomplete_block",status="skipped"} 2.0' \
+        in text
+    assert 'kvsidecar_rejected_total{code="bad_request"} 1.0' in text
+    assert 'kvsidecar_request_seconds_count{kind="lookup"} 1.0' in text
+    assert 'kvsidecar_requests_total{kind="register"} 1.0' in text
+    assert "kvsidecar_sessions 0.0" in text  # the engine unregistered on close
