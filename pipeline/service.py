@@ -240,6 +240,9 @@ class Sidecar:
             if not item.planned and item.pending == 0:
                 self.tracker.plan(item, plan_tasks(item))
             tasks = item.planned
+            if not tasks:  # nothing to move: the job is answered as it is
+                await self.tracker.settle(item, ())
+                return
         else:
             tasks = list(item)  # type: ignore[call-overload]
         if not tasks:
@@ -302,15 +305,25 @@ class Sidecar:
             raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
         elif isinstance(message, Lookup):
             _check_engine_hashes(session, message)
-            await self._lookup_inbox[0].send(LookupRequest(session, message))
+            await self._enqueue(self._lookup_inbox, LookupRequest(session, message))
         else:
             _check_request(session, message)
             job = Job(session, message)
             if isinstance(message, Load):
                 self.tracker.accept(job)
-                await self._load_inbox[0].send(job)
+                await self._enqueue(self._load_inbox, job)
             else:
                 await self._accept_save(job)
+
+    async def _enqueue(self, inbox: Edge, item: Job | LookupRequest) -> None:
+        """Hand a request to its path, waiting for room; if the shutdown closed the path
+        meanwhile, the request is refused as shutting down instead."""
+        try:
+            await inbox[0].send(item)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
+            if isinstance(item, Job):
+                self.tracker.answered(item)
+            raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down") from exc
 
     async def _accept_save(self, job: Job) -> None:
         """Queue a save, or under overload answer it at once with every block skipped.
@@ -320,7 +333,7 @@ class Sidecar:
         receive = self.config.stages.receive
         if receive.overflow == "block":
             self.tracker.accept(job)
-            await self._save_inbox[0].send(job)
+            await self._enqueue(self._save_inbox, job)
             return
         if job.session.saves_in_flight < receive.max_saves_per_engine:
             self.tracker.accept(job)

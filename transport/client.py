@@ -107,6 +107,7 @@ class EngineClient:
         self._timeout_s = timeout_s
         self._seq = itertools.count(1)
         self._recv_lock = anyio.Lock()
+        self._register_lock = anyio.Lock()
         self._replies: dict[int, SidecarMessage] = {}
         self._waiting: set[int] = set()
         self._closed = False
@@ -273,19 +274,24 @@ class EngineClient:
 
     async def _call(self, seq: int, message: EngineMessage) -> SidecarMessage:
         """Send and wait for the reply; re-register once if the sidecar forgot us."""
+        known = self.registered
         reply = await self._exchange(seq, message)
         if (
             isinstance(reply, ErrorReply)
             and reply.code == ErrorCode.NOT_REGISTERED
             and self._registration is not None
         ):
-            # The sidecar restarted or reaped us: register again, then retry once.
-            registered = await self._exchange(0, self._registration)
-            if isinstance(registered, Registered):
-                self.registered = registered
+            # The sidecar restarted or reaped us: register again (once, however many
+            # calls found out at the same time), then retry once.
+            async with self._register_lock:
+                if self.registered is known:
+                    registered = await self._exchange(0, self._registration)
+                    if not isinstance(registered, Registered):
+                        reply = registered
+                    else:
+                        self.registered = registered
+            if self.registered is not known:
                 reply = await self._exchange(seq, message)
-            else:
-                reply = registered
         if isinstance(reply, ErrorReply):
             raise RequestRejected(reply.code, reply.message)
         return reply

@@ -293,8 +293,9 @@ async def test_kv_first_tensors_round_trip(sidecar: SidecarProcess) -> None:
 
 
 async def test_engine_reregisters_with_a_restarted_sidecar() -> None:
-    """After the sidecar restarts on the same endpoint, the engine's next request
-    re-registers by itself and succeeds; the engine is not restarted."""
+    """After the sidecar restarts on the same endpoint, the engine's next requests —
+    several at once — re-register by themselves and succeed; the engine is not
+    restarted."""
     engine = KVEngine(hybrid_layout())
     tokens = random_tokens(2 * 16 + 1, seed=13)
     with run_sidecar_process() as first:
@@ -306,7 +307,16 @@ async def test_engine_reregisters_with_a_restarted_sidecar() -> None:
         assert first.terminate() == 0
         with run_sidecar_process(overrides):
             with anyio.fail_after(TIMEOUT):
-                # The new sidecar's store is empty: the save stores again.
+                # Several calls find out at once; the engine registers again only once.
+                hits: list[int] = []
+
+                async def look() -> None:
+                    hits.append(await client.lookup(tokens))
+
+                async with anyio.create_task_group() as tg:
+                    for _ in range(5):
+                        tg.start_soon(look)
+                assert hits == [0] * 5  # the new sidecar's store is empty
                 result = await client.save("r2", tokens, [[1, 2, 3], [4], [1, 2, 3]])
                 assert result.stored == 4
                 assert await client.lookup(tokens) == 32
