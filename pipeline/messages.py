@@ -161,6 +161,9 @@ class HeartbeatAck(_Wire, frozen=True, tag="heartbeat_ack"):
 class LookupReply(_Wire, frozen=True, tag="lookup_reply"):
     seq: int
     hit_tokens: int
+    save_credits: int = -1
+    """Saves of this engine the sidecar would accept right now (0: skip saving, do not
+    pin blocks for it; -1: not reported)."""
 
 
 class BlockReport(msgspec.Struct, frozen=True, array_like=True):
@@ -177,6 +180,9 @@ class SaveDone(_Wire, frozen=True, tag="save_done"):
     seq: int
     request_id: str
     blocks: tuple[BlockReport, ...]
+    save_credits: int = -1
+    """Saves of this engine the sidecar would accept right now (0: skip saving, do not
+    pin blocks for it; -1: not reported)."""
 
 
 class LoadDone(_Wire, frozen=True, tag="load_done"):

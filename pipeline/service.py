@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import anyio
+import msgspec
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
@@ -39,6 +40,7 @@ from pipeline.messages import (
     LookupReply,
     Register,
     Save,
+    SaveDone,
     SidecarMessage,
     TensorHandle,
     Unregister,
@@ -154,7 +156,18 @@ class Sidecar:
     # -- replies ---------------------------------------------------------------------
 
     async def reply(self, session: EngineSession, message: SidecarMessage) -> None:
+        if isinstance(message, LookupReply | SaveDone):
+            message = msgspec.structs.replace(message, save_credits=self._save_credits(session))
         await self._send(session.identity, message)
+
+    def _save_credits(self, session: EngineSession) -> int:
+        """How many more saves of this engine would be queued now, not refused."""
+        receive = self.config.stages.receive
+        if receive.overflow == "block":
+            return -1  # saves are never refused, only slowed down
+        inbox = self._save_inbox[0].statistics()
+        room = inbox.max_buffer_size - inbox.current_buffer_used
+        return int(max(0, min(receive.max_saves_per_engine - session.saves_in_flight, room)))
 
     async def _send(self, identity: bytes, message: SidecarMessage) -> None:
         await self.socket.send(identity, encode(message))

@@ -48,9 +48,7 @@ class CompletionStage:
 
     async def process(self, job: Job) -> None:
         message = completion_message(job)
-        try:
-            await self._reply(job.session, message)
-        finally:
-            self._tracker.answered(job)
+        self._tracker.answered(job)  # before the reply, which reports what is still open
+        await self._reply(job.session, message)
         if self._observe is not None:
             self._observe(message, job.received_at)

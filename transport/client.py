@@ -113,6 +113,9 @@ class EngineClient:
         self._closed = False
         self._registration: Register | None = None
         self.registered: Registered | None = None
+        self.save_credits = -1
+        """Saves the sidecar would accept now, from its last reply (0: skip saving;
+        -1: not known or never refused)."""
 
     @classmethod
     async def connect(
@@ -207,6 +210,7 @@ class EngineClient:
                          _hashes(block_hashes))
         reply = await self._call(seq, message)
         assert isinstance(reply, LookupReply)
+        self.save_credits = reply.save_credits
         return reply.hit_tokens
 
     async def save(
@@ -224,6 +228,7 @@ class EngineClient:
                        _request_keys(**request_keys), _hashes(block_hashes))
         reply = await self._call(seq, message)
         assert isinstance(reply, SaveDone)
+        self.save_credits = reply.save_credits
         return SaveResult.from_reply(reply)
 
     async def load(

@@ -103,8 +103,10 @@ async def test_saving_stored_blocks_again_reports_present(sidecar: SidecarProces
         async with await engine.connect(sidecar.endpoint) as client:
             first = await client.save("r1", tokens, [[1, 2], [3], [1, 2]])
             again = await client.save("r2", tokens, [[5, 6], [7], [5, 6]])
+            credits = client.save_credits
     assert (first.stored, first.present) == (4, 0)
     assert (again.stored, again.present, again.skipped, again.failed) == (0, 4, 0, 0)
+    assert credits == 32  # nothing in flight: the whole per-engine allowance is free
 
 
 def _raw_register(endpoint: str, message: Register) -> object:
