@@ -168,3 +168,40 @@ async def test_mooncake_master_restart_is_survived_without_timeout_storms() -> N
         await first.aclose()
         if restarted is not None:
             await restarted.aclose()
+
+
+async def test_a_block_removed_between_lookup_and_load_is_reported_failed() -> None:
+    """Another client removes one block after the lookup: the load reports exactly that
+    block id failed and no tokens usable past it; nothing else is touched."""
+    import msgspec
+
+    from pipeline.hashing import block_hashes
+    from pipeline.keys import store_key
+    from transport.mooncake_store import open_mooncake_store
+
+    quick_leases = MooncakeStoreConfig(kv_lease_ttl_ms=100)
+    async with await open_embedded_master(quick_leases) as master:
+        layout = hybrid_layout(page_bytes=8192)
+        writer, reader = KVEngine(layout), KVEngine(layout)
+        tokens = random_tokens(3 * 16 + 1, seed=60)
+        victim = store_key("test-model", block_hashes(tokens, 16)[1], store_group=0)
+        other = await open_mooncake_store(msgspec.structs.replace(
+            quick_leases, master=master.endpoints.master_address,
+            metadata_server=master.endpoints.metadata_server,
+            global_segment_bytes=16 * MIB, local_buffer_bytes=0))
+        async with other:
+            with run_sidecar_process(mooncake_overrides(master)) as sidecar:
+                with anyio.fail_after(TIMEOUT):
+                    async with await writer.connect(sidecar.endpoint) as a, \
+                            await reader.connect(sidecar.endpoint) as b:
+                        await a.save("w", tokens, [[1, 2, 3, 4], [5], [1, 2, 3, 4]])
+                        assert await b.lookup(tokens) == 48
+                        removed = 0
+                        while not removed:  # once the put's lease has expired
+                            await anyio.sleep(0.05)
+                            removed = await other.remove([victim])
+                        loaded = await b.load("r", tokens, [[11, 12, 13, 14], [9],
+                                                           [21, 22, 23, 24]], 48)
+    assert loaded.invalid_block_ids == (12,)
+    assert loaded.loaded_tokens == 0  # resuming needs block 1, and no earlier mamba state
+    assert writer.same_block(0, 1, reader, 11) and writer.same_block(0, 3, reader, 13)
