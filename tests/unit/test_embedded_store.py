@@ -411,3 +411,66 @@ def test_any_sequence_stays_in_budget_and_loads_exact_bytes(
             await scenario()
 
     anyio.run(main)
+
+
+# -- lent memory (DirectKVStore) --------------------------------------------------------
+
+
+async def test_reserved_extents_are_invisible_until_committed_and_then_loadable() -> None:
+    """Values written into reserved extents become readable only on commit, byte-exact."""
+    store = make_store(1 << 16)
+    extents = await store.reserve(["a", "b"], 64)
+    assert extents.outcomes == [STORED, STORED]
+    for index, view in enumerate(extents.views):
+        assert view is not None
+        view.copy_(value(64, index))
+    assert await store.exists(["a", "b"]) == [False, False]
+    assert store.commit(extents, written=True) == [STORED, STORED]
+    assert await store.exists(["a", "b"]) == [True, True]
+    assert torch.equal(await read(store, "b", 64), value(64, 1))  # type: ignore[arg-type]
+
+
+async def test_a_batch_is_reserved_as_one_run_of_adjacent_extents() -> None:
+    """Fresh keys of one batch sit back to back, so a batch copies as one matrix."""
+    store = make_store(1 << 16)
+    extents = await store.reserve(["a", "b", "c"], 128)
+    pointers = [view.data_ptr() for view in extents.views if view is not None]
+    assert pointers == [pointers[0], pointers[0] + 128, pointers[0] + 256]
+
+
+async def test_reserve_reports_present_and_full_and_an_abandoned_reservation_frees() -> None:
+    """Existing keys are PRESENT, no room is STORE_FULL; an unwritten commit gives the
+    bytes back and the keys stay absent."""
+    store = make_store(256)
+    await store.put(["old"], [value(64, 0)])
+    extents = await store.reserve(["old", "new", "huge"], 64)
+    assert extents.outcomes[0] == PRESENT and extents.views[0] is None
+    assert extents.outcomes[1] == STORED
+    outcomes = store.commit(extents, written=False)
+    assert outcomes[1].status is BlockStatus.FAILED
+    assert await store.exists(["new"]) == [False]
+    assert store.stats().used_bytes == 64
+    too_big = await store.reserve(["x"], 1024)
+    assert too_big.outcomes == [STORE_FULL]
+
+
+async def test_leased_values_are_never_evicted_until_released() -> None:
+    """A lease pins its values: a put that needs their room is refused, then succeeds
+    once the lease is released."""
+    store = make_store(128)
+    await store.put(["a"], [value(128, 3)])
+    lease = await store.lease(["a", "missing"], 128)
+    assert lease.outcomes == [LOADED, MISSING]
+    assert torch.equal(lease.views[0], value(128, 3))  # type: ignore[arg-type]
+    assert await store.put(["b"], [value(128, 4)]) == [STORE_FULL]
+    store.release(lease)
+    assert await store.put(["b"], [value(128, 4)]) == [STORED]
+    assert await store.exists(["a"]) == [False]
+
+
+async def test_a_lease_of_the_wrong_size_fails_naming_both_sizes() -> None:
+    """A value of another size under the same key is never lent as if it fitted."""
+    store = make_store(1024)
+    await store.put(["a"], [value(100, 0)])
+    [outcome] = (await store.lease(["a"], 64)).outcomes
+    assert outcome.status is BlockStatus.FAILED and "100" in outcome.reason

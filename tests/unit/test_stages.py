@@ -596,3 +596,15 @@ async def test_a_full_store_puts_the_request_under_pressure_until_a_batch_is_sto
     assert skipped == rest and kept == []
     pressure.record(first, [STORED])
     assert pressure.split(rest) == ([], rest)
+
+
+def test_runs_group_adjacent_values_into_matrices() -> None:
+    """Values back to back in memory form one matrix; a gap starts a new run."""
+    from stages.transfer import runs
+
+    memory = torch.arange(64, dtype=torch.uint8)
+    views = [memory[0:8], memory[8:16], memory[32:40], memory[40:48], memory[56:64]]
+    found = runs(views, 8)
+    assert [(start, tuple(matrix.shape)) for start, matrix in found] == [
+        (0, (2, 8)), (2, (2, 8)), (4, (1, 8))]
+    assert torch.equal(found[1][1], memory[32:48].view(2, 8))
