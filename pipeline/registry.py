@@ -16,10 +16,10 @@ from pipeline.layout import KVCacheLayout
 from pipeline.messages import PROTOCOL_VERSION, ErrorCode, Register, Registered, TensorHandle
 from pipeline.sessions import EngineSession, build_store_groups
 
-__all__ = ["MapTensors", "SessionRegistry"]
+__all__ = ["LayerTensors", "MapTensors", "SessionRegistry"]
 
-MappedTensors = dict[str, tuple[torch.Tensor, int]]
-MapTensors = Callable[[Sequence[TensorHandle]], tuple[MappedTensors, Callable[[], None]]]
+LayerTensors = dict[str, tuple[torch.Tensor, int]]
+MapTensors = Callable[[Sequence[TensorHandle]], tuple[LayerTensors, Callable[[], None]]]
 """Maps handles to ``{layer: (tensor, block_dim)}`` and returns a release callback."""
 
 

@@ -49,7 +49,7 @@ from pipeline.messages import (
     encode,
 )
 from pipeline.metrics import Metrics
-from pipeline.registry import MappedTensors, SessionRegistry
+from pipeline.registry import LayerTensors, SessionRegistry
 from pipeline.runner import Edge, Process, create_edge, run_batcher, start_stage
 from pipeline.sessions import EngineSession
 from pipeline.staging import StagingPool
@@ -63,7 +63,7 @@ from stages.hashing import HashingStage
 from stages.lookup import LookupRequest, LookupStage
 from stages.transfer import ScatterStage, StagedBatch, TransferStage, release_values
 from transport.server import SidecarSocket, open_server_socket
-from transport.tensors import MappedTensors as SharedMappings
+from transport.tensors import MappedTensors
 
 __all__ = ["Sidecar", "open_store", "run_sidecar"]
 
@@ -105,8 +105,8 @@ async def open_store(
 
 def map_shared_tensors(
     handles: Sequence[TensorHandle],
-) -> tuple[MappedTensors, Callable[[], None]]:
-    mapper = SharedMappings()
+) -> tuple[LayerTensors, Callable[[], None]]:
+    mapper = MappedTensors()
     try:
         tensors = {
             handle.layer: (mapper.map_tensor(handle), handle.block_dim) for handle in handles
