@@ -2,8 +2,8 @@
 
 The prompt is hashed and checked in growing chunks: a miss in a full-attention group
 bounds every possible hit, so a miss costs one small chunk, not the whole prompt.
-Hashing runs inline, yielding to the event loop between chunks (no thread hop), and is
-skipped when the engine sends its own block hashes.
+Hashing runs inline, yielding to the event loop between chunks (no thread hop). When
+the engine sends its own block hashes there is nothing to hash: one query checks all.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class LookupStage:
         if message.block_hashes is None:
             hasher = session.new_hasher(message.keys)
         done = 0  # fine blocks hashed and checked
-        chunk = FIRST_CHUNK_BLOCKS
+        # Chunks pay off only when hashing is the cost; given hashes, one query does.
+        chunk = FIRST_CHUNK_BLOCKS if hasher is not None else bound // hbs
         while done * hbs < bound:
             end = min(bound // hbs, done + chunk)
             if hasher is not None:
@@ -81,7 +82,8 @@ class LookupStage:
                     bound = min(bound, block * groups[index].group.block_size)
             done = end
             chunk *= 8
-            await anyio.lowlevel.checkpoint()
+            if hasher is not None:
+                await anyio.lowlevel.checkpoint()  # let others run between hashing chunks
         return longest_hit(layout, bound, lambda g, b: (g, b) in available)
 
     async def process(self, request: LookupRequest) -> None:
