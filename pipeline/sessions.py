@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -154,12 +155,14 @@ class EngineSession:
         self._hashers: collections.OrderedDict[
             tuple[str, RequestKeys], tuple[RequestHasher, tuple[int, ...]]
         ] = collections.OrderedDict()
+        self._hashers_lock = threading.Lock()
 
     def close(self) -> None:
         """Stop serving this engine; its mappings go once no job of it is in flight."""
         if not self.closed:
             self.closed = True
-            self._hashers.clear()
+            with self._hashers_lock:
+                self._hashers.clear()
             self._release_if_idle()
 
     def job_started(self, *, save: bool) -> None:
@@ -182,11 +185,16 @@ class EngineSession:
     def fine_hashes(
         self, token_ids: tuple[int, ...], keys: RequestKeys, request_id: str | None = None
     ) -> list[bytes]:
-        """Fine hashes of the request's full blocks, reusing a growing request's prefix."""
+        """Fine hashes of the request's full blocks, reusing a growing request's prefix.
+
+        Safe from worker threads: a cached hasher is taken out while it is used, so two
+        calls for one request never extend the same chain (the second starts afresh).
+        """
         if request_id is None:
             return self.new_hasher(keys).extend(token_ids)
         cache_key = (request_id, keys)
-        cached = self._hashers.pop(cache_key, None)
+        with self._hashers_lock:
+            cached = self._hashers.pop(cache_key, None)
         hasher = None
         if cached is not None:
             hasher, seen = cached
@@ -196,9 +204,10 @@ class EngineSession:
             hasher = self.new_hasher(keys)
         hashes = list(hasher.extend(token_ids))
         hashed = len(hashes) * self.layout.hash_block_size
-        self._hashers[cache_key] = (hasher, token_ids[:hashed])
-        while len(self._hashers) > HASHER_CACHE_SIZE:
-            self._hashers.popitem(last=False)
+        with self._hashers_lock:
+            self._hashers[cache_key] = (hasher, token_ids[:hashed])
+            while len(self._hashers) > HASHER_CACHE_SIZE:
+                self._hashers.popitem(last=False)
         return hashes
 
     def new_hasher(self, keys: RequestKeys) -> RequestHasher:
