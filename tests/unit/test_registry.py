@@ -21,7 +21,7 @@ from pipeline.messages import (
     Save,
     TensorHandle,
 )
-from pipeline.registry import MappedTensors, SessionRegistry
+from pipeline.registry import LayerTensors, SessionRegistry
 
 NUM_BLOCKS = 8
 SELF_TEST_TOKENS = tuple(range(1000, 1040))
@@ -95,7 +95,7 @@ class FakeMapper:
         self.released: list[int] = []
         self.fail = fail
 
-    def __call__(self, handles: Sequence[TensorHandle]) -> tuple[MappedTensors, Any]:
+    def __call__(self, handles: Sequence[TensorHandle]) -> tuple[LayerTensors, Any]:
         if self.fail:
             raise TransportError("shared memory /kv-attn.0 is gone")
         mapping = len(self.calls)
