@@ -105,7 +105,7 @@ def _summary(total: SimReport, wall_s: float, sidecar_exit: int) -> Table:
         ("prefix hit rate (tokens)", f"{hit_rate:.1%}"),
         ("blocks stored", str(total.blocks_stored)),
         ("blocks deduplicated (already present)", str(total.blocks_present)),
-        ("blocks skipped (partial tail)", str(total.blocks_skipped)),
+        ("blocks skipped (partial tail, overload)", str(total.blocks_skipped)),
         ("blocks failed", str(total.blocks_failed)),
         ("blocks loaded", str(total.blocks_loaded)),
         ("blocks verified byte-exact", f"{total.blocks_verified}/{total.blocks_loaded}"),
