@@ -492,6 +492,14 @@ def _check_request(session: EngineSession, message: Save | Load) -> None:
                     f"loading {tokens} tokens needs block {block} of kv-cache group "
                     f"{geometry.kv_group_id}, but the engine gave no block for it",
                 )
+        targets = [block_ids[block] for block in needed]
+        if len(set(targets)) != len(targets):
+            # Two stored blocks copied into one engine block: whichever lands last wins.
+            raise RequestRejected(
+                ErrorCode.BAD_REQUEST,
+                f"loading {tokens} tokens would write block ids {targets} of kv-cache group "
+                f"{geometry.kv_group_id}: a block id appears twice",
+            )
 
 
 async def run_sidecar(

@@ -153,6 +153,7 @@ async def test_bad_requests_from_a_registered_engine_get_clear_errors(
         ("load", ([[1, 2, 3], [4], [1, 2, 3]], 100), "exceeds"),
         ("load", ([[1, 2, 3], [4], [1, 2, 3]], 40), "not a multiple"),
         ("load", ([[1, 0, 3], [4], [1, 2, 3]], 48), "gave no block"),
+        ("load", ([[1, 1, 3], [4], [1, 2, 3]], 48), "appears twice"),
     ]
     with anyio.fail_after(TIMEOUT):
         async with await engine.connect(sidecar.endpoint) as client:
