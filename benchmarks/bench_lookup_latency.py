@@ -128,7 +128,8 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
     results: dict[tuple[str, int], dict[str, list[float]]] = {
         (kind, tokens): {"bare_p50": [], "bare_p99": [], "sidecar_p50": [],
                          "sidecar_p99": [], "hash_p50": [], "bare_hashes_p50": [],
-                         "engine_hashes_p50": [], "engine_hashes_p99": []}
+                         "engine_hashes_p50": [], "engine_hashes_p99": [],
+                         "request_id_p50": []}
         for kind, tokens, _ in cases
     }
     try:
@@ -162,6 +163,10 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
                     bare_h = await sample(lambda f=hashes_frame: bare_call(f), args.calls)
                     side_h = await sample(
                         lambda p=prompt, h=hashes: client.lookup(p, block_hashes=h), args.calls)
+                    # A request waiting to be scheduled is looked up again under its id.
+                    side_r = await sample(
+                        lambda p=prompt, r=f"{kind}-{tokens}": client.lookup(p, request_id=r),
+                        args.calls)
                     hash_s = []
                     for _ in range(max(5, args.calls // 10)):
                         started = time.perf_counter()
@@ -176,6 +181,7 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
                     row["bare_hashes_p50"].append(percentile(bare_h, 0.5))
                     row["engine_hashes_p50"].append(percentile(side_h, 0.5))
                     row["engine_hashes_p99"].append(percentile(side_h, 0.99))
+                    row["request_id_p50"].append(percentile(side_r, 0.5))
     finally:
         bare.close(0)
         context.term()
@@ -185,6 +191,7 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
         rows.append({"case": kind, "tokens": tokens, "us": us,
                      "ratio_p50": us["sidecar_p50"] / us["bare_p50"],
                      "ratio_engine_hashes_p50": us["engine_hashes_p50"] / us["bare_hashes_p50"],
+                     "ratio_request_id_p50": us["request_id_p50"] / us["bare_p50"],
                      "frame_bytes": len(encode(Lookup(1, tuple(range(tokens)), RequestKeys()))),
                      "samples_s": samples})
     return rows
@@ -212,23 +219,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"{'case':>5} {'tokens':>6} {'frame B':>8} {'bare p50':>9} {'bare p99':>9} "
           f"{'sidecar p50':>12} {'sidecar p99':>12} {'ratio':>6} {'hash p50':>9} "
-          f"{'w/ engine hashes: bare p50':>27} {'sidecar p50':>12} {'ratio':>6}   (µs)")
-    worst = worst_hashes = 0.0
+          f"{'w/ engine hashes: bare p50':>27} {'sidecar p50':>12} {'ratio':>6} "
+          f"{'repeat w/ request_id p50':>25} {'ratio':>6}   (µs)")
+    worst = worst_hashes = worst_request = 0.0
     for row in rows:
         us = row["us"]
         worst = max(worst, row["ratio_p50"])
         worst_hashes = max(worst_hashes, row["ratio_engine_hashes_p50"])
+        worst_request = max(worst_request, row["ratio_request_id_p50"])
         print(f"{row['case']:>5} {row['tokens']:>6} {row['frame_bytes']:>8} "
               f"{us['bare_p50']:>9.0f} {us['bare_p99']:>9.0f} {us['sidecar_p50']:>12.0f} "
               f"{us['sidecar_p99']:>12.0f} {row['ratio_p50']:>6.1f} {us['hash_p50']:>9.0f} "
               f"{us['bare_hashes_p50']:>27.0f} {us['engine_hashes_p50']:>12.0f} "
-              f"{row['ratio_engine_hashes_p50']:>6.1f}")
-    for name, ratio in (("tokens only", worst), ("engine hashes", worst_hashes)):
+              f"{row['ratio_engine_hashes_p50']:>6.1f} {us['request_id_p50']:>25.0f} "
+              f"{row['ratio_request_id_p50']:>6.1f}")
+    for name, ratio in (("tokens only", worst), ("engine hashes", worst_hashes),
+                        ("repeat with request_id", worst_request)):
         verdict = "meets" if ratio <= GOAL else "misses"
         print(f"{name}: worst p50 ratio {ratio:.1f} {verdict} the goal of {GOAL}")
     path = write_results("bench_lookup_latency", {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "goal": GOAL, "worst_ratio": worst, "worst_ratio_engine_hashes": worst_hashes,
+        "worst_ratio_request_id": worst_request,
         "rows": rows,
         "profile": str(profile_out.name) if profile_out else None,
     })

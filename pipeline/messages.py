@@ -105,6 +105,10 @@ class Lookup(_Wire, frozen=True, tag="lookup"):
     block_hashes: tuple[bytes, ...] | None = None
     """The engine's own fine block hashes (vLLM's ``request.block_hashes``): the sidecar
     then skips hashing and only checks the first one against the tokens."""
+    request_id: str | None = None
+    """The request this lookup is for: its hashes are kept for its next lookup, load
+    and save (a request waiting to be scheduled is looked up again and again)."""
+
 
 
 class Save(_Wire, frozen=True, tag="save"):

@@ -185,30 +185,39 @@ class EngineSession:
     def fine_hashes(
         self, token_ids: tuple[int, ...], keys: RequestKeys, request_id: str | None = None
     ) -> list[bytes]:
-        """Fine hashes of the request's full blocks, reusing a growing request's prefix.
-
-        Safe from worker threads: a cached hasher is taken out while it is used, so two
-        calls for one request never extend the same chain (the second starts afresh).
-        """
+        """Fine hashes of the request's full blocks, reusing a growing request's prefix."""
         if request_id is None:
             return self.new_hasher(keys).extend(token_ids)
-        cache_key = (request_id, keys)
+        hasher = self.take_hasher(request_id, keys, token_ids)
+        hashes = list(hasher.extend(token_ids))
+        self.keep_hasher(request_id, keys, hasher, token_ids)
+        return hashes
+
+    def take_hasher(
+        self, request_id: str, keys: RequestKeys, token_ids: tuple[int, ...]
+    ) -> RequestHasher:
+        """The request's cached hasher if its chain is a prefix of ``token_ids``, else a
+        new one. It is taken out of the cache while used (safe from worker threads: two
+        calls for one request never extend the same chain; the second starts afresh)."""
         with self._hashers_lock:
-            cached = self._hashers.pop(cache_key, None)
-        hasher = None
+            cached = self._hashers.pop((request_id, keys), None)
         if cached is not None:
             hasher, seen = cached
-            if token_ids[: len(seen)] != seen:
-                hasher = None  # same id, other tokens: never trust the old chain
-        if hasher is None:
-            hasher = self.new_hasher(keys)
-        hashes = list(hasher.extend(token_ids))
-        hashed = len(hashes) * self.layout.hash_block_size
+            if token_ids[: len(seen)] == seen:
+                return hasher
+            # Same id, other tokens: never trust the old chain.
+        return self.new_hasher(keys)
+
+    def keep_hasher(
+        self, request_id: str, keys: RequestKeys, hasher: RequestHasher,
+        token_ids: tuple[int, ...],
+    ) -> None:
+        """Cache a hasher for the request's next call (lookup, load or save)."""
+        hashed = len(hasher.hashes) * self.layout.hash_block_size
         with self._hashers_lock:
-            self._hashers[cache_key] = (hasher, token_ids[:hashed])
+            self._hashers[(request_id, keys)] = (hasher, token_ids[:hashed])
             while len(self._hashers) > HASHER_CACHE_SIZE:
                 self._hashers.popitem(last=False)
-        return hashes
 
     def new_hasher(self, keys: RequestKeys) -> RequestHasher:
         return RequestHasher(

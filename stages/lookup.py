@@ -45,14 +45,28 @@ class LookupStage:
         self._observe = observe
 
     async def hit_tokens(self, session: EngineSession, message: Lookup) -> int:
-        layout = session.layout
-        hbs = layout.hash_block_size
-        bound = max_hit_tokens(layout, len(message.token_ids))
-        groups = session.store_groups
-        available: set[tuple[int, int]] = set()
+        bound = max_hit_tokens(session.layout, len(message.token_ids))
         hasher: RequestHasher | None = None
         if message.block_hashes is None:
-            hasher = session.new_hasher(message.keys)
+            hasher = (
+                session.new_hasher(message.keys) if message.request_id is None
+                else session.take_hasher(message.request_id, message.keys, message.token_ids)
+            )
+        try:
+            return await self._hit_tokens(session, message, hasher, bound)
+        finally:
+            if hasher is not None and message.request_id is not None:
+                session.keep_hasher(message.request_id, message.keys, hasher,
+                                    message.token_ids)
+
+    async def _hit_tokens(
+        self, session: EngineSession, message: Lookup, hasher: RequestHasher | None,
+        bound: int,
+    ) -> int:
+        layout = session.layout
+        hbs = layout.hash_block_size
+        groups = session.store_groups
+        available: set[tuple[int, int]] = set()
         done = 0  # fine blocks hashed and checked
         # Chunks pay off only when hashing is the cost; given hashes, one query does.
         chunk = FIRST_CHUNK_BLOCKS if hasher is not None else bound // hbs

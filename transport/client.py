@@ -196,6 +196,7 @@ class EngineClient:
         self,
         token_ids: Sequence[int],
         *,
+        request_id: str | None = None,
         block_hashes: Sequence[bytes] | None = None,
         **request_keys: Any,
     ) -> int:
@@ -204,10 +205,12 @@ class EngineClient:
 
         ``block_hashes``: the engine's own fine block hashes of ``token_ids`` (vLLM's
         ``request.block_hashes``), sparing the sidecar the hashing; optional everywhere.
+        ``request_id``: the sidecar keeps this request's hashes for its next lookup, load
+        and save, so a request looked up again and again is hashed once.
         """
         seq = next(self._seq)
         message = Lookup(seq, tuple(token_ids), _request_keys(**request_keys),
-                         _hashes(block_hashes))
+                         _hashes(block_hashes), request_id)
         reply = await self._call(seq, message)
         assert isinstance(reply, LookupReply)
         self.save_credits = reply.save_credits

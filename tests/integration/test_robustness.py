@@ -284,3 +284,23 @@ async def test_prometheus_metrics_count_requests_outcomes_and_rejections() -> No
     assert 'kvsidecar_request_seconds_count{kind="lookup"} 1.0' in text
     assert 'kvsidecar_requests_total{kind="register"} 1.0' in text
     assert "kvsidecar_sessions 0.0" in text  # the engine unregistered on close
+
+
+async def test_lookups_with_a_request_id_reuse_hashes_and_never_go_stale(
+    sidecar: SidecarProcess,
+) -> None:
+    """A request looked up again (and then loaded) under its id gets the same answers as
+    without; the same id with other tokens is hashed afresh, never from the old chain."""
+    engine = KVEngine(hybrid_layout())
+    tokens = random_tokens(4 * 16 + 2, seed=91)
+    other = random_tokens(4 * 16 + 2, seed=92)
+    with anyio.fail_after(TIMEOUT):
+        async with await engine.connect(sidecar.endpoint) as client:
+            await client.save("stored", tokens[:49], [[1, 2, 3, 4], [5], [1, 2, 3, 4]])
+            assert [await client.lookup(tokens, request_id="r") for _ in range(3)] == [48] * 3
+            loaded = await client.load("r", tokens, [[6, 7, 8, 9, 10], [11],
+                                                     [6, 7, 8, 9, 10]], 48)
+            assert loaded.loaded_tokens == 48
+            assert await client.lookup(other, request_id="r") == 0
+            assert await client.lookup(tokens, request_id="r") == 48
+    assert all(engine.same_block(0, 1 + j, engine, 6 + j) for j in range(3))
