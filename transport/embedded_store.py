@@ -177,8 +177,9 @@ class EmbeddedStore:
         copy_limiter: anyio.CapacityLimiter | None = None,
     ) -> None:
         try:
-            # Pages are committed by the OS on first touch; the budget is fixed here.
-            self._arena = torch.empty(config.capacity_bytes, dtype=torch.uint8)
+            # Touched once now: a page's first write costs a fault, several times the
+            # copy itself, and the whole budget is held from the start anyway.
+            self._arena = torch.zeros(config.capacity_bytes, dtype=torch.uint8)
         except RuntimeError as exc:
             raise StoreError(
                 f"cannot allocate the embedded store arena of {config.capacity_bytes} bytes "
