@@ -41,7 +41,6 @@ class Job:
     message: Save | Load
     planned: list[BlockTask] = dataclasses.field(default_factory=list)
     """Every block the job settles, fixed by the group filter."""
-    fine_hashes: list[bytes] = dataclasses.field(default_factory=list)
     reports: list[BlockReport] = dataclasses.field(default_factory=list)
     pending: int = 0
     done: bool = False

@@ -35,7 +35,6 @@ class HashingStage:
                 session.fine_hashes, message.token_ids, message.keys, message.request_id,
                 limiter=self._limiter,
             )
-        job.fine_hashes = fine
         keys = [session.group_keys(g, fine) for g in range(len(session.store_groups))]
         named, unnamed = [], []
         for task in job.planned:

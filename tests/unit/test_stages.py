@@ -250,7 +250,6 @@ async def test_hashing_names_blocks_with_their_store_keys() -> None:
         await GroupFilterStage(h.tracker).process(job)
         named = await HashingStage(h.tracker, h.limiter).process(job)
     fine = block_hashes(token_ids, 4)
-    assert job.fine_hashes == fine
     assert named is not None
     keys = {(t.store_group, t.block_index): t.key for t in named}
     common = {"cache_prefix": "ns", "tp_rank": 1}
