@@ -166,11 +166,10 @@ class SidecarSocket:
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
     async def receive(self) -> tuple[bytes, bytes]:
-        parts = await self._socket.recv_multipart(copy=True)
-        if len(parts) != 2:
-            # A ROUTER always prepends the identity; engines send exactly one frame.
-            return parts[0], b"".join(parts[1:]) if len(parts) > 2 else b""
-        return parts[0], parts[1]
+        # A ROUTER prepends the identity; an engine sends one frame (any extra parts are
+        # joined, and the decoder judges the result).
+        identity, *frames = await self._socket.recv_multipart(copy=True)
+        return identity, frames[0] if len(frames) == 1 else b"".join(frames)
 
     async def send(self, identity: bytes, frame: bytes) -> bool:
         """Send one frame to an engine; False if the engine is gone."""
