@@ -76,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--json", action="store_true", help="print the report as JSON")
 
+    status = commands.add_parser("status", help="a running sidecar's metrics, as a table")
+    status.add_argument("--metrics-url", default="http://127.0.0.1:9400/metrics",
+                        help="the sidecar's metrics endpoint (metrics.host and metrics.port)")
+
     keygen = commands.add_parser("keygen", help="write a CURVE key pair (sidecar or engine)")
     keygen.add_argument("--out", required=True, help="writes OUT.key (secret) and OUT.key.pub")
     return parser
@@ -112,6 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pipeline.demo import run_demo
 
             return run_demo(args)
+        if args.command == "status":
+            from pipeline.status import show_status
+
+            show_status(args.metrics_url)
+            return EXIT_OK
         if args.command == "keygen":
             keygen(args.out)
             return EXIT_OK

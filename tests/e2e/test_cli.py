@@ -34,3 +34,29 @@ def test_serve_refuses_insecure_tcp_beyond_loopback() -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "allow_insecure_tcp" in result.stderr
+
+
+def test_status_shows_a_running_sidecars_metrics() -> None:
+    """`kvsidecar status` prints a table of a running sidecar's metrics."""
+    import socket
+
+    from pipeline.testing import run_sidecar_process
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with run_sidecar_process({"metrics": {"port": port}}):
+        result = subprocess.run(
+            [*KVSIDECAR, "status", "--metrics-url", f"http://127.0.0.1:{port}/metrics"],
+            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "sessions" in result.stdout and "open_jobs" in result.stdout
+
+
+def test_status_without_a_sidecar_says_what_to_check() -> None:
+    """`kvsidecar status` against nothing exits 1 naming the URL and metrics.port."""
+    result = subprocess.run(
+        [*KVSIDECAR, "status", "--metrics-url", "http://127.0.0.1:9/metrics"],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "127.0.0.1:9" in result.stderr and "metrics.port" in result.stderr
