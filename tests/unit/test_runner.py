@@ -8,7 +8,8 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
-from anyio.abc import ObjectReceiveStream
+from anyio.abc import ObjectReceiveStream, TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -121,17 +122,29 @@ def by_letter(item: str) -> str:
     return item[0]
 
 
+def start_batcher(
+    tg: TaskGroup,
+    inbox: MemoryObjectReceiveStream[Any],
+    outbox: MemoryObjectSendStream[Any],
+    *,
+    limit: int,
+    deadline_s: float,
+) -> None:
+    """Run a batcher grouping items by first letter, ``limit`` items to a batch."""
+    tg.start_soon(
+        lambda: run_batcher(
+            inbox, outbox, group_of=by_letter, limit_of=lambda _: limit, deadline_s=deadline_s
+        )
+    )
+
+
 async def test_batcher_flushes_as_soon_as_a_batch_is_full() -> None:
     """A group reaching its limit is sent at once, long before the deadline."""
     send, receive = create_edge(4)
     out_send, out_receive = create_edge(4)
     with anyio.fail_after(TIMEOUT_S):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(
-                lambda: run_batcher(
-                    receive, out_send, group_of=by_letter, limit_of=lambda _: 2, deadline_s=60.0
-                )
-            )
+            start_batcher(tg, receive, out_send, limit=2, deadline_s=60.0)
             await send.send(["a1", "a2", "a3"])
             with anyio.fail_after(1):
                 assert await out_receive.receive() == ["a1", "a2"]
@@ -146,15 +159,7 @@ async def test_batcher_flushes_a_partial_batch_at_its_deadline() -> None:
     deadline_s = 0.05
     with anyio.fail_after(TIMEOUT_S):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(
-                lambda: run_batcher(
-                    receive,
-                    out_send,
-                    group_of=by_letter,
-                    limit_of=lambda _: 100,
-                    deadline_s=deadline_s,
-                )
-            )
+            start_batcher(tg, receive, out_send, limit=100, deadline_s=deadline_s)
             started = anyio.current_time()
             await send.send(["a1"])
             assert await out_receive.receive() == ["a1"]
@@ -178,15 +183,7 @@ async def test_batcher_deadline_counts_from_the_oldest_item() -> None:
 
     with anyio.fail_after(TIMEOUT_S):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(
-                lambda: run_batcher(
-                    receive,
-                    out_send,
-                    group_of=by_letter,
-                    limit_of=lambda _: 1000,
-                    deadline_s=deadline_s,
-                )
-            )
+            start_batcher(tg, receive, out_send, limit=1000, deadline_s=deadline_s)
             started = anyio.current_time()
             tg.start_soon(trickle)
             first = await out_receive.receive()
@@ -202,11 +199,7 @@ async def test_batcher_keeps_groups_apart() -> None:
     out_send, out_receive = create_edge(8)
     with anyio.fail_after(TIMEOUT_S):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(
-                lambda: run_batcher(
-                    receive, out_send, group_of=by_letter, limit_of=lambda _: 2, deadline_s=60.0
-                )
-            )
+            start_batcher(tg, receive, out_send, limit=2, deadline_s=60.0)
             await send.send(["a1", "b1", "a2"])
             await send.send(["b2", "c1"])
             send.close()
@@ -220,11 +213,7 @@ async def test_batcher_flushes_everything_when_input_ends() -> None:
     out_send, out_receive = create_edge(8)
     with anyio.fail_after(TIMEOUT_S):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(
-                lambda: run_batcher(
-                    receive, out_send, group_of=by_letter, limit_of=lambda _: 10, deadline_s=60.0
-                )
-            )
+            start_batcher(tg, receive, out_send, limit=10, deadline_s=60.0)
             await send.send(["a1", "b1"])
             await send.send(["a2"])
             send.close()
@@ -251,15 +240,7 @@ def test_batcher_partitions_its_input(lists: list[list[str]], limit: int) -> Non
         out_send, out_receive = create_edge(100)
         with anyio.fail_after(TIMEOUT_S):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(
-                    lambda: run_batcher(
-                        receive,
-                        out_send,
-                        group_of=by_letter,
-                        limit_of=lambda _: limit,
-                        deadline_s=60.0,
-                    )
-                )
+                start_batcher(tg, receive, out_send, limit=limit, deadline_s=60.0)
                 async with send:
                     for items in lists:
                         await send.send(items)
