@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pipeline.layout import KVCacheLayout
 
-__all__ = ["key_prefix", "layout_key_prefixes", "store_key"]
+__all__ = ["key_for", "key_prefix", "layout_key_prefixes", "store_key"]
 
 
 def key_prefix(
@@ -43,6 +43,11 @@ def store_key(
         model, store_group=store_group, tp_rank=tp_rank, pcp_rank=pcp_rank,
         dcp_rank=dcp_rank, pp_rank=pp_rank, cache_prefix=cache_prefix,
     )
+    return key_for(prefix, block_hash)
+
+
+def key_for(prefix: str, block_hash: bytes) -> str:
+    """The store key of a block under a ``key_prefix`` (the one place keys are spelled)."""
     return f"{prefix}@{block_hash.hex()}"
 
 

@@ -18,7 +18,7 @@ import torch
 from pipeline.errors import LayoutError, ProtocolError
 from pipeline.hashing import RequestHasher, group_block_hashes
 from pipeline.integrity import CHECKSUM_BYTES, fingerprint_seed
-from pipeline.keys import layout_key_prefixes
+from pipeline.keys import key_for, layout_key_prefixes
 from pipeline.layout import NULL_BLOCK_ID, KVCacheGroup, KVCacheLayout
 from pipeline.messages import RequestKeys
 
@@ -234,7 +234,7 @@ class EngineSession:
         geometry = self.store_groups[store_group]
         coarse = group_block_hashes(fine, self.layout.hash_block_size, geometry.group.block_size)
         prefix = geometry.key_prefix
-        return [f"{prefix}@{h.hex()}" for h in coarse]
+        return [key_for(prefix, h) for h in coarse]
 
     def check_block_ids(self, block_ids: Sequence[Sequence[int]]) -> tuple[list[int], ...]:
         """Project per-kv-group block ids to store groups, checking every id is in range."""

@@ -17,6 +17,7 @@ import anyio.lowlevel
 from pipeline.errors import StoreError
 from pipeline.hashing import RequestHasher
 from pipeline.hitrule import longest_hit, max_hit_tokens
+from pipeline.keys import key_for
 from pipeline.layout import GroupKind
 from pipeline.messages import Lookup, LookupReply
 from pipeline.sessions import EngineSession
@@ -82,7 +83,7 @@ class LookupStage:
                 k = geometry.group.block_size // hbs
                 prefix = geometry.key_prefix
                 wanted.extend(
-                    (index, j, f"{prefix}@{fine[(j + 1) * k - 1].hex()}")
+                    (index, j, key_for(prefix, fine[(j + 1) * k - 1]))
                     for j in range(done // k, end // k)
                 )
             try:
