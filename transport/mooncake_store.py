@@ -20,7 +20,9 @@ Mooncake facts this module relies on (0.3.13):
   object under a lease fails with -706, so ``remove`` never pulls data from under a
   reader. Objects are also evicted by the master once segments fill up.
 - -200 (no available handle) means no segment has room: the put is skipped.
-- When the master is gone, every key of a batch comes back -900 (RPC failure).
+- When the master is gone, every key of a batch comes back -900 (RPC failure); when it
+  hangs, the client's own RPC timeout (30 s) ends the call with -901. Codes from -999
+  to -900 are RPC errors.
 - The ``batch_*`` calls release the GIL; ``setup``, ``register_buffer`` and ``close`` hold
   it, so no timeout can interrupt them and they stall the event loop while they run
   (setup: ~1 s for a 256 MiB segment; close: 1-2 s, longer when the master is gone).
@@ -74,7 +76,8 @@ OK = 0
 NO_AVAILABLE_HANDLE = -200
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
-RPC_FAIL = -900
+RPC_ERRORS = range(-999, -899)
+"""Mooncake's RPC error codes: -900 (the master is gone), -901 (it did not answer)."""
 
 _BUSY_POLL_S = 0.01
 _ABANDONED_CLIENTS: list[object] = []
@@ -256,9 +259,9 @@ class MooncakeStore:
                 self._busy -= 1
 
     def _raise_if_unreachable(self, op: str, codes: Sequence[int]) -> None:
-        if codes and all(code == RPC_FAIL for code in codes):
+        if codes and all(code in RPC_ERRORS for code in codes):
             raise StoreError(
-                f"mooncake {op} failed with RPC errors (-900) for every key: the master at "
+                f"mooncake {op} failed with RPC errors ({codes[0]}) for every key: the master at "
                 f"{self._master_address} is unreachable; check that mooncake_master runs there"
             )
 

@@ -70,6 +70,16 @@ def gone(process: psutil.Process) -> bool:
         return True
 
 
+async def suspend(process: psutil.Process) -> None:
+    """SIGSTOP the process, then wait until every thread of it has stopped."""
+    process.suspend()
+    while any(  # noqa: ASYNC110 - polling another process, no event to wait on
+        psutil.Process(thread.id).status() != psutil.STATUS_STOPPED
+        for thread in process.threads()
+    ):
+        await anyio.sleep(0.01)
+
+
 def master_ports(pid: int) -> set[int]:
     return {
         conn.laddr.port
@@ -403,7 +413,7 @@ async def test_a_hung_master_times_out_and_the_store_refuses_further_calls() -> 
         async with await open_mooncake_store(replace(SMALL, call_timeout_s=1.0)) as store:
             assert store.master is not None
             master = psutil.Process(store.master.pid)
-            master.suspend()
+            await suspend(master)
             try:
                 with pytest.raises(StoreError, match="call_timeout_s"):
                     await store.exists(["while-hung"])
