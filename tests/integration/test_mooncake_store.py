@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import sys
@@ -16,6 +17,7 @@ import psutil
 import pytest
 import pytest_asyncio
 import torch
+from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.text import TextReceiveStream
 
 from pipeline.config import MooncakeStoreConfig
@@ -68,16 +70,6 @@ def gone(process: psutil.Process) -> bool:
         return process.status() == psutil.STATUS_ZOMBIE  # exited; init reaps it later
     except psutil.NoSuchProcess:
         return True
-
-
-async def suspend(process: psutil.Process) -> None:
-    """SIGSTOP the process, then wait until every thread of it has stopped."""
-    process.suspend()
-    while any(  # noqa: ASYNC110 - polling another process, no event to wait on
-        psutil.Process(thread.id).status() != psutil.STATUS_STOPPED
-        for thread in process.threads()
-    ):
-        await anyio.sleep(0.01)
 
 
 def master_ports(pid: int) -> set[int]:
@@ -407,17 +399,52 @@ async def test_calls_after_the_master_died_raise_store_error() -> None:
             await store.aclose()
 
 
-async def test_a_hung_master_times_out_and_the_store_refuses_further_calls() -> None:
-    """A call past call_timeout_s raises StoreError, and so does every later call."""
+class StallProxy:
+    """``stall_proxy.py`` in its own process: a relay to the master that can hang."""
+
+    def __init__(self, process: anyio.abc.Process) -> None:
+        self.process = process
+        assert process.stdin is not None and process.stdout is not None
+        self._stdout = BufferedByteReceiveStream(process.stdout)
+        self._stdin = process.stdin
+
+    async def command(self, command: str) -> str:
+        await self._stdin.send(f"{command}\n".encode())
+        return await self.answer()
+
+    async def answer(self) -> str:
+        return (await self._stdout.receive_until(b"\n", 1024)).decode()
+
+
+@contextlib.asynccontextmanager
+async def stall_proxy(upstream: str) -> AsyncIterator[tuple[StallProxy, str]]:
+    """A stallable relay to ``upstream`` and the address to reach it at."""
+    script = Path(__file__).with_name("stall_proxy.py")
+    async with await anyio.open_process([sys.executable, str(script), upstream]) as process:
+        proxy = StallProxy(process)
+        try:
+            port = int((await proxy.answer()).split()[1])
+            yield proxy, f"127.0.0.1:{port}"
+        finally:
+            process.kill()
+
+
+async def test_a_hung_master_times_out_and_the_store_refuses_further_calls(
+    master: EmbeddedMaster,
+) -> None:
+    """A call past call_timeout_s raises StoreError, and so does every later call.
+
+    The master hangs behind a relay that stops passing bytes: connections stay open and
+    nothing answers, as with a master that is stuck or a network that drops everything.
+    """
     with anyio.fail_after(30):
-        async with await open_mooncake_store(replace(SMALL, call_timeout_s=1.0)) as store:
-            assert store.master is not None
-            master = psutil.Process(store.master.pid)
-            await suspend(master)
-            try:
+        async with stall_proxy(master.endpoints.master_address) as (proxy, address):
+            config = replace(client_config(master, call_timeout_s=1.0), master=address)
+            async with await open_mooncake_store(config) as store:
+                assert await store.exists(["before"]) == [False]
+                assert await proxy.command("stall") == "stalled"
                 with pytest.raises(StoreError, match="call_timeout_s"):
                     await store.exists(["while-hung"])
-            finally:
-                master.resume()
-            with pytest.raises(StoreError, match="unusable"):
-                await store.exists(["after-resume"])
+                assert await proxy.command("resume") == "resumed"
+                with pytest.raises(StoreError, match="unusable"):
+                    await store.exists(["after-resume"])
