@@ -53,7 +53,7 @@ from harness import (
 )
 
 from pipeline.hashing import block_hashes
-from pipeline.messages import Lookup, LookupReply, RequestKeys, encode
+from pipeline.messages import Lookup, LookupReply, RequestKeys, encode, pack_tokens
 from transport.client import EngineClient
 from transport.tensors import shared_kv_tensor
 
@@ -147,10 +147,10 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
                 assert hit == expected, (kind, tokens, hit, expected)
             for _ in range(args.repeat):
                 for kind, tokens, prompt in cases:
-                    frame = encode(Lookup(1, tuple(prompt), RequestKeys()))
+                    frame = encode(Lookup(1, pack_tokens(prompt), RequestKeys()))
                     # vLLM engines already hold their block hashes and may send them.
                     hashes = block_hashes(prompt, BLOCK_SIZE)
-                    hashes_frame = encode(Lookup(1, tuple(prompt), RequestKeys(),
+                    hashes_frame = encode(Lookup(1, pack_tokens(prompt), RequestKeys(),
                                                  tuple(hashes)))
 
                     async def bare_call(frame: bytes = frame) -> None:
@@ -192,7 +192,7 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
                      "ratio_p50": us["sidecar_p50"] / us["bare_p50"],
                      "ratio_engine_hashes_p50": us["engine_hashes_p50"] / us["bare_hashes_p50"],
                      "ratio_request_id_p50": us["request_id_p50"] / us["bare_p50"],
-                     "frame_bytes": len(encode(Lookup(1, tuple(range(tokens)), RequestKeys()))),
+                     "frame_bytes": len(encode(Lookup(1, pack_tokens(range(tokens))))),
                      "samples_s": samples})
     return rows
 

@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from pipeline.layout import KVCacheLayout
 
-__all__ = ["key_for", "key_prefix", "layout_key_prefixes", "store_key"]
+__all__ = ["key_prefix", "keys_for", "layout_key_prefixes", "store_key"]
 
 
 def key_prefix(
@@ -43,12 +45,12 @@ def store_key(
         model, store_group=store_group, tp_rank=tp_rank, pcp_rank=pcp_rank,
         dcp_rank=dcp_rank, pp_rank=pp_rank, cache_prefix=cache_prefix,
     )
-    return key_for(prefix, block_hash)
+    return keys_for(prefix, (block_hash,))[0]
 
 
-def key_for(prefix: str, block_hash: bytes) -> str:
-    """The store key of a block under a ``key_prefix`` (the one place keys are spelled)."""
-    return f"{prefix}@{block_hash.hex()}"
+def keys_for(prefix: str, block_hashes: Iterable[bytes]) -> list[str]:
+    """The store keys of blocks under a ``key_prefix`` (the one place keys are spelled)."""
+    return [f"{prefix}@{block_hash.hex()}" for block_hash in block_hashes]
 
 
 def layout_key_prefixes(layout: KVCacheLayout) -> tuple[str, ...]:

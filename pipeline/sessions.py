@@ -18,7 +18,7 @@ import torch
 from pipeline.errors import LayoutError, ProtocolError
 from pipeline.hashing import RequestHasher, group_block_hashes
 from pipeline.integrity import CHECKSUM_BYTES, fingerprint_seed
-from pipeline.keys import key_for, layout_key_prefixes
+from pipeline.keys import keys_for, layout_key_prefixes
 from pipeline.layout import NULL_BLOCK_ID, KVCacheGroup, KVCacheLayout
 from pipeline.messages import RequestKeys
 
@@ -153,7 +153,7 @@ class EngineSession:
         self.saves_in_flight = 0
         self._release = release
         self._hashers: collections.OrderedDict[
-            tuple[str, RequestKeys], tuple[RequestHasher, tuple[int, ...]]
+            tuple[str, RequestKeys], tuple[RequestHasher, Sequence[int]]
         ] = collections.OrderedDict()
         self._hashers_lock = threading.Lock()
 
@@ -183,7 +183,7 @@ class EngineSession:
             release()
 
     def fine_hashes(
-        self, token_ids: tuple[int, ...], keys: RequestKeys, request_id: str | None = None
+        self, token_ids: Sequence[int], keys: RequestKeys, request_id: str | None = None
     ) -> list[bytes]:
         """Fine hashes of the request's full blocks, reusing a growing request's prefix."""
         if request_id is None:
@@ -194,7 +194,7 @@ class EngineSession:
         return hashes
 
     def take_hasher(
-        self, request_id: str, keys: RequestKeys, token_ids: tuple[int, ...]
+        self, request_id: str, keys: RequestKeys, token_ids: Sequence[int]
     ) -> RequestHasher:
         """The request's cached hasher if its chain is a prefix of ``token_ids``, else a
         new one. It is taken out of the cache while used (safe from worker threads: two
@@ -210,7 +210,7 @@ class EngineSession:
 
     def keep_hasher(
         self, request_id: str, keys: RequestKeys, hasher: RequestHasher,
-        token_ids: tuple[int, ...],
+        token_ids: Sequence[int],
     ) -> None:
         """Cache a hasher for the request's next call (lookup, load or save)."""
         hashed = len(hasher.hashes) * self.layout.hash_block_size
@@ -233,8 +233,7 @@ class EngineSession:
         """Store keys of a store group's blocks 0..n-1 for the given fine hashes."""
         geometry = self.store_groups[store_group]
         coarse = group_block_hashes(fine, self.layout.hash_block_size, geometry.group.block_size)
-        prefix = geometry.key_prefix
-        return [key_for(prefix, h) for h in coarse]
+        return keys_for(geometry.key_prefix, coarse)
 
     def check_block_ids(self, block_ids: Sequence[Sequence[int]]) -> tuple[list[int], ...]:
         """Project per-kv-group block ids to store groups, checking every id is in range."""

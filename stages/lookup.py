@@ -17,7 +17,7 @@ import anyio.lowlevel
 from pipeline.errors import StoreError
 from pipeline.hashing import RequestHasher
 from pipeline.hitrule import longest_hit, max_hit_tokens
-from pipeline.keys import key_for
+from pipeline.keys import keys_for
 from pipeline.layout import GroupKind
 from pipeline.messages import Lookup, LookupReply
 from pipeline.sessions import EngineSession
@@ -67,39 +67,46 @@ class LookupStage:
         layout = session.layout
         hbs = layout.hash_block_size
         groups = session.store_groups
-        available: set[tuple[int, int]] = set()
+        present: list[list[bool]] = [[] for _ in groups]  # of store group g, blocks 0..n-1
         done = 0  # fine blocks hashed and checked
-        # Chunks pay off only when hashing is the cost; given hashes, one query does.
-        chunk = FIRST_CHUNK_BLOCKS if hasher is not None else bound // hbs
+        # Chunks pay off only when hashing is the cost: hashes already known (the engine's,
+        # or a repeated request's) are checked in one query.
+        known = len(message.block_hashes or ()) if hasher is None else len(hasher.hashes)
+        chunk = max(FIRST_CHUNK_BLOCKS, known)
         while done * hbs < bound:
             end = min(bound // hbs, done + chunk)
             if hasher is not None:
                 fine: Sequence[bytes] = hasher.extend(message.token_ids[: end * hbs])
             else:
                 fine = message.block_hashes  # type: ignore[assignment]
-            # Blocks of each store group that end inside the new chunk of fine blocks.
-            wanted: list[tuple[int, int, str]] = []
-            for index, geometry in enumerate(groups):
+            # Blocks of each store group that end inside the new chunk of fine blocks: the
+            # coarse hash of block j is fine hash (j + 1) * k - 1.
+            keys: list[str] = []
+            counts: list[int] = []
+            for geometry in groups:
                 k = geometry.group.block_size // hbs
-                prefix = geometry.key_prefix
-                wanted.extend(
-                    (index, j, key_for(prefix, fine[(j + 1) * k - 1]))
-                    for j in range(done // k, end // k)
-                )
+                new = fine[(done // k + 1) * k - 1 : end // k * k : k]
+                keys.extend(keys_for(geometry.key_prefix, new))
+                counts.append(len(new))
             try:
-                exists = await self._store.exists([key for _, _, key in wanted])
+                exists = await self._store.exists(keys)
             except StoreError:
                 return 0  # a store that cannot answer is a miss, never a wait
-            for (index, block, _), hit in zip(wanted, exists, strict=True):
-                if hit:
-                    available.add((index, block))
-                elif groups[index].group.kind in _NEEDS_PREFIX:
-                    bound = min(bound, block * groups[index].group.block_size)
+            start = 0
+            for geometry, blocks, count in zip(groups, present, counts, strict=True):
+                found = exists[start : start + count]
+                start += count
+                if geometry.group.kind in _NEEDS_PREFIX and not all(found):
+                    first_miss = len(blocks) + found.index(False)
+                    bound = min(bound, first_miss * geometry.group.block_size)
+                blocks.extend(found)
             done = end
             chunk *= 8
             if hasher is not None:
                 await anyio.lowlevel.checkpoint()  # let others run between hashing chunks
-        return longest_hit(layout, bound, lambda g, b: (g, b) in available)
+        return longest_hit(
+            layout, bound, lambda g, b: b < len(present[g]) and present[g][b]
+        )
 
     async def process(self, request: LookupRequest) -> None:
         hit = await self.hit_tokens(request.session, request.message)

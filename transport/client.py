@@ -46,6 +46,7 @@ from pipeline.messages import (
     Unregister,
     decode_sidecar_message,
     encode,
+    pack_tokens,
 )
 from pipeline.store import BlockStatus
 from transport.tensors import tensor_handle
@@ -209,7 +210,7 @@ class EngineClient:
         and save, so a request looked up again and again is hashed once.
         """
         seq = next(self._seq)
-        message = Lookup(seq, tuple(token_ids), _request_keys(**request_keys),
+        message = Lookup(seq, pack_tokens(token_ids), _request_keys(**request_keys),
                          _hashes(block_hashes), request_id)
         reply = await self._call(seq, message)
         assert isinstance(reply, LookupReply)
@@ -227,7 +228,7 @@ class EngineClient:
     ) -> SaveResult:
         """Store the request's full blocks; the engine may reuse them once this returns."""
         seq = next(self._seq)
-        message = Save(seq, request_id, tuple(token_ids), _blocks(block_ids),
+        message = Save(seq, request_id, pack_tokens(token_ids), _blocks(block_ids),
                        _request_keys(**request_keys), _hashes(block_hashes))
         reply = await self._call(seq, message)
         assert isinstance(reply, SaveDone)
@@ -246,7 +247,7 @@ class EngineClient:
     ) -> LoadResult:
         """Load the first ``num_tokens`` tokens' blocks into ``block_ids``."""
         seq = next(self._seq)
-        message = Load(seq, request_id, tuple(token_ids), _blocks(block_ids), num_tokens,
+        message = Load(seq, request_id, pack_tokens(token_ids), _blocks(block_ids), num_tokens,
                        _request_keys(**request_keys), _hashes(block_hashes))
         reply = await self._call(seq, message)
         assert isinstance(reply, LoadDone)

@@ -35,6 +35,7 @@ from pipeline.messages import (
     decode_engine_message,
     decode_sidecar_message,
     encode,
+    pack_tokens,
 )
 from pipeline.store import BlockStatus
 
@@ -59,10 +60,14 @@ ENGINE_MESSAGES: list[Any] = [
         hash_seed="42",
     ),
     Heartbeat(seq=7),
-    Lookup(seq=1, token_ids=(1, 2, 3), keys=KEYS),
-    Save(seq=2, request_id="r", token_ids=(1, 2, 3, 4), block_ids=((1, 2), (0,), (3,))),
+    Lookup(seq=1, token_ids=pack_tokens((1, 2, 3)), keys=KEYS),
+    Save(
+        seq=2, request_id="r", token_ids=pack_tokens((1, 2, 2**32 - 1, 0)),
+        block_ids=((1, 2), (0,), (3,)),
+    ),
     Load(
-        seq=3, request_id="r", token_ids=(1, 2, 3, 4), block_ids=((4, 5),), num_tokens=4, keys=KEYS
+        seq=3, request_id="r", token_ids=pack_tokens((1, 2, 3, 4)), block_ids=((4, 5),),
+        num_tokens=4, keys=KEYS,
     ),
     Unregister(seq=9),
 ]
@@ -127,6 +132,20 @@ def test_engine_messages_round_trip(message: Any) -> None:
     assert decode_engine_message(encode(message), max_bytes=MAX) == message
 
 
+def test_token_ids_travel_as_little_endian_uint32() -> None:
+    """Token ids are one binary field: 4 little-endian bytes per token."""
+    frame = encode(Lookup(seq=1, token_ids=pack_tokens((1, 258, 2**32 - 1))))
+    fields = msgspec.msgpack.decode(frame)
+    assert fields["token_ids"] == b"\x01\x00\x00\x00\x02\x01\x00\x00\xff\xff\xff\xff"
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], ["a"]])
+def test_token_ids_outside_uint32_are_refused_before_sending(bad: list[Any]) -> None:
+    """A token id that does not fit the wire format is a clear error at the client."""
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        pack_tokens(bad)
+
+
 @pytest.mark.parametrize("message", SIDECAR_MESSAGES, ids=lambda m: type(m).__name__)
 def test_sidecar_messages_round_trip(message: Any) -> None:
     """A sidecar message decodes to an equal message."""
@@ -173,9 +192,10 @@ def test_missing_kind_is_a_protocol_error() -> None:
     [
         ({"kind": "heartbeat", "seq": "one"}, "$.seq"),
         ({"kind": "heartbeat", "seq": -1}, "$.seq"),
-        ({"kind": "lookup", "seq": 1, "token_ids": ["a"]}, "$.token_ids[0]"),
+        ({"kind": "lookup", "seq": 1, "token_ids": [1, 2]}, "$.token_ids"),
+        ({"kind": "lookup", "seq": 1, "token_ids": b"\x01\x00\x00"}, "$.token_ids"),
         (
-            {"kind": "save", "seq": 1, "request_id": "r", "token_ids": [], "block_ids": [[1, -2]]},
+            {"kind": "save", "seq": 1, "request_id": "r", "token_ids": b"", "block_ids": [[1, -2]]},
             "$.block_ids[0][1]",
         ),
         (
@@ -183,7 +203,7 @@ def test_missing_kind_is_a_protocol_error() -> None:
                 "kind": "load",
                 "seq": 1,
                 "request_id": 5,
-                "token_ids": [],
+                "token_ids": b"",
                 "block_ids": [],
                 "num_tokens": 0,
             },
@@ -204,7 +224,7 @@ def test_unknown_fields_are_refused() -> None:
 def test_missing_required_field_is_named() -> None:
     """A message without a required field is refused naming that field."""
     assert "`request_id`" in reject(
-        _raw.encode({"kind": "save", "seq": 1, "token_ids": [], "block_ids": []})
+        _raw.encode({"kind": "save", "seq": 1, "token_ids": b"", "block_ids": []})
     )
 
 

@@ -20,6 +20,7 @@ from pipeline.messages import (
     Register,
     Save,
     TensorHandle,
+    pack_tokens,
 )
 from pipeline.registry import LayerTensors, SessionRegistry
 
@@ -271,7 +272,7 @@ def test_replaced_session_keeps_its_mapping_until_its_jobs_finish() -> None:
     old, _ = reg.register(b"engine", register())
     send, _receive = anyio.create_memory_object_stream[Job](4)
     tracker = JobTracker(send)
-    job = Job(old, Save(1, "r", (1, 2, 3, 4), ((1,), (0,), (2,))))
+    job = Job(old, Save(1, "r", pack_tokens((1, 2, 3, 4)), ((1,), (0,), (2,))))
     tracker.accept(job)
     reg.register(b"engine", register())
     assert old.closed and mapper.released == []

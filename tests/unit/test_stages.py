@@ -16,7 +16,7 @@ from pipeline.hashing import block_hashes
 from pipeline.jobs import BlockTask, Job, JobTracker, StorePressure
 from pipeline.keys import store_key
 from pipeline.layout import KVCacheLayout
-from pipeline.messages import BlockReport, Load, LoadDone, Lookup, Save, SaveDone
+from pipeline.messages import BlockReport, Load, LoadDone, Lookup, Save, SaveDone, pack_tokens
 from pipeline.sessions import EngineSession, build_store_groups
 from pipeline.staging import StagingPool
 from pipeline.store import STORE_FULL, STORED, BlockStatus
@@ -141,13 +141,15 @@ def tokens(count: int, start: int = 100) -> tuple[int, ...]:
 
 
 def save(token_ids: Sequence[int], *block_ids: Sequence[int], request_id: str = "r") -> Save:
-    return Save(1, request_id, tuple(token_ids), tuple(tuple(ids) for ids in block_ids))
+    return Save(1, request_id, pack_tokens(token_ids), tuple(tuple(ids) for ids in block_ids))
 
 
 def load(
     token_ids: Sequence[int], num_tokens: int, *block_ids: Sequence[int], request_id: str = "r"
 ) -> Load:
-    return Load(2, request_id, tuple(token_ids), tuple(tuple(ids) for ids in block_ids), num_tokens)
+    return Load(
+        2, request_id, pack_tokens(token_ids), tuple(tuple(ids) for ids in block_ids), num_tokens
+    )
 
 
 def planned(job: Job) -> list[tuple[int, int, int]]:
@@ -569,10 +571,12 @@ async def test_lookup_reports_the_hybrid_hit_and_keeps_the_last_token(hybrid: Ha
     with anyio.fail_after(TIMEOUT_S):
         await run_save(hybrid, save(token_ids, [1, 2, 3, 0], [9], [0, 0, 4, 0]))
         hits = {
-            count: await lookup.hit_tokens(hybrid.session, Lookup(0, token_ids[:count]))
+            count: await lookup.hit_tokens(
+                hybrid.session, Lookup(0, pack_tokens(token_ids[:count]))
+            )
             for count in (4, 12, 13, 16)
         }
-        await lookup.process(LookupRequest(hybrid.session, Lookup(5, token_ids)))
+        await lookup.process(LookupRequest(hybrid.session, Lookup(5, pack_tokens(token_ids))))
     # 12 tokens: the last one is recomputed, so the hit would be 8 and mamba has no state there.
     assert hits == {4: 0, 12: 0, 13: 12, 16: 12}
     assert [(r.seq, r.hit_tokens) for r in replies] == [(5, 12)]
