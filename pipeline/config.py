@@ -98,9 +98,14 @@ class BatchingStageConfig(StageConfig, frozen=True):
 
 class TransferStageConfig(StageConfig, frozen=True):
     threads: Positive = 2
-    """Worker threads that copy between engine tensors and staging."""
+    """Threads that copy saves out of engine tensors (loads copy on threads of their own,
+    one per ``scatter`` worker)."""
     overflow: Literal["block", "skip"] = "block"
     """A save finding staging exhausted: wait for a slot, or skip it (staging_full)."""
+    yield_to_loads_ms: Annotated[float, msgspec.Meta(ge=0)] = 20.0
+    """A save batch waits up to this long while loads are in flight before copying, so
+    that loads (on the engine's critical path) get the cores and memory bandwidth first;
+    0: never wait."""
 
 
 class StagesConfig(_Section, frozen=True):

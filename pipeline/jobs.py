@@ -11,6 +11,7 @@ import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 
+import anyio
 from anyio.abc import ObjectSendStream
 
 from pipeline.messages import BlockReport, Load, Save
@@ -70,6 +71,9 @@ class JobTracker:
         self._completions = completions
         self._load_completions = load_completions or completions
         self._open: set[Job] = set()
+        self._loads = 0  # accepted, not yet finished
+        self._no_loads = anyio.Event()
+        self._no_loads.set()
 
     @property
     def open_jobs(self) -> int:
@@ -78,6 +82,16 @@ class JobTracker:
     def accept(self, job: Job) -> None:
         self._open.add(job)
         job.session.job_started(save=not job.is_load)
+        if job.is_load:
+            if not self._loads:
+                self._no_loads = anyio.Event()
+            self._loads += 1
+
+    async def yield_to_loads(self, limit_s: float) -> None:
+        """Wait while loads are in flight, for at most ``limit_s``: saves go second."""
+        if self._loads and limit_s > 0:
+            with anyio.move_on_after(limit_s):
+                await self._no_loads.wait()
 
     def answered(self, job: Job) -> None:
         """The engine has its reply (or cannot get one): forget the job."""
@@ -108,8 +122,15 @@ class JobTracker:
     async def _finish(self, job: Job) -> None:
         if not job.done:
             job.done = True
+            if job.is_load:
+                self._load_finished()
             lane = self._load_completions if job.is_load else self._completions
             await lane.send(job)
+
+    def _load_finished(self) -> None:
+        self._loads -= 1
+        if not self._loads:
+            self._no_loads.set()
 
     def abandon_open(self, reason: str) -> list[Job]:
         """Jobs not yet answered, their unsettled blocks failed with ``reason`` (on abort)."""
@@ -123,6 +144,8 @@ class JobTracker:
                 if (task.geometry.kv_group_id, task.block_index) not in settled
             )
             job.pending = 0
+            if job.is_load and not job.done:
+                self._load_finished()
             job.done = True
         return jobs
 

@@ -179,6 +179,8 @@ class Sidecar:
         tracker = self.tracker
         hash_limiter = anyio.CapacityLimiter(config.hashing.workers)
         copy_limiter = anyio.CapacityLimiter(config.transfer.threads)
+        # Loads copy on threads of their own: a load never waits behind a save's copy.
+        load_copy_limiter = anyio.CapacityLimiter(config.scatter.workers)
         group_filter = GroupFilterStage(tracker)
         hashing = HashingStage(tracker, hash_limiter)
         # A store that lends its memory (the embedded one) spares a copy through staging.
@@ -230,8 +232,8 @@ class Sidecar:
                       config.transfer.workers)
                 stage("save.commit", commit.process, staged, None, config.commit.workers)
             else:
-                fetch = FetchStage(self.store, self.pool, tracker, copy_limiter, direct)
-                scatter = ScatterStage(self.store, self.pool, tracker, copy_limiter, direct)
+                fetch = FetchStage(self.store, self.pool, tracker, direct)
+                scatter = ScatterStage(self.store, self.pool, tracker, load_copy_limiter, direct)
                 stage("load.fetch", fetch.process, batched, staged, config.fetch.workers)
                 stage("load.scatter", scatter.process, staged, None, config.scatter.workers)
         lookup = LookupStage(self.store, self.reply, self.metrics.replied)

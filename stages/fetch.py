@@ -8,7 +8,6 @@ scatter, on the bytes the engine ends up holding.)
 
 from __future__ import annotations
 
-import anyio
 import torch
 
 from pipeline.errors import StoreError
@@ -34,13 +33,11 @@ class FetchStage:
         store: KVStore,
         pool: StagingPool,
         tracker: JobTracker,
-        limiter: anyio.CapacityLimiter,
         direct: DirectKVStore | None = None,
     ) -> None:
         self._store = store
         self._pool = pool
         self._tracker = tracker
-        self._limiter = limiter
         self._direct = direct
 
     async def process(self, tasks: list[BlockTask]) -> StagedBatch | None:

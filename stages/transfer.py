@@ -159,6 +159,7 @@ class TransferStage:
         self._tracker = tracker
         self._limiter = limiter
         self._skip_when_full = config.overflow == "skip"
+        self._yield_s = config.yield_to_loads_ms / 1000
         self._pressure = pressure
         self._direct = direct
 
@@ -168,6 +169,7 @@ class TransferStage:
             await self._tracker.settle_all(skipped, STORE_FULL)
         if not tasks:
             return None
+        await self._tracker.yield_to_loads(self._yield_s)
         batch = await (self._reserve(tasks) if self._direct else self._stage(tasks))
         if batch is None:
             return None

@@ -187,7 +187,7 @@ async def run_save(h: Harness, message: Save) -> Job:
 async def run_load(h: Harness, message: Load) -> Job:
     """group_filter -> hashing -> fetch -> scatter, one batch per store group."""
     job = h.job(message)
-    fetch = FetchStage(h.store, h.pool, h.tracker, h.limiter)
+    fetch = FetchStage(h.store, h.pool, h.tracker)
     scatter = ScatterStage(h.store, h.pool, h.tracker, h.limiter)
     if await GroupFilterStage(h.tracker).process(job) is None:
         return job
@@ -236,6 +236,34 @@ async def test_a_job_with_nothing_to_move_completes_at_once(hybrid: Harness) -> 
         assert await GroupFilterStage(hybrid.tracker).process(job) is None
     assert hybrid.finished() == [job]
     assert job.reports == []
+
+
+async def test_saves_yield_to_a_load_in_flight_until_it_finishes(hybrid: Harness) -> None:
+    """A save waiting to copy goes on as soon as the loads in flight have finished."""
+    load_job = hybrid.job(load(tokens(9), 8, [5, 6, 0], [9], [0, 7, 0]))
+    went_on = anyio.Event()
+
+    async def save_side() -> None:
+        await hybrid.tracker.yield_to_loads(limit_s=60)
+        went_on.set()
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(save_side)
+            await anyio.wait_all_tasks_blocked()
+            assert not went_on.is_set()
+            await hybrid.tracker.settle(load_job, ())  # nothing pending: the load finishes
+    assert went_on.is_set()
+
+
+async def test_saves_yield_to_loads_for_at_most_the_limit(hybrid: Harness) -> None:
+    """A load that never finishes holds saves back for the limit only; none, no wait."""
+    with anyio.fail_after(TIMEOUT_S):
+        await hybrid.tracker.yield_to_loads(limit_s=60)  # no load in flight
+        hybrid.job(load(tokens(9), 8, [5, 6, 0], [9], [0, 7, 0]))
+        started = anyio.current_time()
+        await hybrid.tracker.yield_to_loads(limit_s=0.05)
+        assert anyio.current_time() - started >= 0.05
 
 
 # -- hashing ---------------------------------------------------------------------------------
@@ -393,7 +421,7 @@ async def test_a_middle_block_missing_loads_the_others_into_the_right_blocks() -
     token_ids = tokens(13)
     with anyio.fail_after(TIMEOUT_S):
         await run_save(h, save(token_ids, [1, 0, 3]))
-        fetch = FetchStage(h.store, h.pool, h.tracker, h.limiter)
+        fetch = FetchStage(h.store, h.pool, h.tracker)
         job = h.job(load(token_ids, 12, [5, 6, 7]))
         await GroupFilterStage(h.tracker).process(job)
         named = await HashingStage(h.tracker, h.limiter).process(job)
