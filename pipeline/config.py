@@ -176,7 +176,8 @@ class MooncakeStoreConfig(_Section, frozen=True):
     """Embedded master: share of objects evicted each time usage crosses the watermark."""
     startup_timeout_s: PositiveFloat = 20.0
     call_timeout_s: PositiveFloat = 10.0
-    """A Mooncake call that takes longer makes the store unusable (StoreError)."""
+    """A Mooncake call that takes longer is abandoned: its staging slot is withheld for
+    good and the store refuses further calls until the sidecar restarts."""
     close_timeout_s: PositiveFloat = 5.0
     """How long close waits for in-flight calls; past it the client is left, not closed."""
     max_concurrent_calls: Positive = 4

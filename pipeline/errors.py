@@ -41,3 +41,8 @@ class RequestRejected(KVSidecarError):
 
 class StoreUnavailable(StoreError):
     """The store is known to be down (circuit open): fail fast, retry later."""
+
+
+class StoreCallAbandoned(StoreError):
+    """A store call overran its timeout and was abandoned while its thread may still read
+    or write the buffers it was given: they must never be handed out again."""

@@ -10,9 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 import anyio
+import structlog
 import torch
 
 __all__ = ["Slot", "StagingPool"]
+
+log = structlog.get_logger("kvsidecar.staging")
 
 
 class StagingPool:
@@ -37,6 +40,7 @@ class StagingPool:
             self._free[kind][0].send_nowait(slot)
         self.slots = slots
         self.load_slots = load_slots
+        self.withheld = 0
 
     def free_slots(self, kind: str) -> int:
         return self._free[kind][1].statistics().current_buffer_used
@@ -54,6 +58,13 @@ class StagingPool:
 
     def release(self, slot: Slot) -> None:
         self._free[slot.kind][0].send_nowait(slot.index)
+
+    def withhold(self, slot: Slot) -> None:
+        """Keep a slot out of use for good: an abandoned store call may still touch it,
+        and bytes it reads or writes late must not meet another batch's."""
+        self.withheld += 1
+        log.warning("staging.slot.withheld", slot=slot.index, kind=slot.kind,
+                    withheld=self.withheld, slots=self.slots)
 
     def _slot(self, kind: str, index: int) -> Slot:
         view = self.buffer[index * self.slot_bytes : (index + 1) * self.slot_bytes]

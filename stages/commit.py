@@ -6,7 +6,7 @@ committed (made readable) instead.
 
 from __future__ import annotations
 
-from pipeline.errors import StoreError
+from pipeline.errors import StoreCallAbandoned, StoreError
 from pipeline.jobs import JobTracker, StorePressure
 from pipeline.staging import StagingPool
 from pipeline.store import DirectKVStore, KVStore, store_error_outcome
@@ -40,6 +40,9 @@ class CommitStage:
                 outcomes = await self._store.put([task.key for task in batch.tasks], batch.views)
             except StoreError as exc:
                 outcomes = [store_error_outcome(exc, saving=True)] * len(batch.tasks)
+                if isinstance(exc, StoreCallAbandoned) and batch.slot is not None:
+                    self._pool.withhold(batch.slot)
+                    batch.slot = None
             finally:
                 if batch.slot is not None:
                     self._pool.release(batch.slot)

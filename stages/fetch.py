@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.errors import StoreError
+from pipeline.errors import StoreCallAbandoned, StoreError
 from pipeline.jobs import BlockTask, JobTracker
 from pipeline.staging import StagingPool
 from pipeline.store import (
@@ -65,6 +65,9 @@ class FetchStage:
             outcomes = await self._store.get_into([task.key for task in tasks], views)
         except StoreError as exc:
             outcomes = [store_error_outcome(exc, saving=False)] * len(tasks)
+            if isinstance(exc, StoreCallAbandoned):
+                self._pool.withhold(slot)
+                batch.slot = None
         except BaseException:
             self._pool.release(slot)
             raise

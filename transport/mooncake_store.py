@@ -4,8 +4,9 @@ Values move zero-copy: staging buffers are registered with Mooncake once, and ev
 and get names byte ranges inside them (``batch_put_from`` / ``batch_get_into``). Every
 blocking Mooncake call runs in a worker thread under a ``CapacityLimiter`` and is
 bounded by ``call_timeout_s``. A call that overruns it is abandoned, and since its
-thread may still write into staging memory later, the store then refuses all further
-calls: a late write must never land in a buffer that was handed out again. For the same
+thread may still read or write staging memory later, it raises ``StoreCallAbandoned``
+(the stages then withhold its staging slot for good) and the store refuses all further
+calls: late bytes must never meet a buffer that was handed out again. For the same
 reason a cancelled caller is only released once its call has returned (or timed out).
 
 Mooncake facts this module relies on (0.3.13):
@@ -46,7 +47,7 @@ import structlog
 import torch
 
 from pipeline.config import MooncakeStoreConfig
-from pipeline.errors import ConfigError, StoreError
+from pipeline.errors import ConfigError, StoreCallAbandoned, StoreError
 from pipeline.store import (
     LOADED,
     MISSING,
@@ -246,7 +247,7 @@ class MooncakeStore:
                 f"check the master at {self._master_address} and the network"
             )
             log.error("store.mooncake.call.timeout", op=op, master=self._master_address)
-            raise StoreError(self._unusable)
+            raise StoreCallAbandoned(self._unusable)
         await anyio.lowlevel.checkpoint_if_cancelled()
         return result
 

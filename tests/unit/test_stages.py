@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import anyio
 import pytest
@@ -12,6 +12,7 @@ import torch
 from anyio.abc import ObjectReceiveStream
 
 from pipeline.config import EmbeddedStoreConfig, TransferStageConfig
+from pipeline.errors import StoreCallAbandoned
 from pipeline.hashing import block_hashes
 from pipeline.jobs import BlockTask, Job, JobTracker, StorePressure
 from pipeline.keys import store_key
@@ -19,7 +20,7 @@ from pipeline.layout import KVCacheLayout
 from pipeline.messages import BlockReport, Load, LoadDone, Lookup, Save, SaveDone, pack_tokens
 from pipeline.sessions import EngineSession, build_store_groups
 from pipeline.staging import StagingPool
-from pipeline.store import STORE_FULL, STORED, BlockStatus
+from pipeline.store import STORE_FULL, STORED, BlockStatus, StoreWrapper
 from stages.commit import CommitStage
 from stages.completion import CompletionStage, completion_message
 from stages.dedup import DedupStage
@@ -61,6 +62,8 @@ def swa(block_size: int, window: int, *layers: str) -> dict[str, Any]:
         "layers": list(layers),
     }
 
+
+T = TypeVar("T")
 
 HYBRID = [full(4, "attn.0", "attn.1"), ring(4, "ring.0"), mamba(4, "ssm.0")]
 """full + ring + mamba: store groups {0 -> 0, 2 -> 1}; the ring is never stored."""
@@ -460,19 +463,23 @@ async def test_transfer_skips_and_reports_when_staging_is_full(hybrid: Harness) 
     assert all(slot is not None for slot in held)
 
 
+async def staged_save(h: Harness) -> tuple[Job, StagedBatch]:
+    """A save of two attention blocks through the transfer into a staging slot."""
+    job = h.job(save(tokens(8), [1, 2], [9], [0, 0]))
+    transfer = TransferStage(h.pool, h.tracker, h.limiter, TransferStageConfig(), StorePressure())
+    await GroupFilterStage(h.tracker).process(job)
+    named = await HashingStage(h.tracker, h.limiter).process(job)
+    staged = await transfer.process(named or [])
+    assert staged is not None and h.pool.free_slots("save") == 5
+    return job, staged
+
+
 async def test_commit_fails_blocks_and_frees_the_slot_when_the_store_is_down(
     hybrid: Harness,
 ) -> None:
     """A put on a closed store fails the batch with a store reason and releases the slot."""
-    job = hybrid.job(save(tokens(8), [1, 2], [9], [0, 0]))
-    transfer = TransferStage(
-        hybrid.pool, hybrid.tracker, hybrid.limiter, TransferStageConfig(), StorePressure()
-    )
     with anyio.fail_after(TIMEOUT_S):
-        await GroupFilterStage(hybrid.tracker).process(job)
-        named = await HashingStage(hybrid.tracker, hybrid.limiter).process(job)
-        staged = await transfer.process(named or [])
-        assert staged is not None and hybrid.pool.free_slots("save") == 5
+        job, staged = await staged_save(hybrid)
         await hybrid.store.aclose()
         await CommitStage(
             hybrid.store, hybrid.pool, hybrid.tracker, StorePressure()
@@ -480,6 +487,44 @@ async def test_commit_fails_blocks_and_frees_the_slot_when_the_store_is_down(
     assert hybrid.pool.free_slots("save") == 6
     assert {s for s, _ in statuses(job).values()} == {BlockStatus.FAILED}
     assert hybrid.finished() == [job]
+
+
+class AbandoningStore(StoreWrapper):
+    """The harness's store, except that every put and get overruns and is abandoned."""
+
+    async def _around(self, name: str, call: Callable[[], Awaitable[T]]) -> T:
+        if name in ("put", "get"):
+            raise StoreCallAbandoned(f"{name} did not return in time")
+        return await call()
+
+
+async def test_commit_withholds_the_slot_of_an_abandoned_put(hybrid: Harness) -> None:
+    """A put that may still read its slot fails its blocks, and the slot is never reused."""
+    with anyio.fail_after(TIMEOUT_S):
+        job, staged = await staged_save(hybrid)
+        await CommitStage(
+            AbandoningStore(hybrid.store), hybrid.pool, hybrid.tracker, StorePressure()
+        ).process(staged)
+    assert hybrid.pool.free_slots("save") == 5
+    assert hybrid.pool.withheld == 1
+    assert {s for s, _ in statuses(job).values()} == {BlockStatus.FAILED}
+    assert hybrid.finished() == [job]
+
+
+async def test_fetch_withholds_the_slot_of_an_abandoned_get(hybrid: Harness) -> None:
+    """A get that may still write its slot fails its blocks, and the slot is never reused."""
+    token_ids = tokens(9)
+    with anyio.fail_after(TIMEOUT_S):
+        await run_save(hybrid, save(token_ids, [1, 2, 0], [9], [0, 3, 0]))
+        job = hybrid.job(load(token_ids, 8, [5, 6, 0], [9], [0, 7, 0]))
+        await GroupFilterStage(hybrid.tracker).process(job)
+        named = await HashingStage(hybrid.tracker, hybrid.limiter).process(job)
+        fetch = FetchStage(AbandoningStore(hybrid.store), hybrid.pool, hybrid.tracker)
+        for batch in by_group(named or []):
+            assert await fetch.process(batch) is None
+    assert hybrid.pool.free_slots("load") == 0
+    assert hybrid.pool.withheld == 2
+    assert {s for s, _ in statuses(job).values()} == {BlockStatus.FAILED}
 
 
 # -- completion ------------------------------------------------------------------------------
