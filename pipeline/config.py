@@ -98,8 +98,8 @@ class BatchingStageConfig(StageConfig, frozen=True):
 
 class TransferStageConfig(StageConfig, frozen=True):
     threads: Positive = 2
-    """Threads that copy saves out of engine tensors (loads copy on threads of their own,
-    one per ``scatter`` worker)."""
+    """Threads a batch's copy is split across (its layers, or its rows for checksums).
+    Saves and loads each have this many, so a load never waits behind a save's copy."""
     overflow: Literal["block", "skip"] = "block"
     """A save finding staging exhausted: wait for a slot, or skip it (staging_full)."""
     yield_to_loads_ms: Annotated[float, msgspec.Meta(ge=0)] = 20.0

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import anyio
 import msgspec
 import structlog
+import torch
 from anyio.abc import TaskGroup, TaskStatus
 
 from pipeline.breaker import CircuitBreakerStore
@@ -178,9 +179,9 @@ class Sidecar:
         config = self.config.stages
         tracker = self.tracker
         hash_limiter = anyio.CapacityLimiter(config.hashing.workers)
-        copy_limiter = anyio.CapacityLimiter(config.transfer.threads)
         # Loads copy on threads of their own: a load never waits behind a save's copy.
-        load_copy_limiter = anyio.CapacityLimiter(config.scatter.workers)
+        copy_limiter = anyio.CapacityLimiter(config.transfer.threads)
+        load_copy_limiter = anyio.CapacityLimiter(config.transfer.threads)
         group_filter = GroupFilterStage(tracker)
         hashing = HashingStage(tracker, hash_limiter)
         # A store that lends its memory (the embedded one) spares a copy through staging.
@@ -511,6 +512,9 @@ async def run_sidecar(
     task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Open the store and the socket, serve until ``stop``, drain, close everything."""
+    # The copy stages split each batch across their own threads (stages.transfer.
+    # CopyThreads); an OpenMP team inside every copy call would only add wake-ups.
+    torch.set_num_threads(1)
     staging = config.staging
     pool = StagingPool(staging.pool_bytes, staging.slot_bytes, load_slots=staging.load_slots)
     faults = Faults(config.faults)

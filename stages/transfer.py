@@ -4,15 +4,17 @@ Values live in a staging slot, or — when the store lends its memory (the embed
 store) — in the store itself, which saves one copy each way. Saves gather engine blocks
 into the values; loads scatter values into engine blocks. Copies run in worker threads
 (torch releases the GIL), one ``index_select`` / ``index_copy_`` per segment for each run
-of adjacent values. Both sides are seen as the widest integer words the geometry
-allows: torch moves uint8 rows element by element, several times slower than words.
-"""
+of adjacent values, a batch's segments split across threads (``CopyThreads``). Both
+sides are seen as the widest integer words the geometry allows: torch moves uint8 rows
+element by element, several times slower than words."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import anyio
 import torch
@@ -21,7 +23,7 @@ from pipeline.config import TransferStageConfig
 from pipeline.errors import StoreError
 from pipeline.integrity import seal_rows, verify_rows
 from pipeline.jobs import BlockTask, JobTracker, StorePressure
-from pipeline.sessions import StoreGroupGeometry
+from pipeline.sessions import Segment, StoreGroupGeometry
 from pipeline.staging import Slot, StagingPool
 from pipeline.store import (
     LOADED,
@@ -34,6 +36,7 @@ from pipeline.store import (
 )
 
 __all__ = [
+    "CopyThreads",
     "ScatterStage",
     "StagedBatch",
     "TransferStage",
@@ -92,10 +95,10 @@ def _as_words(blocks: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor
 
 
 def gather_blocks(
-    geometry: StoreGroupGeometry, block_ids: torch.Tensor, rows: torch.Tensor
+    segments: Sequence[Segment], block_ids: torch.Tensor, rows: torch.Tensor
 ) -> None:
-    """rows[i] = the value of engine block block_ids[i] (all segments, in order)."""
-    for segment in geometry.segments:
+    """rows[i] = the pages of engine block block_ids[i] in these segments."""
+    for segment in segments:
         blocks, out = _as_words(
             segment.blocks, rows[:, segment.offset : segment.offset + segment.page_bytes]
         )
@@ -103,43 +106,96 @@ def gather_blocks(
 
 
 def scatter_blocks(
-    geometry: StoreGroupGeometry, block_ids: torch.Tensor, rows: torch.Tensor
+    segments: Sequence[Segment], block_ids: torch.Tensor, rows: torch.Tensor
 ) -> None:
-    """Engine block block_ids[i] = rows[i] (the inverse of ``gather_blocks``)."""
-    for segment in geometry.segments:
+    """Engine block block_ids[i] = rows[i] in these segments (the inverse of gather)."""
+    for segment in segments:
         blocks, source = _as_words(
             segment.blocks, rows[:, segment.offset : segment.offset + segment.page_bytes]
         )
         blocks.index_copy_(0, block_ids, source)
 
 
-def gather_and_seal(
-    geometry: StoreGroupGeometry, block_ids: torch.Tensor, views: Sequence[torch.Tensor]
+class CopyThreads:
+    """Runs one batch's copy split across worker threads.
+
+    Torch runs single-threaded in the sidecar (see ``service``): a batch is copied one
+    segment (layer) at a time, and an OpenMP team per call costs a wake-up per layer. Split
+    here instead — segments for copies, rows for checksums — the threads stay busy for
+    the whole batch, and they are bounded by one limiter per direction.
+    """
+
+    def __init__(self, limiter: anyio.CapacityLimiter) -> None:
+        self._limiter = limiter
+        self._parts = max(1, int(limiter.total_tokens))
+
+    async def run(self, fn: Callable[..., None], items: int, *args: Any) -> None:
+        """``fn(*args, part, parts)`` for each part, at most ``items`` parts, in parallel."""
+        parts = min(self._parts, items)
+        work: Callable[[int, int], None] = functools.partial(fn, *args)
+        if parts <= 1:
+            await anyio.to_thread.run_sync(work, 0, 1, limiter=self._limiter)
+            return
+        async with anyio.create_task_group() as tg:
+            for part in range(parts):
+                tg.start_soon(functools.partial(
+                    anyio.to_thread.run_sync, work, part, parts, limiter=self._limiter
+                ))
+
+
+def _gather_part(geometry: StoreGroupGeometry, block_ids: torch.Tensor,
+                 views: Sequence[torch.Tensor], part: int, parts: int) -> None:
+    for start, rows in runs(views, geometry.stored_bytes):
+        ids = block_ids[start : start + rows.shape[0]]
+        gather_blocks(geometry.segments[part::parts], ids, rows)
+
+
+def _scatter_part(geometry: StoreGroupGeometry, block_ids: torch.Tensor,
+                  views: Sequence[torch.Tensor], part: int, parts: int) -> None:
+    for start, rows in runs(views, geometry.stored_bytes):
+        ids = block_ids[start : start + rows.shape[0]]
+        scatter_blocks(geometry.segments[part::parts], ids, rows)
+
+
+def _seal_part(geometry: StoreGroupGeometry, views: Sequence[torch.Tensor],
+               part: int, parts: int) -> None:
+    assert geometry.checksum_seed is not None
+    for _, rows in runs(views, geometry.stored_bytes):
+        seal_rows(rows[part::parts], geometry.value_bytes, geometry.checksum_seed)
+
+
+def _verify_part(geometry: StoreGroupGeometry, views: Sequence[torch.Tensor],
+                 intact: list[bool], part: int, parts: int) -> None:
+    assert geometry.checksum_seed is not None
+    for start, rows in runs(views, geometry.stored_bytes):
+        checked = verify_rows(rows[part::parts], geometry.value_bytes, geometry.checksum_seed)
+        intact[start + part : start + rows.shape[0] : parts] = checked
+
+
+async def gather_and_seal(
+    copy: CopyThreads, geometry: StoreGroupGeometry, block_ids: torch.Tensor,
+    views: Sequence[torch.Tensor],
 ) -> None:
     """Fill each value from its engine block, then seal its checksum."""
-    for start, rows in runs(views, geometry.stored_bytes):
-        gather_blocks(geometry, block_ids[start : start + rows.shape[0]], rows)
-        if geometry.checksum_seed is not None:
-            seal_rows(rows, geometry.value_bytes, geometry.checksum_seed)
+    await copy.run(_gather_part, len(geometry.segments), geometry, block_ids, views)
+    if geometry.checksum_seed is not None:
+        await copy.run(_seal_part, len(views), geometry, views)
 
 
-def verify_and_scatter(
-    geometry: StoreGroupGeometry, block_ids: torch.Tensor, views: Sequence[torch.Tensor]
+async def verify_and_scatter(
+    copy: CopyThreads, geometry: StoreGroupGeometry, block_ids: torch.Tensor,
+    views: Sequence[torch.Tensor],
 ) -> list[bool]:
     """Check each value against its sealed checksum, then copy only the intact ones into
     their engine blocks: the engine never receives a corrupted byte. Whether each is intact.
     """
-    if geometry.checksum_seed is None:
-        intact = [True] * len(views)
-    else:
-        intact = []
-        for _, rows in runs(views, geometry.stored_bytes):
-            intact.extend(verify_rows(rows, geometry.value_bytes, geometry.checksum_seed))
+    intact = [True] * len(views)
+    if geometry.checksum_seed is not None:
+        await copy.run(_verify_part, len(views), geometry, views, intact)
     keep = [index for index, ok in enumerate(intact) if ok]
     kept_ids = block_ids[keep] if len(keep) < len(views) else block_ids
     kept_views = [views[index] for index in keep]
-    for start, rows in runs(kept_views, geometry.stored_bytes):
-        scatter_blocks(geometry, kept_ids[start : start + rows.shape[0]], rows)
+    await copy.run(_scatter_part, len(geometry.segments), geometry, kept_ids, kept_views)
     return intact
 
 
@@ -157,7 +213,7 @@ class TransferStage:
     ) -> None:
         self._pool = pool
         self._tracker = tracker
-        self._limiter = limiter
+        self._copy = CopyThreads(limiter)
         self._skip_when_full = config.overflow == "skip"
         self._yield_s = config.yield_to_loads_ms / 1000
         self._pressure = pressure
@@ -174,10 +230,7 @@ class TransferStage:
         if batch is None:
             return None
         try:
-            await anyio.to_thread.run_sync(
-                gather_and_seal, batch.geometry, _index(batch.tasks), batch.views,
-                limiter=self._limiter,
-            )
+            await gather_and_seal(self._copy, batch.geometry, _index(batch.tasks), batch.views)
         except BaseException:
             if batch.slot is not None:
                 self._pool.release(batch.slot)
@@ -239,14 +292,13 @@ class ScatterStage:
         self._store = store
         self._pool = pool
         self._tracker = tracker
-        self._limiter = limiter
+        self._copy = CopyThreads(limiter)
         self._direct = direct
 
     async def process(self, batch: StagedBatch) -> None:
         try:
-            intact = await anyio.to_thread.run_sync(
-                verify_and_scatter, batch.geometry, _index(batch.tasks), batch.views,
-                limiter=self._limiter,
+            intact = await verify_and_scatter(
+                self._copy, batch.geometry, _index(batch.tasks), batch.views
             )
         finally:
             release_values(batch, self._pool, self._direct)

@@ -28,7 +28,14 @@ from stages.fetch import FetchStage
 from stages.group_filter import GroupFilterStage
 from stages.hashing import HashingStage
 from stages.lookup import LookupRequest, LookupStage
-from stages.transfer import ScatterStage, StagedBatch, TransferStage
+from stages.transfer import (
+    CopyThreads,
+    ScatterStage,
+    StagedBatch,
+    TransferStage,
+    gather_and_seal,
+    verify_and_scatter,
+)
 from transport.embedded_store import EmbeddedStore
 
 TIMEOUT_S = 10
@@ -401,6 +408,28 @@ def test_shared_tensors_are_stored_once_per_value() -> None:
     groups = build_store_groups(layout, {"a": (shared, 1), "b": (shared, 1)})
     assert len(groups[0].segments) == 2  # K and V of one tensor
     assert groups[0].value_bytes == 2 * 4 * 2 * 4
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+async def test_split_copies_round_trip_and_verify_each_row(hybrid: Harness, threads: int) -> None:
+    """A batch's copy split across threads moves every byte, and the checksums checked
+    row by row in parts fail exactly the corrupted value, which never reaches the engine."""
+    geometry = hybrid.session.store_groups[0]  # two K/V-first layers: four segments
+    copy = CopyThreads(anyio.CapacityLimiter(threads))
+    values = torch.zeros(5, geometry.stored_bytes, dtype=torch.uint8)
+    before = hybrid.snapshot()
+    with anyio.fail_after(TIMEOUT_S):
+        await gather_and_seal(copy, geometry, torch.tensor([1, 2, 3, 4, 5]), list(values))
+        values[3, 0] ^= 0xFF
+        intact = await verify_and_scatter(
+            copy, geometry, torch.tensor([11, 12, 13, 14, 15]), list(values)
+        )
+    assert intact == [True, True, True, False, True]
+    for source, target in ((1, 11), (2, 12), (3, 13), (5, 15)):
+        for layer in ("attn.0", "attn.1"):
+            assert torch.equal(hybrid.block(layer, target), before[layer][:, source])
+    for layer in ("attn.0", "attn.1"):
+        assert torch.equal(hybrid.block(layer, 14), before[layer][:, 14])
 
 
 async def test_a_missing_key_fails_the_block_and_never_scatters(hybrid: Harness) -> None:
