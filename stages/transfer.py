@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import anyio
 import torch
@@ -116,6 +115,14 @@ def scatter_blocks(
         blocks.index_copy_(0, block_ids, source)
 
 
+SPLIT_BYTES = 8 << 20
+"""Batches smaller than this are copied by one thread: a split costs thread hand-offs
+(~0.1 ms each on a small machine) that a small copy does not earn back."""
+
+Step = Callable[[int, int], None]
+"""One phase of a copy: ``step(part, parts)`` does its share."""
+
+
 class CopyThreads:
     """Runs one batch's copy split across worker threads.
 
@@ -125,22 +132,29 @@ class CopyThreads:
     the whole batch, and they are bounded by one limiter per direction.
     """
 
-    def __init__(self, limiter: anyio.CapacityLimiter) -> None:
+    def __init__(self, limiter: anyio.CapacityLimiter, split_bytes: int = SPLIT_BYTES) -> None:
         self._limiter = limiter
         self._parts = max(1, int(limiter.total_tokens))
+        self._split_bytes = split_bytes
 
-    async def run(self, fn: Callable[..., None], items: int, *args: Any) -> None:
-        """``fn(*args, part, parts)`` for each part, at most ``items`` parts, in parallel."""
-        parts = min(self._parts, items)
-        work: Callable[[int, int], None] = functools.partial(fn, *args)
-        if parts <= 1:
-            await anyio.to_thread.run_sync(work, 0, 1, limiter=self._limiter)
+    async def run(self, nbytes: int, *steps: Step) -> None:
+        """Each step in every part, the steps one after another; a batch below
+        ``split_bytes`` runs all of them in one thread."""
+        parts = self._parts if nbytes >= self._split_bytes else 1
+        if parts == 1:
+            await anyio.to_thread.run_sync(_in_order, steps, limiter=self._limiter)
             return
-        async with anyio.create_task_group() as tg:
-            for part in range(parts):
-                tg.start_soon(functools.partial(
-                    anyio.to_thread.run_sync, work, part, parts, limiter=self._limiter
-                ))
+        for step in steps:
+            async with anyio.create_task_group() as tg:
+                for part in range(parts):
+                    tg.start_soon(functools.partial(
+                        anyio.to_thread.run_sync, step, part, parts, limiter=self._limiter
+                    ))
+
+
+def _in_order(steps: Sequence[Step]) -> None:
+    for step in steps:
+        step(0, 1)
 
 
 def _gather_part(geometry: StoreGroupGeometry, block_ids: torch.Tensor,
@@ -148,13 +162,6 @@ def _gather_part(geometry: StoreGroupGeometry, block_ids: torch.Tensor,
     for start, rows in runs(views, geometry.stored_bytes):
         ids = block_ids[start : start + rows.shape[0]]
         gather_blocks(geometry.segments[part::parts], ids, rows)
-
-
-def _scatter_part(geometry: StoreGroupGeometry, block_ids: torch.Tensor,
-                  views: Sequence[torch.Tensor], part: int, parts: int) -> None:
-    for start, rows in runs(views, geometry.stored_bytes):
-        ids = block_ids[start : start + rows.shape[0]]
-        scatter_blocks(geometry.segments[part::parts], ids, rows)
 
 
 def _seal_part(geometry: StoreGroupGeometry, views: Sequence[torch.Tensor],
@@ -172,14 +179,27 @@ def _verify_part(geometry: StoreGroupGeometry, views: Sequence[torch.Tensor],
         intact[start + part : start + rows.shape[0] : parts] = checked
 
 
+def _scatter_part(geometry: StoreGroupGeometry, block_ids: torch.Tensor,
+                  views: Sequence[torch.Tensor], intact: list[bool],
+                  part: int, parts: int) -> None:
+    """Copy the intact values into their engine blocks (this part's segments)."""
+    keep = [index for index, ok in enumerate(intact) if ok]
+    kept_ids = block_ids[keep] if len(keep) < len(views) else block_ids
+    kept_views = [views[index] for index in keep]
+    for start, rows in runs(kept_views, geometry.stored_bytes):
+        ids = kept_ids[start : start + rows.shape[0]]
+        scatter_blocks(geometry.segments[part::parts], ids, rows)
+
+
 async def gather_and_seal(
     copy: CopyThreads, geometry: StoreGroupGeometry, block_ids: torch.Tensor,
     views: Sequence[torch.Tensor],
 ) -> None:
     """Fill each value from its engine block, then seal its checksum."""
-    await copy.run(_gather_part, len(geometry.segments), geometry, block_ids, views)
+    steps: list[Step] = [functools.partial(_gather_part, geometry, block_ids, views)]
     if geometry.checksum_seed is not None:
-        await copy.run(_seal_part, len(views), geometry, views)
+        steps.append(functools.partial(_seal_part, geometry, views))
+    await copy.run(len(views) * geometry.stored_bytes, *steps)
 
 
 async def verify_and_scatter(
@@ -190,12 +210,11 @@ async def verify_and_scatter(
     their engine blocks: the engine never receives a corrupted byte. Whether each is intact.
     """
     intact = [True] * len(views)
+    steps: list[Step] = []
     if geometry.checksum_seed is not None:
-        await copy.run(_verify_part, len(views), geometry, views, intact)
-    keep = [index for index, ok in enumerate(intact) if ok]
-    kept_ids = block_ids[keep] if len(keep) < len(views) else block_ids
-    kept_views = [views[index] for index in keep]
-    await copy.run(_scatter_part, len(geometry.segments), geometry, kept_ids, kept_views)
+        steps.append(functools.partial(_verify_part, geometry, views, intact))
+    steps.append(functools.partial(_scatter_part, geometry, block_ids, views, intact))
+    await copy.run(len(views) * geometry.stored_bytes, *steps)
     return intact
 
 

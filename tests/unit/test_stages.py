@@ -415,7 +415,7 @@ async def test_split_copies_round_trip_and_verify_each_row(hybrid: Harness, thre
     """A batch's copy split across threads moves every byte, and the checksums checked
     row by row in parts fail exactly the corrupted value, which never reaches the engine."""
     geometry = hybrid.session.store_groups[0]  # two K/V-first layers: four segments
-    copy = CopyThreads(anyio.CapacityLimiter(threads))
+    copy = CopyThreads(anyio.CapacityLimiter(threads), split_bytes=0)
     values = torch.zeros(5, geometry.stored_bytes, dtype=torch.uint8)
     before = hybrid.snapshot()
     with anyio.fail_after(TIMEOUT_S):
