@@ -14,7 +14,6 @@ import itertools
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from types import TracebackType
 from typing import Any, Literal
 
 import anyio
@@ -22,6 +21,7 @@ import anyio.from_thread
 import torch
 import zmq
 import zmq.asyncio
+from anyio.abc import AsyncResource
 
 from pipeline.errors import ConfigError, ProtocolError, RequestRejected, TransportError
 from pipeline.hashing import MMItem, block_hashes
@@ -97,7 +97,7 @@ def _block_dim(tensor: torch.Tensor, shape: KVCacheShape | None) -> int:
     return 1 if tensor.dim() >= 3 and tensor.shape[0] == 2 and tensor.shape[1] != 2 else 0
 
 
-class EngineClient:
+class EngineClient(AsyncResource):
     """An engine's connection to a sidecar. Use ``await EngineClient.connect(...)``."""
 
     def __init__(self, socket: zmq.asyncio.Socket, context: zmq.asyncio.Context,
@@ -269,17 +269,6 @@ class EngineClient:
         self._closed = True
         self._socket.close(0)
         self._context.term()
-
-    async def __aenter__(self) -> EngineClient:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def _call(self, seq: int, message: EngineMessage) -> SidecarMessage:
         """Send and wait for the reply; re-register once if the sidecar forgot us."""

@@ -25,11 +25,11 @@ import bisect
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import TracebackType
 
 import anyio
 import anyio.to_thread
 import torch
+from anyio.abc import AsyncResource
 
 from pipeline.config import EmbeddedStoreConfig
 from pipeline.errors import StoreError
@@ -163,7 +163,7 @@ def _copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[str 
     return errors
 
 
-class EmbeddedStore:
+class EmbeddedStore(AsyncResource):
     """An in-process ``KVStore``: LRU over a preallocated arena, copies off the event loop.
 
     Recency is refreshed by ``put`` (also when the key was present) and by a ``get_into``
@@ -191,17 +191,6 @@ class EmbeddedStore:
         self._evictions = 0
         self._limiter = copy_limiter or anyio.CapacityLimiter(DEFAULT_COPY_THREADS)
         self._closed = False
-
-    async def __aenter__(self) -> EmbeddedStore:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     # -- KVStore -----------------------------------------------------------------------
 

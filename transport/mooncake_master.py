@@ -26,13 +26,13 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import IO
 
 import anyio
 import anyio.to_thread
 import psutil
 import structlog
+from anyio.abc import AsyncResource
 
 from pipeline.config import MooncakeStoreConfig
 from pipeline.errors import StoreError
@@ -63,7 +63,7 @@ class MasterEndpoints:
     """URL of the metadata server (``http://host:port/metadata``)."""
 
 
-class EmbeddedMaster:
+class EmbeddedMaster(AsyncResource):
     """A running ``mooncake_master`` child process; ``aclose()`` stops it, idempotently."""
 
     def __init__(
@@ -103,17 +103,6 @@ class EmbeddedMaster:
             returncode = await _terminate(self._process, TERMINATE_GRACE_S)
             self._log_file.close()
         log.info("store.mooncake.master.stopped", pid=self.pid, returncode=returncode)
-
-    async def __aenter__(self) -> EmbeddedMaster:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 def find_master_binary(name: str) -> str:

@@ -37,7 +37,6 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
 import anyio
@@ -45,6 +44,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import structlog
 import torch
+from anyio.abc import AsyncResource
 
 from pipeline.config import MooncakeStoreConfig
 from pipeline.errors import ConfigError, StoreCallAbandoned, StoreError
@@ -102,7 +102,7 @@ class MooncakeClient(Protocol):
     def close(self) -> int: ...
 
 
-class MooncakeStore:
+class MooncakeStore(AsyncResource):
     """A ``KVStore`` over a set-up Mooncake client; build it with ``open_mooncake_store``."""
 
     def __init__(
@@ -212,17 +212,6 @@ class MooncakeStore:
             if self._master is not None:
                 await self._master.aclose()
         log.info("store.mooncake.closed", master=self._master_address)
-
-    async def __aenter__(self) -> MooncakeStore:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def _call(self, op: str, func: Callable[..., T], *args: Any) -> T:
         # Waiting for a slot may be cancelled and does not count against the timeout.
