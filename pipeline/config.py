@@ -176,8 +176,8 @@ class MooncakeStoreConfig(_Section, frozen=True):
     """Embedded master: share of objects evicted each time usage crosses the watermark."""
     startup_timeout_s: PositiveFloat = 20.0
     call_timeout_s: PositiveFloat = 10.0
-    """A Mooncake call that takes longer is abandoned: its staging slot is withheld for
-    good and the store refuses further calls until the sidecar restarts."""
+    """A Mooncake call that takes longer is abandoned: its staging slot is withheld and
+    the store refuses calls until it returns (the client gives up after 30 s)."""
     close_timeout_s: PositiveFloat = 5.0
     """How long close waits for in-flight calls; past it the client is left, not closed."""
     max_concurrent_calls: Positive = 4

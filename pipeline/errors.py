@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class KVSidecarError(Exception):
     """Base of every error kvsidecar raises on purpose."""
@@ -45,4 +47,14 @@ class StoreUnavailable(StoreError):
 
 class StoreCallAbandoned(StoreError):
     """A store call overran its timeout and was abandoned while its thread may still read
-    or write the buffers it was given: they must never be handed out again."""
+    or write the buffers it was given: they must not be handed out again until it returns.
+
+    ``when_returned(callback)`` runs ``callback`` on the event loop once the call has
+    returned (at once if it already has); never, if it never returns.
+    """
+
+    def __init__(
+        self, message: str, when_returned: Callable[[Callable[[], None]], None]
+    ) -> None:
+        super().__init__(message)
+        self.when_returned = when_returned

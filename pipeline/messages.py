@@ -49,13 +49,13 @@ PROTOCOL_VERSION = 1
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
+# A request's token ids: ``array('I')``, on the wire as one binary field of little-endian
+# uint32s. A prompt travels as one copy each way instead of one msgpack integer per token,
+# which the sidecar would have to turn back into an object per token (~70 µs for 4096).
 if TYPE_CHECKING:
     TokenIds: TypeAlias = array.array[int]
 else:
     TokenIds = array.array  # not subscriptable at run time before Python 3.12
-"""A request's token ids: ``array('I')``, on the wire as one binary field of little-endian
-uint32s. A prompt travels as one copy each way instead of one msgpack integer per token,
-which the sidecar would have to turn back into an object per token (~70 µs for 4096)."""
 
 _TOKEN_TYPECODE = "I"
 _TOKEN_BYTES = 4

@@ -8,6 +8,7 @@ next ``acquire`` wait: that wait is the backpressure that reaches engines.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import anyio
 import structlog
@@ -59,12 +60,20 @@ class StagingPool:
     def release(self, slot: Slot) -> None:
         self._free[slot.kind][0].send_nowait(slot.index)
 
-    def withhold(self, slot: Slot) -> None:
-        """Keep a slot out of use for good: an abandoned store call may still touch it,
-        and bytes it reads or writes late must not meet another batch's."""
+    def withhold(self, slot: Slot, until: Callable[[Callable[[], None]], None]) -> None:
+        """Keep a slot out of use while an abandoned store call may still touch it; it
+        comes back when ``until`` calls back (``StoreCallAbandoned.when_returned``)."""
         self.withheld += 1
         log.warning("staging.slot.withheld", slot=slot.index, kind=slot.kind,
                     withheld=self.withheld, slots=self.slots)
+
+        def give_back() -> None:
+            self.withheld -= 1
+            self.release(slot)
+            log.info("staging.slot.returned", slot=slot.index, kind=slot.kind,
+                     withheld=self.withheld)
+
+        until(give_back)
 
     def _slot(self, kind: str, index: int) -> Slot:
         view = self.buffer[index * self.slot_bytes : (index + 1) * self.slot_bytes]

@@ -13,17 +13,28 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.abc
 import msgspec
 import torch
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from pipeline.config import Config
 from pipeline.layout import KVCacheLayout
 
-__all__ = ["KVEngine", "SidecarProcess", "hybrid_layout", "random_tokens", "run_sidecar_process"]
+__all__ = [
+    "KVEngine",
+    "SidecarProcess",
+    "StallProxy",
+    "hybrid_layout",
+    "random_tokens",
+    "run_sidecar_process",
+    "stall_proxy",
+]
 
 
 def random_tokens(count: int, seed: int = 0) -> list[int]:
@@ -190,3 +201,33 @@ def run_sidecar_process(
         finally:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 sidecar.terminate(timeout_s=15)
+
+
+class StallProxy:
+    """``pipeline.stall_proxy`` in its own process: a relay that can be told to hang."""
+
+    def __init__(self, process: anyio.abc.Process) -> None:
+        assert process.stdin is not None and process.stdout is not None
+        self._stdout = BufferedByteReceiveStream(process.stdout)
+        self._stdin = process.stdin
+
+    async def command(self, command: str) -> str:
+        """``stall`` or ``resume``; returns once it has taken effect."""
+        await self._stdin.send(f"{command}\n".encode())
+        return await self.answer()
+
+    async def answer(self) -> str:
+        return (await self._stdout.receive_until(b"\n", 1024)).decode()
+
+
+@contextlib.asynccontextmanager
+async def stall_proxy(upstream: str) -> AsyncIterator[tuple[StallProxy, str]]:
+    """A stallable relay to ``upstream`` (host:port) and the address to reach it at."""
+    command = [sys.executable, "-m", "pipeline.stall_proxy", upstream]
+    async with await anyio.open_process(command) as process:
+        proxy = StallProxy(process)
+        try:
+            port = int((await proxy.answer()).split()[1])
+            yield proxy, f"127.0.0.1:{port}"
+        finally:
+            process.kill()

@@ -41,7 +41,7 @@ class CommitStage:
             except StoreError as exc:
                 outcomes = [store_error_outcome(exc, saving=True)] * len(batch.tasks)
                 if isinstance(exc, StoreCallAbandoned) and batch.slot is not None:
-                    self._pool.withhold(batch.slot)
+                    self._pool.withhold(batch.slot, until=exc.when_returned)
                     batch.slot = None
             finally:
                 if batch.slot is not None:

@@ -66,7 +66,7 @@ class FetchStage:
         except StoreError as exc:
             outcomes = [store_error_outcome(exc, saving=False)] * len(tasks)
             if isinstance(exc, StoreCallAbandoned):
-                self._pool.withhold(slot)
+                self._pool.withhold(slot, until=exc.when_returned)
                 batch.slot = None
         except BaseException:
             self._pool.release(slot)

@@ -5,8 +5,10 @@ and get names byte ranges inside them (``batch_put_from`` / ``batch_get_into``).
 blocking Mooncake call runs in a worker thread under a ``CapacityLimiter`` and is
 bounded by ``call_timeout_s``. A call that overruns it is abandoned, and since its
 thread may still read or write staging memory later, it raises ``StoreCallAbandoned``
-(the stages then withhold its staging slot for good) and the store refuses all further
-calls: late bytes must never meet a buffer that was handed out again. For the same
+(the stages withhold its staging slot until it returns) and the store refuses all
+further calls until every abandoned call has returned: late bytes must never meet a
+buffer that was handed out again. The client's own RPC timeout (30 s) ends a call to a
+master that stopped answering, so the store serves again by itself. For the same
 reason a cancelled caller is only released once its call has returned (or timed out).
 
 Mooncake facts this module relies on (0.3.13):
@@ -32,14 +34,16 @@ Mooncake facts this module relies on (0.3.13):
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import urllib.parse
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import anyio
+import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 import structlog
@@ -126,6 +130,7 @@ class MooncakeStore(AsyncResource):
         self._registered: list[tuple[int, int, torch.Tensor]] = []
         self._busy = 0  # calls inside the client, abandoned ones included
         self._busy_lock = threading.Lock()
+        self._abandoned = 0  # calls past their timeout that have not returned yet
         self._unusable: str | None = None
         self._closed = False
 
@@ -220,6 +225,7 @@ class MooncakeStore(AsyncResource):
                 raise StoreError("the mooncake store is closed")
             if self._unusable is not None:
                 raise StoreError(self._unusable)
+            call = _Call()
             with self._busy_lock:
                 self._busy += 1  # the worker thread takes it back when func returns
             # Shielded: a cancelled caller must not abandon a thread that may still write
@@ -227,26 +233,48 @@ class MooncakeStore(AsyncResource):
             with anyio.CancelScope(shield=True):
                 with anyio.move_on_after(self._config.call_timeout_s) as deadline:
                     result = await anyio.to_thread.run_sync(
-                        self._run, func, *args, limiter=self._threads, abandon_on_cancel=True
+                        self._run, call, func, *args,
+                        limiter=self._threads, abandon_on_cancel=True,
                     )
         if deadline.cancelled_caught:
+            self._abandoned += 1
             self._unusable = (
                 f"mooncake {op} did not return within {self._config.call_timeout_s}s "
-                f"(store.mooncake.call_timeout_s); the store is unusable until restarted: "
+                f"(store.mooncake.call_timeout_s); the store refuses calls until it returns: "
                 f"check the master at {self._master_address} and the network"
             )
             log.error("store.mooncake.call.timeout", op=op, master=self._master_address)
-            raise StoreCallAbandoned(self._unusable)
+            with self._busy_lock:
+                call.abandoned = True
+                returned = call.returned
+            if returned:  # between the deadline and now
+                self._returned(call)
+            raise StoreCallAbandoned(self._unusable, call.when_returned)
         await anyio.lowlevel.checkpoint_if_cancelled()
         return result
 
-    def _run(self, func: Callable[..., T], *args: Any) -> T:
-        """In a worker thread: the call, then one less call inside the client."""
+    def _run(self, call: _Call, func: Callable[..., T], *args: Any) -> T:
+        """In a worker thread: the call, then one less call inside the client; if the
+        caller gave up on it meanwhile, the event loop hears that it has returned."""
         try:
             return func(*args)
         finally:
             with self._busy_lock:
                 self._busy -= 1
+                call.returned = True
+                abandoned = call.abandoned
+            if abandoned:
+                with contextlib.suppress(RuntimeError):  # no event loop left to tell
+                    anyio.from_thread.run_sync(self._returned, call)
+
+    def _returned(self, call: _Call) -> None:
+        """On the event loop: an abandoned call has returned; once none is left inside
+        the client, the store serves again."""
+        call.settle()
+        self._abandoned -= 1
+        if not self._abandoned and self._unusable is not None:
+            self._unusable = None
+            log.warning("store.mooncake.recovered", master=self._master_address)
 
     def _raise_if_unreachable(self, op: str, codes: Sequence[int]) -> None:
         if codes and all(code in RPC_ERRORS for code in codes):
@@ -306,6 +334,29 @@ class MooncakeStore(AsyncResource):
                 if sent != j and outcomes[sent] not in (STORED, PRESENT):
                     outcomes[j] = outcomes[sent]  # a later copy shares its first's fate
         return outcomes
+
+
+@dataclass(slots=True, eq=False)
+class _Call:
+    """One call inside the client, as its worker thread and the event loop see it."""
+
+    returned: bool = False
+    abandoned: bool = False
+    settled: bool = False
+    callbacks: list[Callable[[], None]] = field(default_factory=list)
+
+    def when_returned(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the event loop once the call has returned."""
+        if self.settled:
+            callback()
+        else:
+            self.callbacks.append(callback)
+
+    def settle(self) -> None:
+        self.settled = True
+        for callback in self.callbacks:
+            callback()
+        self.callbacks.clear()
 
 
 @dataclass(slots=True)

@@ -11,7 +11,13 @@ import pytest
 import pytest_asyncio
 
 from pipeline.config import MooncakeStoreConfig
-from pipeline.testing import KVEngine, hybrid_layout, random_tokens, run_sidecar_process
+from pipeline.testing import (
+    KVEngine,
+    hybrid_layout,
+    random_tokens,
+    run_sidecar_process,
+    stall_proxy,
+)
 from transport.mooncake_master import EmbeddedMaster, open_embedded_master
 
 pytestmark = pytest.mark.mooncake
@@ -168,6 +174,52 @@ async def test_mooncake_master_restart_is_survived_without_timeout_storms() -> N
         await first.aclose()
         if restarted is not None:
             await restarted.aclose()
+
+
+async def test_a_hung_master_is_survived_and_service_resumes_by_itself(
+    master: EmbeddedMaster,
+) -> None:
+    """Master hung (it stops answering; connections stay open): saves are answered
+    without storing and lookups miss, within the call timeout and no storm of them; once
+    the master answers again, the sidecar stores and hits again without a restart."""
+    async with stall_proxy(master.endpoints.master_address) as (proxy, address):
+        overrides = mooncake_overrides(master)
+        overrides["store"]["mooncake"] |= {"master": address, "call_timeout_s": 1.0}
+        overrides["store"]["breaker"] = {"failure_threshold": 2, "reset_after_s": 0.5}
+        engine = KVEngine(hybrid_layout(page_bytes=8192))
+        with run_sidecar_process(overrides) as sidecar:
+            async with await engine.connect(sidecar.endpoint) as client:
+                with anyio.fail_after(TIMEOUT):
+                    tokens = random_tokens(2 * 16 + 1, seed=50)
+                    assert (await client.save("up", tokens, [[1, 2], [3], [1, 2]])).stored == 4
+                    hit = await client.lookup(tokens)
+                    assert hit > 0
+
+                    assert await proxy.command("stall") == "stalled"
+                    started = anyio.current_time()
+                    statuses = set()
+                    for index in range(4):
+                        result = await client.save(
+                            f"hung-{index}", random_tokens(33, seed=51 + index),
+                            [[5, 6], [7], [5, 6]])
+                        statuses |= {block.status for block in result.blocks}
+                        assert await client.lookup(tokens) == 0
+                    assert statuses and "stored" not in statuses, statuses
+                    assert anyio.current_time() - started < 10  # one timeout, then at once
+
+                    assert await proxy.command("resume") == "resumed"
+                    stored = 0
+                    for index in range(120):
+                        await anyio.sleep(0.25)
+                        result = await client.save(
+                            f"back-{index}", random_tokens(33, seed=100 + index),
+                            [[8, 9], [10], [8, 9]])
+                        stored = result.stored
+                        if stored:
+                            break
+                    assert stored == 4
+                    assert await client.lookup(tokens) == hit
+            assert sidecar.terminate() == 0
 
 
 async def test_a_block_removed_between_lookup_and_load_is_reported_failed() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import socket
 import sys
@@ -17,7 +16,6 @@ import psutil
 import pytest
 import pytest_asyncio
 import torch
-from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.text import TextReceiveStream
 
 from pipeline.config import MooncakeStoreConfig
@@ -33,6 +31,7 @@ from pipeline.store import (
     KVStore,
     failed,
 )
+from pipeline.testing import stall_proxy
 from transport.mooncake_master import EmbeddedMaster, open_embedded_master
 from transport.mooncake_store import (
     MooncakeStore,
@@ -402,41 +401,12 @@ async def test_calls_after_the_master_died_raise_store_error() -> None:
             await store.aclose()
 
 
-class StallProxy:
-    """``stall_proxy.py`` in its own process: a relay to the master that can hang."""
-
-    def __init__(self, process: anyio.abc.Process) -> None:
-        self.process = process
-        assert process.stdin is not None and process.stdout is not None
-        self._stdout = BufferedByteReceiveStream(process.stdout)
-        self._stdin = process.stdin
-
-    async def command(self, command: str) -> str:
-        await self._stdin.send(f"{command}\n".encode())
-        return await self.answer()
-
-    async def answer(self) -> str:
-        return (await self._stdout.receive_until(b"\n", 1024)).decode()
-
-
-@contextlib.asynccontextmanager
-async def stall_proxy(upstream: str) -> AsyncIterator[tuple[StallProxy, str]]:
-    """A stallable relay to ``upstream`` and the address to reach it at."""
-    script = Path(__file__).with_name("stall_proxy.py")
-    async with await anyio.open_process([sys.executable, str(script), upstream]) as process:
-        proxy = StallProxy(process)
-        try:
-            port = int((await proxy.answer()).split()[1])
-            yield proxy, f"127.0.0.1:{port}"
-        finally:
-            process.kill()
-
-
-async def test_a_hung_master_times_out_and_the_store_refuses_further_calls(
+async def test_a_hung_master_times_out_and_the_store_serves_again_once_the_call_returns(
     master: EmbeddedMaster,
 ) -> None:
-    """A call past call_timeout_s is abandoned (its buffers must not be reused), and
-    every later call is refused.
+    """A call past call_timeout_s is abandoned (its buffers must not be reused), later
+    calls are refused at once, and once the master answers and the abandoned call has
+    returned, the store serves again without a restart.
 
     The master hangs behind a relay that stops passing bytes: connections stay open and
     nothing answers, as with a master that is stuck or a network that drops everything.
@@ -447,8 +417,13 @@ async def test_a_hung_master_times_out_and_the_store_refuses_further_calls(
             async with await open_mooncake_store(config) as store:
                 assert await store.exists(["before"]) == [False]
                 assert await proxy.command("stall") == "stalled"
-                with pytest.raises(StoreCallAbandoned, match="call_timeout_s"):
+                with pytest.raises(StoreCallAbandoned, match="call_timeout_s") as abandoned:
                     await store.exists(["while-hung"])
+                returned = anyio.Event()
+                abandoned.value.when_returned(returned.set)
+                with anyio.fail_after(0.5), pytest.raises(StoreError, match="refuses calls"):
+                    await store.exists(["refused-at-once"])
+                assert not returned.is_set()
                 assert await proxy.command("resume") == "resumed"
-                with pytest.raises(StoreError, match="unusable"):
-                    await store.exists(["after-resume"])
+                await returned.wait()
+                assert await store.exists(["after-resume"]) == [False]

@@ -20,7 +20,7 @@ from pipeline.layout import KVCacheLayout
 from pipeline.messages import BlockReport, Load, LoadDone, Lookup, Save, SaveDone, pack_tokens
 from pipeline.sessions import EngineSession, build_store_groups
 from pipeline.staging import StagingPool
-from pipeline.store import STORE_FULL, STORED, BlockStatus, StoreWrapper
+from pipeline.store import STORE_FULL, STORED, BlockStatus, KVStore, StoreWrapper
 from stages.commit import CommitStage
 from stages.completion import CompletionStage, completion_message
 from stages.dedup import DedupStage
@@ -519,41 +519,58 @@ async def test_commit_fails_blocks_and_frees_the_slot_when_the_store_is_down(
 
 
 class AbandoningStore(StoreWrapper):
-    """The harness's store, except that every put and get overruns and is abandoned."""
+    """The harness's store, except that every put and get overruns and is abandoned
+    until ``finish_calls``."""
+
+    def __init__(self, inner: KVStore) -> None:
+        super().__init__(inner)
+        self._on_return: list[Callable[[], None]] = []
 
     async def _around(self, name: str, call: Callable[[], Awaitable[T]]) -> T:
         if name in ("put", "get"):
-            raise StoreCallAbandoned(f"{name} did not return in time")
+            raise StoreCallAbandoned(f"{name} did not return in time", self._on_return.append)
         return await call()
+
+    def finish_calls(self) -> None:
+        for callback in self._on_return:
+            callback()
 
 
 async def test_commit_withholds_the_slot_of_an_abandoned_put(hybrid: Harness) -> None:
-    """A put that may still read its slot fails its blocks, and the slot is never reused."""
+    """A put that may still read its slot fails its blocks; the slot is out of use
+    until the put returns."""
+    store = AbandoningStore(hybrid.store)
     with anyio.fail_after(TIMEOUT_S):
         job, staged = await staged_save(hybrid)
-        await CommitStage(
-            AbandoningStore(hybrid.store), hybrid.pool, hybrid.tracker, StorePressure()
-        ).process(staged)
+        await CommitStage(store, hybrid.pool, hybrid.tracker, StorePressure()).process(staged)
     assert hybrid.pool.free_slots("save") == 5
     assert hybrid.pool.withheld == 1
     assert {s for s, _ in statuses(job).values()} == {BlockStatus.FAILED}
     assert hybrid.finished() == [job]
+    store.finish_calls()
+    assert hybrid.pool.free_slots("save") == 6
+    assert hybrid.pool.withheld == 0
 
 
 async def test_fetch_withholds_the_slot_of_an_abandoned_get(hybrid: Harness) -> None:
-    """A get that may still write its slot fails its blocks, and the slot is never reused."""
+    """A get that may still write its slot fails its blocks; the slot is out of use
+    until the get returns."""
     token_ids = tokens(9)
+    store = AbandoningStore(hybrid.store)
     with anyio.fail_after(TIMEOUT_S):
         await run_save(hybrid, save(token_ids, [1, 2, 0], [9], [0, 3, 0]))
         job = hybrid.job(load(token_ids, 8, [5, 6, 0], [9], [0, 7, 0]))
         await GroupFilterStage(hybrid.tracker).process(job)
         named = await HashingStage(hybrid.tracker, hybrid.limiter).process(job)
-        fetch = FetchStage(AbandoningStore(hybrid.store), hybrid.pool, hybrid.tracker)
+        fetch = FetchStage(store, hybrid.pool, hybrid.tracker)
         for batch in by_group(named or []):
             assert await fetch.process(batch) is None
     assert hybrid.pool.free_slots("load") == 0
     assert hybrid.pool.withheld == 2
     assert {s for s, _ in statuses(job).values()} == {BlockStatus.FAILED}
+    store.finish_calls()
+    assert hybrid.pool.free_slots("load") == 2
+    assert hybrid.pool.withheld == 0
 
 
 # -- completion ------------------------------------------------------------------------------
