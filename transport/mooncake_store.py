@@ -34,6 +34,7 @@ Mooncake facts this module relies on (0.3.13):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import urllib.parse
@@ -43,7 +44,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import anyio
-import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 import structlog
@@ -225,7 +225,7 @@ class MooncakeStore(AsyncResource):
                 raise StoreError("the mooncake store is closed")
             if self._unusable is not None:
                 raise StoreError(self._unusable)
-            call = _Call()
+            call = _Call(asyncio.get_running_loop())
             with self._busy_lock:
                 self._busy += 1  # the worker thread takes it back when func returns
             # Shielded: a cancelled caller must not abandon a thread that may still write
@@ -264,8 +264,9 @@ class MooncakeStore(AsyncResource):
                 call.returned = True
                 abandoned = call.abandoned
             if abandoned:
-                with contextlib.suppress(RuntimeError):  # no event loop left to tell
-                    anyio.from_thread.run_sync(self._returned, call)
+                # Not waited for: the loop may be shutting down and never run it.
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                    call.loop.call_soon_threadsafe(self._returned, call)
 
     def _returned(self, call: _Call) -> None:
         """On the event loop: an abandoned call has returned; once none is left inside
@@ -340,6 +341,9 @@ class MooncakeStore(AsyncResource):
 class _Call:
     """One call inside the client, as its worker thread and the event loop see it."""
 
+    loop: asyncio.AbstractEventLoop
+    """The event loop that made the call (the sidecar runs on asyncio, as pyzmq's
+    asyncio sockets require)."""
     returned: bool = False
     abandoned: bool = False
     settled: bool = False
