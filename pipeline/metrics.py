@@ -48,6 +48,11 @@ class Metrics:
             "kvsidecar_open_jobs", "Saves and loads accepted and not yet answered",
             registry=self.registry,
         )
+        self.withheld_slots = Gauge(
+            "kvsidecar_staging_withheld_slots",
+            "Staging slots kept out of use while an abandoned store call may still touch them",
+            registry=self.registry,
+        )
 
     def replied(self, message: SidecarMessage, received_at: float) -> None:
         """Count a completion's blocks and how long its engine waited."""

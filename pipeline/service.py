@@ -153,6 +153,7 @@ class Sidecar:
         self._last_receive = 0.0
         self.metrics = Metrics()
         self.metrics.open_jobs.set_function(lambda: self.tracker.open_jobs)
+        self.metrics.withheld_slots.set_function(lambda: self.pool.withheld)
 
     # -- replies ---------------------------------------------------------------------
 

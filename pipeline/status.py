@@ -27,13 +27,14 @@ def _scrape(url: str, timeout_s: float) -> str:
 
 
 def show_status(url: str, *, timeout_s: float = 5.0, console: Console | None = None) -> None:
-    """Print sessions, open jobs, requests, refusals, block outcomes and mean latency."""
+    """Print sessions, open jobs, withheld staging slots, requests, refusals, block outcomes
+    and mean latency."""
     rows: dict[tuple[str, str], float] = collections.defaultdict(float)
     latency: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
     for family in text_string_to_metric_families(_scrape(url, timeout_s)):
         for sample in family.samples:
             name, labels = sample.name.removeprefix("kvsidecar_"), sample.labels
-            if name in ("sessions", "open_jobs", "sessions_reaped_total"):
+            if name in ("sessions", "open_jobs", "sessions_reaped_total", "staging_withheld_slots"):
                 rows["sidecar", name.removesuffix("_total")] += sample.value
             elif name == "requests_total":
                 rows["requests", labels["kind"]] += sample.value

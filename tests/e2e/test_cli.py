@@ -51,6 +51,7 @@ def test_status_shows_a_running_sidecars_metrics() -> None:
             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "sessions" in result.stdout and "open_jobs" in result.stdout
+    assert "staging_withheld_slots" in result.stdout
 
 
 def test_status_without_a_sidecar_says_what_to_check() -> None:

@@ -284,6 +284,7 @@ async def test_prometheus_metrics_count_requests_outcomes_and_rejections() -> No
     assert 'kvsidecar_request_seconds_count{kind="lookup"} 1.0' in text
     assert 'kvsidecar_requests_total{kind="register"} 1.0' in text
     assert "kvsidecar_sessions 0.0" in text  # the engine unregistered on close
+    assert "kvsidecar_staging_withheld_slots 0.0" in text
 
 
 async def test_lookups_with_a_request_id_reuse_hashes_and_never_go_stale(
