@@ -123,6 +123,17 @@ async def test_a_full_mooncake_store_skips_saves_and_keeps_serving(
         assert result.stored + result.present + result.skipped == 16
 
 
+async def stored_once_back(client: Any) -> int:
+    """Save fresh requests until the store takes one again; how many blocks it stored."""
+    for index in range(120):
+        await anyio.sleep(0.25)
+        result = await client.save(
+            f"back-{index}", random_tokens(33, seed=100 + index), [[8, 9], [10], [8, 9]])
+        if result.stored:
+            return int(result.stored)
+    return 0
+
+
 async def test_mooncake_master_restart_is_survived_without_timeout_storms() -> None:
     """Master down: saves are skipped (store_unavailable) and lookups miss at once, not
     after timeouts. Master back on the same address: service resumes by itself."""
@@ -159,16 +170,7 @@ async def test_mooncake_master_restart_is_survived_without_timeout_storms() -> N
 
                     restarted = await open_embedded_master(msgspec.structs.replace(
                         base, master_port=master_port, metadata_port=metadata_port))
-                    stored = 0
-                    for index in range(60):
-                        await anyio.sleep(0.25)
-                        result = await client.save(
-                            f"back-{index}", random_tokens(33, seed=100 + index),
-                            [[8, 9], [10], [8, 9]])
-                        stored = result.stored
-                        if stored:
-                            break
-                    assert stored == 4
+                    assert await stored_once_back(client) == 4
             assert sidecar.terminate() == 0
     finally:
         await first.aclose()
@@ -208,16 +210,7 @@ async def test_a_hung_master_is_survived_and_service_resumes_by_itself(
                     assert anyio.current_time() - started < 10  # one timeout, then at once
 
                     assert await proxy.command("resume") == "resumed"
-                    stored = 0
-                    for index in range(120):
-                        await anyio.sleep(0.25)
-                        result = await client.save(
-                            f"back-{index}", random_tokens(33, seed=100 + index),
-                            [[8, 9], [10], [8, 9]])
-                        stored = result.stored
-                        if stored:
-                            break
-                    assert stored == 4
+                    assert await stored_once_back(client) == 4
                     assert await client.lookup(tokens) == hit
             assert sidecar.terminate() == 0
 
