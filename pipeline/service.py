@@ -247,11 +247,7 @@ class Sidecar:
             await self.reply(item.session, LookupReply(item.message.seq, 0))
             return
         if isinstance(item, StagedBatch):
-            direct = direct_store(self.store)
-            if item.extents is not None and direct is not None and not item.tasks[0].job.is_load:
-                direct.commit(item.extents, written=False)
-            else:
-                release_values(item, self.pool, direct)
+            release_values(item, self.pool, direct_store(self.store))
             tasks = item.tasks
         elif isinstance(item, Job):
             if not item.planned and item.pending == 0:

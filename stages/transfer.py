@@ -251,10 +251,7 @@ class TransferStage:
         try:
             await gather_and_seal(self._copy, batch.geometry, _index(batch.tasks), batch.views)
         except BaseException:
-            if batch.slot is not None:
-                self._pool.release(batch.slot)
-            if batch.extents is not None and self._direct is not None:
-                self._direct.commit(batch.extents, written=False)
+            release_values(batch, self._pool, self._direct)
             raise
         return batch
 
@@ -334,8 +331,12 @@ class ScatterStage:
 def release_values(
     batch: StagedBatch, pool: StagingPool, direct: DirectKVStore | None
 ) -> None:
-    """Give back the memory holding a batch's values (a lease, or a staging slot)."""
+    """Give back the memory holding a batch's values without storing them: a staging
+    slot, a load's lease, or a save's reservation (left unwritten)."""
     if batch.slot is not None:
         pool.release(batch.slot)
     if batch.extents is not None and direct is not None:
-        direct.release(batch.extents)
+        if batch.tasks[0].job.is_load:
+            direct.release(batch.extents)
+        else:
+            direct.commit(batch.extents, written=False)
