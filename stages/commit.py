@@ -6,11 +6,11 @@ committed (made readable) instead.
 
 from __future__ import annotations
 
-from pipeline.errors import StoreCallAbandoned, StoreError
+from pipeline.errors import StoreError
 from pipeline.jobs import JobTracker, StorePressure
 from pipeline.staging import StagingPool
 from pipeline.store import DirectKVStore, KVStore, store_error_outcome
-from stages.transfer import StagedBatch
+from stages.transfer import StagedBatch, withhold_if_abandoned
 
 __all__ = ["CommitStage"]
 
@@ -40,9 +40,7 @@ class CommitStage:
                 outcomes = await self._store.put([task.key for task in batch.tasks], batch.views)
             except StoreError as exc:
                 outcomes = [store_error_outcome(exc, saving=True)] * len(batch.tasks)
-                if isinstance(exc, StoreCallAbandoned) and batch.slot is not None:
-                    self._pool.withhold(batch.slot, until=exc.when_returned)
-                    batch.slot = None
+                withhold_if_abandoned(batch, self._pool, exc)
             finally:
                 if batch.slot is not None:
                     self._pool.release(batch.slot)

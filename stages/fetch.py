@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.errors import StoreCallAbandoned, StoreError
+from pipeline.errors import StoreError
 from pipeline.jobs import BlockTask, JobTracker
 from pipeline.staging import StagingPool
 from pipeline.store import (
@@ -21,7 +21,7 @@ from pipeline.store import (
     KVStore,
     store_error_outcome,
 )
-from stages.transfer import StagedBatch, release_values
+from stages.transfer import StagedBatch, release_values, withhold_if_abandoned
 
 __all__ = ["FetchStage"]
 
@@ -65,9 +65,7 @@ class FetchStage:
             outcomes = await self._store.get_into([task.key for task in tasks], views)
         except StoreError as exc:
             outcomes = [store_error_outcome(exc, saving=False)] * len(tasks)
-            if isinstance(exc, StoreCallAbandoned):
-                self._pool.withhold(slot, until=exc.when_returned)
-                batch.slot = None
+            withhold_if_abandoned(batch, self._pool, exc)
         except BaseException:
             self._pool.release(slot)
             raise

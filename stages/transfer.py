@@ -19,7 +19,7 @@ import anyio
 import torch
 
 from pipeline.config import TransferStageConfig
-from pipeline.errors import StoreError
+from pipeline.errors import StoreCallAbandoned, StoreError
 from pipeline.integrity import seal_rows, verify_rows
 from pipeline.jobs import BlockTask, JobTracker, StorePressure
 from pipeline.sessions import Segment, StoreGroupGeometry
@@ -40,8 +40,10 @@ __all__ = [
     "StagedBatch",
     "TransferStage",
     "gather_blocks",
+    "release_values",
     "runs",
     "scatter_blocks",
+    "withhold_if_abandoned",
 ]
 
 STAGING_FULL = KeyOutcome(BlockStatus.SKIPPED, "staging_full")
@@ -340,3 +342,11 @@ def release_values(
             direct.release(batch.extents)
         else:
             direct.commit(batch.extents, written=False)
+
+
+def withhold_if_abandoned(batch: StagedBatch, pool: StagingPool, error: StoreError) -> None:
+    """After a store call on the batch's slot failed: if the call was abandoned (it may
+    still touch the slot), keep the slot out of use until it returns."""
+    if isinstance(error, StoreCallAbandoned) and batch.slot is not None:
+        pool.withhold(batch.slot, until=error.when_returned)
+        batch.slot = None
