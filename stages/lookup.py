@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import anyio.lowlevel
 
 from pipeline.errors import StoreError
-from pipeline.hashing import RequestHasher
+from pipeline.hashing import RequestHasher, group_block_hashes
 from pipeline.hitrule import longest_hit, max_hit_tokens
 from pipeline.keys import keys_for
 from pipeline.layout import GroupKind
@@ -79,13 +79,13 @@ class LookupStage:
                 fine: Sequence[bytes] = hasher.extend(message.token_ids[: end * hbs])
             else:
                 fine = message.block_hashes  # type: ignore[assignment]
-            # Blocks of each store group that end inside the new chunk of fine blocks: the
-            # coarse hash of block j is fine hash (j + 1) * k - 1.
+            # Blocks of each store group that end inside the new chunk of fine blocks.
             keys: list[str] = []
             counts: list[int] = []
             for geometry in groups:
-                k = geometry.group.block_size // hbs
-                new = fine[(done // k + 1) * k - 1 : end // k * k : k]
+                size = geometry.group.block_size
+                k = size // hbs
+                new = group_block_hashes(fine[done // k * k : end // k * k], hbs, size)
                 keys.extend(keys_for(geometry.key_prefix, new))
                 counts.append(len(new))
             try:
