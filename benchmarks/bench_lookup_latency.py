@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import torch
 import zmq
 import zmq.asyncio
 from harness import (
@@ -53,9 +52,10 @@ from harness import (
 )
 
 from pipeline.hashing import block_hashes
+from pipeline.layout import KVCacheLayout
 from pipeline.messages import Lookup, LookupReply, RequestKeys, encode, pack_tokens
 from transport.client import EngineClient
-from transport.tensors import shared_kv_tensor
+from transport.tensors import shared_kv_caches
 
 GOAL = 3.0
 BLOCK_SIZE = 16
@@ -113,8 +113,7 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
         "page_bytes": PAGE_BYTES, "layers": [f"layers.{i}" for i in range(LAYERS)],
     }]}
     most_blocks = max(args.tokens) // BLOCK_SIZE
-    kv_caches = {f"layers.{i}": shared_kv_tensor((most_blocks + 1, PAGE_BYTES // 2),
-                                                 torch.bfloat16) for i in range(LAYERS)}
+    kv_caches = shared_kv_caches(KVCacheLayout.from_dict(layout), most_blocks + 1)
     context = zmq.asyncio.Context()
     bare = context.socket(zmq.DEALER)
     bare.setsockopt(zmq.LINGER, 0)

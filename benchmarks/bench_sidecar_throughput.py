@@ -44,9 +44,10 @@ import torch
 from harness import DEFAULT_CONFIG, RESULTS_DIR, ROOT, median, spawned_sidecar, write_results
 
 from pipeline.config import load_config
+from pipeline.layout import KVCacheLayout
 from pipeline.store import BlockStatus
 from transport.client import EngineClient
-from transport.tensors import shared_kv_tensor
+from transport.tensors import shared_kv_caches
 
 GOAL = 0.8
 BLOCK_SIZE = 16
@@ -66,10 +67,8 @@ class Engine:
     """KV tensors in shared memory and the bare-copy baseline over them."""
 
     def __init__(self, layers: int, page_bytes: int, num_blocks: int, staging_rows: int) -> None:
-        self.kv_caches = {
-            f"layers.{i}": shared_kv_tensor((num_blocks, page_bytes // 2), torch.bfloat16)
-            for i in range(layers)
-        }
+        layout = KVCacheLayout.from_dict(make_layout(layers, page_bytes))
+        self.kv_caches = shared_kv_caches(layout, num_blocks)
         for tensor in self.kv_caches.values():
             tensor.view(torch.int16).random_()
         # The bare copy moves the bytes as 8-byte words: torch's index_copy_ on byte rows

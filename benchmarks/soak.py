@@ -49,10 +49,11 @@ from bench_sidecar_throughput import make_layout
 from harness import ROOT, median, percentile, write_results
 
 from pipeline.errors import RequestRejected, TransportError
+from pipeline.layout import KVCacheLayout
 from pipeline.store import BlockStatus
 from pipeline.testing import run_sidecar_process
 from transport.client import EngineClient
-from transport.tensors import shared_kv_tensor
+from transport.tensors import shared_kv_caches
 
 GOAL_P99_OVER_UNLOADED_P50 = 2.0
 BLOCK_SIZE = 16  # tokens per block (make_layout's)
@@ -91,10 +92,8 @@ class KV:
     """An engine's KV tensors in shared memory, random bytes, blocks-first."""
 
     def __init__(self, layers: int, page_bytes: int, num_blocks: int) -> None:
-        self.kv_caches = {
-            f"layers.{i}": shared_kv_tensor((num_blocks, page_bytes // 8), torch.int64)
-            for i in range(layers)
-        }
+        layout = KVCacheLayout.from_dict(make_layout(layers, page_bytes))
+        self.kv_caches = shared_kv_caches(layout, num_blocks, torch.int64)
         for tensor in self.kv_caches.values():
             tensor.random_()
         self.num_blocks = num_blocks

@@ -28,7 +28,7 @@ from pipeline.hashing import block_hashes, group_block_hashes
 from pipeline.layout import GroupKind, KVCacheLayout
 from pipeline.store import BlockStatus
 from transport.client import EngineClient
-from transport.tensors import shared_kv_tensor
+from transport.tensors import shared_kv_caches
 
 __all__ = ["SimEngine", "SimReport", "load_layout", "run_engine_sim", "run_workload"]
 
@@ -105,13 +105,9 @@ class SimEngine:
     def __init__(self, layout: KVCacheLayout, num_blocks: int) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
-        self.kv_caches: dict[str, torch.Tensor] = {}
-        self._free: list[list[int]] = []
-        for group in layout.groups:
-            words = max(1, group.page_bytes // 8)
-            for layer in group.layers:
-                self.kv_caches[layer] = shared_kv_tensor((num_blocks, words), torch.int64)
-            self._free.append(list(range(num_blocks - 1, 0, -1)))  # block 0 is null
+        self.kv_caches = shared_kv_caches(layout, num_blocks, torch.int64)
+        # Per kv-cache group; block 0 is null.
+        self._free = [list(range(num_blocks - 1, 0, -1)) for _ in layout.groups]
 
     def value_bytes(self, kv_group_id: int) -> int:
         group = self.layout.groups[kv_group_id]

@@ -47,14 +47,10 @@ class KVEngine:
     """A minimal engine's KV memory: one blocks-first shared tensor per layer, random bytes."""
 
     def __init__(self, layout: Mapping[str, Any], num_blocks: int = 64) -> None:
-        from transport.tensors import shared_kv_tensor
+        from transport.tensors import shared_kv_caches
 
         self.layout = KVCacheLayout.from_dict(layout)
-        self.kv_caches = {
-            layer: shared_kv_tensor((num_blocks, max(1, group.page_bytes // 2)), torch.bfloat16)
-            for group in self.layout.groups
-            for layer in group.layers
-        }
+        self.kv_caches = shared_kv_caches(self.layout, num_blocks)
         for tensor in self.kv_caches.values():
             tensor.normal_()
 

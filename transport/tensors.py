@@ -37,12 +37,14 @@ from types import TracebackType
 import torch
 
 from pipeline.errors import TransportError
+from pipeline.layout import KVCacheLayout
 from pipeline.messages import TensorHandle
 
 __all__ = [
     "SHM_DIR",
     "MappedTensors",
     "block_pieces",
+    "shared_kv_caches",
     "shared_kv_tensor",
     "tensor_handle",
 ]
@@ -122,6 +124,18 @@ def shared_kv_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     # Only the tensor's storage keeps the mapping alive; when it goes, so does the name.
     weakref.finalize(mapping, _release_owned, base, segment)
     return flat.view(dtype).view(tuple(shape))
+
+
+def shared_kv_caches(
+    layout: KVCacheLayout, num_blocks: int, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.Tensor]:
+    """A zero-filled blocks-first ``shared_kv_tensor`` per layer of ``layout``:
+    ``[num_blocks, page_bytes / dtype size]``, the layer's page per block."""
+    return {
+        layer: shared_kv_tensor((num_blocks, max(1, group.page_bytes // dtype.itemsize)), dtype)
+        for group in layout.groups
+        for layer in group.layers
+    }
 
 
 def tensor_handle(layer: str, tensor: torch.Tensor, *, block_dim: int = 0) -> TensorHandle:
