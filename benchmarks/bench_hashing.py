@@ -1,4 +1,4 @@
-"""Block hashes per second of pipeline.hashing against a bare sha256(cbor2) loop.
+"""Block hashes per second of pipeline.core.hashing against a bare sha256(cbor2) loop.
 
 The baseline is the contract written out inline (ARCHITECTURE §3), timed in the same run
 on the same tokens, so the ratio is what matters, not the absolute rate:
@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import cbor2
 
-from pipeline.hashing import RequestHasher, block_hashes, none_hash
+from pipeline.core.hashing import RequestHasher, block_hashes, none_hash
 
 GOAL = 0.9
 

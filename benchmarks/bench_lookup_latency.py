@@ -1,12 +1,12 @@
 """Lookup round-trip latency through a real sidecar against a bare ZMQ round trip.
 
-The sidecar is started as ``python -m pipeline.cli serve`` on the embedded store; the
+The sidecar is started as ``python -m pipeline.app.cli serve`` on the embedded store; the
 engine (this process) calls ``EngineClient.lookup`` on realistic prompts, all of whose
 blocks are stored (hit) or none (miss). The baseline, measured in the same run and
 interleaved with it, is a bare DEALER -> ROUTER -> DEALER round trip on the same kind of
 endpoint (ipc://, another process, the same asyncio client socket type), carrying the
 same msgpack-encoded Lookup frame and answered with a frame the size of a LookupReply.
-The in-process time to hash the prompt (pipeline.hashing.block_hashes, what the sidecar
+The in-process time to hash the prompt (pipeline.core.hashing.block_hashes, what the sidecar
 must do on each lookup) is shown alongside, for attribution.
 
     python benchmarks/bench_lookup_latency.py [--tokens 1024 4096 8192] [--calls 100]
@@ -51,9 +51,9 @@ from harness import (
     write_results,
 )
 
-from pipeline.hashing import block_hashes
-from pipeline.layout import KVCacheLayout
-from pipeline.messages import Lookup, LookupReply, RequestKeys, encode, pack_tokens
+from pipeline.core.hashing import block_hashes
+from pipeline.core.layout import KVCacheLayout
+from pipeline.core.messages import Lookup, LookupReply, RequestKeys, encode, pack_tokens
 from transport.client import EngineClient
 from transport.tensors import shared_kv_caches
 

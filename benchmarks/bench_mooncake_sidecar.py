@@ -2,7 +2,7 @@
 
 This process starts a ``mooncake_master`` on loopback (tcp), sets up a raw
 ``mooncake.store.MooncakeDistributedStore`` against it (same segment size as the
-sidecar's), and spawns sidecars (``python -m pipeline.cli serve``) whose config is
+sidecar's), and spawns sidecars (``python -m pipeline.app.cli serve``) whose config is
 ``--config`` pointed at that same master, one after the other, with ``store.checksum``
 on and off. It plays the engine: KV tensors in shared memory, fresh token ids every
 round (nothing is deduplicated). Each repetition, in alternating order:
@@ -48,9 +48,9 @@ import torch
 from bench_sidecar_throughput import Engine, Workload, make_layout, run_requests
 from harness import RESULTS_DIR, ROOT, median, spawned_sidecar, write_results
 
-from pipeline.config import Config, MooncakeStoreConfig, load_config
-from pipeline.integrity import CHECKSUM_BYTES
-from pipeline.store import BlockStatus
+from pipeline.core.config import Config, MooncakeStoreConfig, load_config
+from pipeline.core.integrity import CHECKSUM_BYTES
+from pipeline.core.outcomes import BlockStatus
 from transport.client import EngineClient
 from transport.mooncake_master import EmbeddedMaster, open_embedded_master
 

@@ -21,8 +21,8 @@ import anyio
 import torch
 from mooncake.store import ReplicateConfig
 
-from pipeline.config import MooncakeStoreConfig
-from pipeline.store import LOADED, STORED
+from pipeline.core.config import MooncakeStoreConfig
+from pipeline.core.outcomes import LOADED, STORED
 from transport.mooncake_store import MooncakeStore, open_mooncake_store
 
 MIB = 1024 * 1024

@@ -1,7 +1,7 @@
 """Save and load throughput through a real sidecar process against a bare torch copy.
 
 An engine (this process) owns its KV tensors in shared memory and drives a sidecar
-started as ``python -m pipeline.cli serve`` on the embedded store. Each repetition saves
+started as ``python -m pipeline.app.cli serve`` on the embedded store. Each repetition saves
 a batch of requests whose blocks are new to the store (fresh token ids, so nothing is
 deduplicated), then loads the same blocks back into other engine blocks. The baseline,
 timed in the same run on the same block ids and bytes, is the copy the sidecar must do
@@ -43,9 +43,9 @@ import anyio
 import torch
 from harness import DEFAULT_CONFIG, RESULTS_DIR, ROOT, median, spawned_sidecar, write_results
 
-from pipeline.config import load_config
-from pipeline.layout import KVCacheLayout
-from pipeline.store import BlockStatus
+from pipeline.core.config import load_config
+from pipeline.core.layout import KVCacheLayout
+from pipeline.core.outcomes import BlockStatus
 from transport.client import EngineClient
 from transport.tensors import shared_kv_caches
 

@@ -1,9 +1,10 @@
 """Shared helpers of the sidecar benchmarks: a real sidecar process, timing, results.
 
-The sidecar runs exactly as a user starts it (``python -m pipeline.cli serve``), in its
-own process, optionally under a profiler:
+The sidecar runs exactly as a user starts it (``kvsidecar serve``, through the project's one
+launcher, ``pipeline.testing.run_sidecar_process``), in its own process, optionally under a
+profiler:
 
-- ``cprofile``: ``python -m cProfile -o FILE -m pipeline.cli serve ...``; the profile is
+- ``cprofile``: ``python -m cProfile -o FILE -m pipeline.app.cli serve ...``; the profile is
   written when SIGTERM ends the sidecar cleanly.
 - ``py-spy``: ``py-spy record --pid`` attached to the running sidecar (sampling, so the
   sidecar runs at full speed); stopped with SIGINT, which makes it write its output.
@@ -19,13 +20,14 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from pipeline.testing import run_sidecar_process
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -38,55 +40,34 @@ def spawned_sidecar(
     env: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """A sidecar process on a fresh ipc:// endpoint; yields the endpoint, SIGTERMs on exit."""
-    workdir = Path(tempfile.mkdtemp(prefix="kvsidecar-bench-"))
-    sock = workdir / "sidecar.sock"
-    endpoint = f"ipc://{sock}"
-    serve = ["-m", "pipeline.cli", "serve", "--config", str(config), "--endpoint", endpoint]
+    python_args: list[str] = []
     if profile == "cprofile":
         assert profile_out is not None
-        command = [sys.executable, "-m", "cProfile", "-o", str(profile_out), *serve]
-    else:
-        command = [sys.executable, *serve]
-    log_path = workdir / "sidecar.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                   env={**os.environ, **(env or {})})
-    spy: subprocess.Popen[bytes] | None = None
-    try:
-        deadline = time.monotonic() + 60
-        while not sock.exists():
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"sidecar did not start:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.05)
-        if profile == "py-spy":
-            assert profile_out is not None
-            spy = subprocess.Popen(
-                ["py-spy", "record", "--pid", str(process.pid), "--rate", "250",
-                 "--format", "raw", "--threads", "--output", str(profile_out)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            )
-            time.sleep(1.0)  # let it attach before the measured work starts
-            if spy.poll() is not None:
-                raise RuntimeError(f"py-spy failed: {spy.stderr.read().decode()[-2000:]}")
-        yield endpoint
-    finally:
-        if spy is not None and spy.poll() is None:
-            spy.send_signal(signal.SIGINT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                spy.wait(timeout=60)
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        if process.returncode not in (0, None):
-            print(f"sidecar exited with {process.returncode}:\n{log_path.read_text()[-4000:]}",
-                  file=sys.stderr)
-        with contextlib.suppress(OSError):
-            log_path.unlink()
-            workdir.rmdir()
+        python_args = ["-m", "cProfile", "-o", str(profile_out)]
+    with run_sidecar_process(config=config, python_args=python_args, env=env,
+                             startup_timeout_s=60, stop_timeout_s=60) as sidecar:
+        spy: subprocess.Popen[bytes] | None = None
+        try:
+            if profile == "py-spy":
+                assert profile_out is not None
+                spy = subprocess.Popen(
+                    ["py-spy", "record", "--pid", str(sidecar.pid), "--rate", "250",
+                     "--format", "raw", "--threads", "--output", str(profile_out)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                )
+                time.sleep(1.0)  # let it attach before the measured work starts
+                if spy.poll() is not None:
+                    assert spy.stderr is not None
+                    raise RuntimeError(f"py-spy failed: {spy.stderr.read().decode()[-2000:]}")
+            yield sidecar.endpoint
+        finally:
+            if spy is not None and spy.poll() is None:
+                spy.send_signal(signal.SIGINT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    spy.wait(timeout=60)
+            code = sidecar.terminate(timeout_s=60)
+            if code != 0:
+                print(f"sidecar exited with {code}:\n{sidecar.log()[-4000:]}", file=sys.stderr)
 
 
 def median(values: Sequence[float]) -> float:

@@ -48,9 +48,9 @@ import torch
 from bench_sidecar_throughput import make_layout
 from harness import ROOT, median, percentile, write_results
 
-from pipeline.errors import RequestRejected, TransportError
-from pipeline.layout import KVCacheLayout
-from pipeline.store import BlockStatus
+from pipeline.core.errors import RequestRejected, TransportError
+from pipeline.core.layout import KVCacheLayout
+from pipeline.core.outcomes import BlockStatus
 from pipeline.testing import run_sidecar_process
 from transport.client import EngineClient
 from transport.tensors import shared_kv_caches

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from pipeline.core.hitrule import longest_hit
+from pipeline.core.messages import Load, LoadDone, SaveDone
+from pipeline.core.outcomes import BlockStatus
+from pipeline.state.jobs import Job, JobTracker, Reply
 
-from pipeline.hitrule import longest_hit
-from pipeline.jobs import Job, JobTracker
-from pipeline.messages import Load, LoadDone, SaveDone, SidecarMessage
-from pipeline.sessions import EngineSession
-from pipeline.store import BlockStatus
-
-__all__ = ["CompletionStage", "Observe", "Reply", "completion_message"]
-
-Reply = Callable[[EngineSession, SidecarMessage], Awaitable[None]]
-Observe = Callable[[SidecarMessage, float], None]
-"""Told of each reply sent and when its request was received (for metrics)."""
+__all__ = ["CompletionStage", "completion_message"]
 
 
 def completion_message(job: Job) -> SaveDone | LoadDone:
@@ -41,14 +34,9 @@ def completion_message(job: Job) -> SaveDone | LoadDone:
 
 
 class CompletionStage:
-    def __init__(self, reply: Reply, tracker: JobTracker, observe: Observe | None = None) -> None:
-        self._reply = reply
+    def __init__(self, tracker: JobTracker) -> None:
         self._tracker = tracker
-        self._observe = observe
 
-    async def process(self, job: Job) -> None:
-        message = completion_message(job)
+    async def process(self, job: Job) -> Reply:
         self._tracker.answered(job)  # before the reply, which reports what is still open
-        await self._reply(job.session, message)
-        if self._observe is not None:
-            self._observe(message, job.received_at)
+        return Reply(job.session, completion_message(job), job.received_at)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from pipeline.errors import StoreError
-from pipeline.jobs import BlockTask, JobTracker
-from pipeline.store import PRESENT, KVStore, store_error_outcome
+from pipeline.core.errors import StoreError
+from pipeline.core.outcomes import PRESENT
+from pipeline.core.store import KVStore
+from pipeline.state.jobs import JobTracker, TaskBatch
 
 __all__ = ["DedupStage"]
 
@@ -14,15 +15,15 @@ class DedupStage:
         self._store = store
         self._tracker = tracker
 
-    async def process(self, tasks: list[BlockTask]) -> list[BlockTask] | None:
+    async def process(self, tasks: TaskBatch) -> TaskBatch | None:
         """``tasks`` are one job's named blocks; returns those the store lacks."""
         try:
             exists = await self._store.exists([task.key for task in tasks])
         except StoreError as exc:
-            await self._tracker.settle_all(tasks, store_error_outcome(exc, saving=True))
+            await tasks.fail(exc, self._tracker)
             return None
         present = [task for task, hit in zip(tasks, exists, strict=True) if hit]
-        missing = [task for task, hit in zip(tasks, exists, strict=True) if not hit]
+        missing = TaskBatch(task for task, hit in zip(tasks, exists, strict=True) if not hit)
         if present:
             await self._tracker.settle_all(present, PRESENT)
         return missing or None

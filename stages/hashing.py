@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import anyio
 
-from pipeline.jobs import BlockTask, Job, JobTracker
-from pipeline.store import BlockStatus, KeyOutcome
+from pipeline.core.outcomes import BlockStatus, KeyOutcome
+from pipeline.state.jobs import Job, JobTracker, TaskBatch
 
 __all__ = ["HashingStage"]
 
@@ -22,7 +22,7 @@ class HashingStage:
         self._tracker = tracker
         self._limiter = limiter
 
-    async def process(self, job: Job) -> list[BlockTask] | None:
+    async def process(self, job: Job) -> TaskBatch | None:
         message = job.message
         session = job.session
         hbs = session.layout.hash_block_size
@@ -36,7 +36,7 @@ class HashingStage:
                 limiter=self._limiter,
             )
         keys = [session.group_keys(g, fine) for g in range(len(session.store_groups))]
-        named, unnamed = [], []
+        named, unnamed = TaskBatch(), []
         for task in job.planned:
             group_keys = keys[task.store_group]
             if task.block_index < len(group_keys):

@@ -8,23 +8,21 @@ the engine sends its own block hashes there is nothing to hash: one query checks
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from collections.abc import Sequence
 
 import anyio.lowlevel
 
-from pipeline.errors import StoreError
-from pipeline.hashing import RequestHasher, group_block_hashes
-from pipeline.hitrule import longest_hit, max_hit_tokens
-from pipeline.keys import keys_for
-from pipeline.layout import GroupKind
-from pipeline.messages import Lookup, LookupReply
-from pipeline.sessions import EngineSession
-from pipeline.store import KVStore
-from stages.completion import Observe, Reply
+from pipeline.core.errors import StoreError
+from pipeline.core.hashing import RequestHasher, group_block_hashes
+from pipeline.core.hitrule import longest_hit, max_hit_tokens
+from pipeline.core.keys import keys_for
+from pipeline.core.layout import GroupKind
+from pipeline.core.messages import Lookup, LookupReply
+from pipeline.core.store import KVStore
+from pipeline.state.jobs import LookupRequest, Reply
+from pipeline.state.sessions import EngineSession
 
-__all__ = ["FIRST_CHUNK_BLOCKS", "LookupRequest", "LookupStage"]
+__all__ = ["FIRST_CHUNK_BLOCKS", "LookupStage"]
 
 FIRST_CHUNK_BLOCKS = 16
 """Fine blocks hashed and checked first; each later chunk is 8x larger."""
@@ -32,18 +30,9 @@ _NEEDS_PREFIX = (GroupKind.FULL_ATTENTION, GroupKind.MLA_ATTENTION,
                  GroupKind.CHUNKED_LOCAL_ATTENTION)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class LookupRequest:
-    session: EngineSession
-    message: Lookup
-    received_at: float = dataclasses.field(default_factory=time.monotonic)
-
-
 class LookupStage:
-    def __init__(self, store: KVStore, reply: Reply, observe: Observe | None = None) -> None:
+    def __init__(self, store: KVStore) -> None:
         self._store = store
-        self._reply = reply
-        self._observe = observe
 
     async def hit_tokens(self, session: EngineSession, message: Lookup) -> int:
         bound = max_hit_tokens(session.layout, len(message.token_ids))
@@ -108,9 +97,6 @@ class LookupStage:
             layout, bound, lambda g, b: b < len(present[g]) and present[g][b]
         )
 
-    async def process(self, request: LookupRequest) -> None:
+    async def process(self, request: LookupRequest) -> Reply:
         hit = await self.hit_tokens(request.session, request.message)
-        reply = LookupReply(request.message.seq, hit)
-        await self._reply(request.session, reply)
-        if self._observe is not None:
-            self._observe(reply, request.received_at)
+        return Reply(request.session, LookupReply(request.message.seq, hit), request.received_at)

@@ -23,10 +23,10 @@ import zmq
 import zmq.asyncio
 from anyio.abc import AsyncResource
 
-from pipeline.errors import ConfigError, ProtocolError, RequestRejected, TransportError
-from pipeline.hashing import MMItem, block_hashes
-from pipeline.layout import KVCacheLayout
-from pipeline.messages import (
+from pipeline.core.errors import ConfigError, ProtocolError, RequestRejected, TransportError
+from pipeline.core.hashing import MMItem, block_hashes
+from pipeline.core.layout import KVCacheLayout
+from pipeline.core.messages import (
     BlockReport,
     EngineMessage,
     ErrorCode,
@@ -48,7 +48,7 @@ from pipeline.messages import (
     encode,
     pack_tokens,
 )
-from pipeline.store import BlockStatus
+from pipeline.core.outcomes import BlockStatus
 from transport.tensors import tensor_handle
 
 __all__ = ["BlockingEngineClient", "EngineClient", "LoadResult", "SaveResult"]

@@ -31,18 +31,10 @@ import anyio.to_thread
 import torch
 from anyio.abc import AsyncResource
 
-from pipeline.config import EmbeddedStoreConfig
-from pipeline.errors import StoreError
-from pipeline.store import (
-    LOADED,
-    MISSING,
-    PRESENT,
-    STORE_FULL,
-    STORED,
-    Extents,
-    KeyOutcome,
-    failed,
-)
+from pipeline.core.config import EmbeddedStoreConfig
+from pipeline.core.errors import StoreError
+from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORE_FULL, STORED, KeyOutcome, failed
+from pipeline.core.store import Extents
 
 __all__ = ["ArenaAllocator", "EmbeddedStore", "EmbeddedStoreStats"]
 
@@ -275,7 +267,6 @@ class EmbeddedStore(AsyncResource):
 
     # -- DirectKVStore: stages copy straight into and out of the arena ---------------------
 
-    lends_memory = True
 
     async def reserve(self, keys: Sequence[str], size: int) -> Extents:
         self._check_open()

@@ -34,8 +34,8 @@ import psutil
 import structlog
 from anyio.abc import AsyncResource
 
-from pipeline.config import MooncakeStoreConfig
-from pipeline.errors import StoreError
+from pipeline.core.config import MooncakeStoreConfig
+from pipeline.core.errors import StoreError
 
 __all__ = [
     "EmbeddedMaster",

@@ -50,17 +50,9 @@ import structlog
 import torch
 from anyio.abc import AsyncResource
 
-from pipeline.config import MooncakeStoreConfig
-from pipeline.errors import ConfigError, StoreCallAbandoned, StoreError
-from pipeline.store import (
-    LOADED,
-    MISSING,
-    PRESENT,
-    STORE_FULL,
-    STORED,
-    KeyOutcome,
-    failed,
-)
+from pipeline.core.config import MooncakeStoreConfig
+from pipeline.core.errors import ConfigError, StoreCallAbandoned, StoreError
+from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORE_FULL, STORED, KeyOutcome, failed
 from transport.mooncake_master import EmbeddedMaster, MasterEndpoints, open_embedded_master
 
 __all__ = [

@@ -24,8 +24,8 @@ import zmq.asyncio
 import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 
-from pipeline.config import ServerConfig
-from pipeline.errors import ConfigError, TransportError
+from pipeline.core.config import ServerConfig
+from pipeline.core.errors import ConfigError, TransportError
 
 __all__ = ["SidecarSocket", "load_key_pair", "open_server_socket", "read_key_file"]
 

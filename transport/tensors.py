@@ -36,9 +36,9 @@ from types import TracebackType
 
 import torch
 
-from pipeline.errors import TransportError
-from pipeline.layout import KVCacheLayout
-from pipeline.messages import TensorHandle
+from pipeline.core.errors import TransportError
+from pipeline.core.layout import KVCacheLayout
+from pipeline.core.messages import TensorHandle
 
 __all__ = [
     "SHM_DIR",

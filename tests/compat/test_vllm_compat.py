@@ -34,9 +34,9 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.request import Request
 
-from pipeline.hashing import block_hashes, group_block_hashes, none_hash, sha256_cbor
-from pipeline.keys import store_key
-from pipeline.layout import KVCacheLayout, LayoutError
+from pipeline.core.hashing import block_hashes, group_block_hashes, none_hash, sha256_cbor
+from pipeline.core.keys import store_key
+from pipeline.core.layout import KVCacheLayout, LayoutError
 
 pytestmark = pytest.mark.vllm
 

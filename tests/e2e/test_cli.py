@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-KVSIDECAR = [sys.executable, "-m", "pipeline.cli"]
+KVSIDECAR = [sys.executable, "-m", "pipeline.app.cli"]
 
 
 def test_demo_verifies_every_byte_and_exits_zero() -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import anyio
 import psutil
 
-from pipeline.engine_sim import SimReport, load_layout, run_workload
-from pipeline.testing import KVEngine, hybrid_layout, random_tokens, run_sidecar_process
+from pipeline.app.engine_sim import SimReport, load_layout, run_workload
+from pipeline.testing import run_sidecar_process
+from tests.kit import KVEngine, hybrid_layout, random_tokens
 
 STAGE_POINTS = ("group_filter", "hashing", "dedup", "transfer", "commit", "fetch", "scatter")
 

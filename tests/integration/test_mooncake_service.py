@@ -10,14 +10,9 @@ import psutil
 import pytest
 import pytest_asyncio
 
-from pipeline.config import MooncakeStoreConfig
-from pipeline.testing import (
-    KVEngine,
-    hybrid_layout,
-    random_tokens,
-    run_sidecar_process,
-    stall_proxy,
-)
+from pipeline.core.config import MooncakeStoreConfig
+from pipeline.testing import run_sidecar_process
+from tests.kit import KVEngine, hybrid_layout, random_tokens, stall_proxy
 from transport.mooncake_master import EmbeddedMaster, open_embedded_master
 
 pytestmark = pytest.mark.mooncake
@@ -220,8 +215,8 @@ async def test_a_block_removed_between_lookup_and_load_is_reported_failed() -> N
     block id failed and no tokens usable past it; nothing else is touched."""
     import msgspec
 
-    from pipeline.hashing import block_hashes
-    from pipeline.keys import store_key
+    from pipeline.core.hashing import block_hashes
+    from pipeline.core.keys import store_key
     from transport.mooncake_store import open_mooncake_store
 
     quick_leases = MooncakeStoreConfig(kv_lease_ttl_ms=100)

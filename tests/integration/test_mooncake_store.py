@@ -18,9 +18,9 @@ import pytest_asyncio
 import torch
 from anyio.streams.text import TextReceiveStream
 
-from pipeline.config import MooncakeStoreConfig
-from pipeline.errors import StoreCallAbandoned, StoreError
-from pipeline.store import (
+from pipeline.core.config import MooncakeStoreConfig
+from pipeline.core.errors import StoreCallAbandoned, StoreError
+from pipeline.core.outcomes import (
     LOADED,
     MISSING,
     PRESENT,
@@ -28,10 +28,10 @@ from pipeline.store import (
     STORED,
     BlockStatus,
     KeyOutcome,
-    KVStore,
     failed,
 )
-from pipeline.testing import stall_proxy
+from pipeline.core.store import KVStore
+from tests.kit import stall_proxy
 from transport.mooncake_master import EmbeddedMaster, open_embedded_master
 from transport.mooncake_store import (
     MooncakeStore,
@@ -324,7 +324,7 @@ async def test_closing_an_embedded_store_leaves_no_master_and_no_port() -> None:
 
 CHILD = """
 import anyio
-from pipeline.config import MooncakeStoreConfig
+from pipeline.core.config import MooncakeStoreConfig
 from transport.mooncake_store import open_mooncake_store
 
 async def main():

@@ -17,14 +17,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.messages import ErrorReply, decode_sidecar_message
-from pipeline.testing import (
-    KVEngine,
-    SidecarProcess,
-    hybrid_layout,
-    random_tokens,
-    run_sidecar_process,
-)
+from pipeline.core.messages import ErrorReply, decode_sidecar_message
+from pipeline.testing import SidecarProcess, run_sidecar_process
+from tests.kit import KVEngine, hybrid_layout, random_tokens
 
 TIMEOUT = 30
 
@@ -143,7 +138,7 @@ async def test_bad_requests_from_a_registered_engine_get_clear_errors(
     sidecar: SidecarProcess,
 ) -> None:
     """Out-of-range block ids, wrong group counts and impossible loads are refused by name."""
-    from pipeline.errors import RequestRejected
+    from pipeline.core.errors import RequestRejected
 
     engine = KVEngine(hybrid_layout())
     tokens = random_tokens(48, seed=6)
@@ -171,7 +166,7 @@ async def test_bad_requests_from_a_registered_engine_get_clear_errors(
 
 ENGINE_SCRIPT = textwrap.dedent("""
     import sys, anyio
-    from pipeline.testing import KVEngine, hybrid_layout, random_tokens
+    from tests.kit import KVEngine, hybrid_layout, random_tokens
 
     async def main():
         engine = KVEngine(hybrid_layout(page_bytes=64 * 1024))
@@ -232,8 +227,8 @@ def test_an_engine_killed_mid_save_is_reaped_and_its_mappings_released() -> None
 async def test_engine_sent_block_hashes_are_used_and_checked(sidecar: SidecarProcess) -> None:
     """Engines may send their own block hashes: right ones give the same answers as
     tokens alone; a wrong count or a wrong first hash is refused by name."""
-    from pipeline.errors import RequestRejected
-    from pipeline.hashing import block_hashes
+    from pipeline.core.errors import RequestRejected
+    from pipeline.core.hashing import block_hashes
 
     engine = KVEngine(hybrid_layout())
     tokens = random_tokens(3 * 16 + 4, seed=71)

@@ -18,20 +18,15 @@ import torch
 import zmq
 
 import pipeline
-import pipeline.messages
+import pipeline.core.messages
 import stages
 import transport
 import transport.client
-from pipeline.cli import main as cli_main
-from pipeline.config import ServerConfig
-from pipeline.errors import ConfigError, TransportError
-from pipeline.testing import (
-    KVEngine,
-    SidecarProcess,
-    hybrid_layout,
-    random_tokens,
-    run_sidecar_process,
-)
+from pipeline.app.cli import main as cli_main
+from pipeline.core.config import ServerConfig
+from pipeline.core.errors import ConfigError, TransportError
+from pipeline.testing import SidecarProcess, run_sidecar_process
+from tests.kit import KVEngine, hybrid_layout, random_tokens
 from transport.server import load_key_pair, open_server_socket
 
 TIMEOUT = 20
@@ -317,12 +312,13 @@ def test_no_module_imports_or_uses_pickle() -> None:
 
 def test_msgspec_is_the_only_wire_codec_in_transport() -> None:
     """transport/ imports no serializer but msgspec, and the client speaks the typed
-    msgspec msgpack codec of pipeline.messages."""
+    msgspec msgpack codec of pipeline.core.messages."""
     for path, tree in _sources(transport):
         assert not _imports(tree) & OTHER_CODECS, path
     client_namespace = vars(transport.client)
-    assert client_namespace["encode"] is pipeline.messages.encode
-    assert client_namespace["decode_sidecar_message"] is pipeline.messages.decode_sidecar_message
-    messages_tree = ast.parse(Path(pipeline.messages.__file__).read_text())
+    assert client_namespace["encode"] is pipeline.core.messages.encode
+    decoder = pipeline.core.messages.decode_sidecar_message
+    assert client_namespace["decode_sidecar_message"] is decoder
+    messages_tree = ast.parse(Path(pipeline.core.messages.__file__).read_text())
     assert _imports(messages_tree) & OTHER_CODECS == set()
     assert "msgspec" in _imports(messages_tree)

@@ -10,10 +10,10 @@ import pytest
 import torch
 import zmq
 
-from pipeline.errors import RequestRejected
-from pipeline.hashing import block_hashes
-from pipeline.layout import KVCacheLayout
-from pipeline.messages import (
+from pipeline.core.errors import RequestRejected
+from pipeline.core.hashing import block_hashes
+from pipeline.core.layout import KVCacheLayout
+from pipeline.core.messages import (
     ErrorReply,
     HashSelfTest,
     Register,
@@ -22,13 +22,8 @@ from pipeline.messages import (
     decode_sidecar_message,
     encode,
 )
-from pipeline.testing import (
-    KVEngine,
-    SidecarProcess,
-    hybrid_layout,
-    random_tokens,
-    run_sidecar_process,
-)
+from pipeline.testing import SidecarProcess, run_sidecar_process
+from tests.kit import KVEngine, hybrid_layout, random_tokens
 from transport.client import EngineClient
 from transport.tensors import tensor_handle
 
@@ -184,7 +179,7 @@ async def test_many_more_saves_than_staging_holds_stay_bounded() -> None:
     overrides = {
         "staging": {"pool_bytes": 4 * 256 * 1024 * 2, "slot_bytes": 256 * 1024, "load_slots": 1},
         "store": {"embedded": {"capacity_bytes": 4 * 1024 * 1024}},
-        "stages": {"receive": {"inbox_size": 4}, "batching": {"max_blocks": 4}},
+        "stages": {"group_filter": {"inbox_size": 4}, "batching": {"max_blocks": 4}},
     }
     layout = hybrid_layout(page_bytes=page)
     engine = KVEngine(layout, num_blocks=NUM_BLOCKS)

@@ -15,8 +15,8 @@ import msgspec
 import pytest
 import torch
 
-from pipeline.errors import TransportError
-from pipeline.messages import TensorHandle
+from pipeline.core.errors import TransportError
+from pipeline.core.messages import TensorHandle
 from transport.tensors import SHM_DIR, MappedTensors, block_pieces, shared_kv_tensor, tensor_handle
 
 REPLY_TIMEOUT_S = 60.0
@@ -25,7 +25,7 @@ REPLY_TIMEOUT_S = 60.0
 PEER = r"""
 import gc, json, sys
 import msgspec, torch
-from pipeline.messages import TensorHandle
+from pipeline.core.messages import TensorHandle
 from transport.tensors import MappedTensors, shared_kv_tensor, tensor_handle
 
 mapped = MappedTensors()

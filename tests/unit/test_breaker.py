@@ -8,10 +8,10 @@ import anyio
 import pytest
 import torch
 
-from pipeline.breaker import BreakerState, CircuitBreakerStore
-from pipeline.config import EmbeddedStoreConfig
-from pipeline.errors import StoreError, StoreUnavailable
-from pipeline.store import STORE_UNAVAILABLE, BlockStatus, KeyOutcome, store_error_outcome
+from pipeline.backends.breaker import BreakerState, CircuitBreakerStore
+from pipeline.core.config import EmbeddedStoreConfig
+from pipeline.core.errors import StoreError, StoreUnavailable
+from pipeline.core.outcomes import STORE_UNAVAILABLE, BlockStatus, KeyOutcome, store_error_outcome
 from transport.embedded_store import EmbeddedStore
 
 

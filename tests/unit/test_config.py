@@ -8,8 +8,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from pipeline.cli import main
-from pipeline.config import Config, ConfigError, default_endpoint, load_config
+from pipeline.app.cli import main
+from pipeline.core.config import Config, ConfigError, default_endpoint, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SHIPPED = sorted(

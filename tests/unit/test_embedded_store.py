@@ -13,18 +13,10 @@ from anyio import wait_all_tasks_blocked
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import EmbeddedStoreConfig
-from pipeline.errors import StoreError
-from pipeline.store import (
-    LOADED,
-    MISSING,
-    PRESENT,
-    STORE_FULL,
-    STORED,
-    BlockStatus,
-    KVStore,
-    failed,
-)
+from pipeline.core.config import EmbeddedStoreConfig
+from pipeline.core.errors import StoreError
+from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORE_FULL, STORED, BlockStatus, failed
+from pipeline.core.store import KVStore
 from transport.embedded_store import ArenaAllocator, EmbeddedStore
 
 WAIT_S = 10.0

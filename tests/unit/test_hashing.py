@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.hashing import (
+from pipeline.core.hashing import (
     DEFAULT_SEED,
     RequestHasher,
     block_hashes,

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.hitrule import longest_hit, max_hit_tokens, required_blocks
-from pipeline.layout import KVCacheGroup, KVCacheLayout
+from pipeline.core.hitrule import longest_hit, max_hit_tokens, required_blocks
+from pipeline.core.layout import KVCacheGroup, KVCacheLayout
 
 # -- helpers -------------------------------------------------------------------------------
 

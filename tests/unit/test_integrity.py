@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.integrity import CHECKSUM_BYTES, fingerprint_seed, seal_rows, verify_rows
+from pipeline.core.integrity import CHECKSUM_BYTES, fingerprint_seed, seal_rows, verify_rows
 
 
 def rows(count: int, payload: int) -> torch.Tensor:

@@ -7,8 +7,8 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.keys import key_prefix, layout_key_prefixes, store_key
-from pipeline.layout import KVCacheLayout
+from pipeline.core.keys import key_prefix, layout_key_prefixes, store_key
+from pipeline.core.layout import KVCacheLayout
 
 HASH = bytes(range(32))
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.layout import GroupKind, KVCacheLayout, LayoutError
+from pipeline.core.layout import GroupKind, KVCacheLayout, LayoutError
 
 # -- helpers -------------------------------------------------------------------------------
 

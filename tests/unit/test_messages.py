@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import ProtocolError
-from pipeline.messages import (
+from pipeline.core.errors import ProtocolError
+from pipeline.core.messages import (
     BlockReport,
     EngineMessage,
     ErrorCode,
@@ -37,7 +37,7 @@ from pipeline.messages import (
     encode,
     pack_tokens,
 )
-from pipeline.store import BlockStatus
+from pipeline.core.outcomes import BlockStatus
 
 MAX = 1 << 20
 _raw = msgspec.msgpack.Encoder()

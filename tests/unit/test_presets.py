@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.layout import KVCacheLayout
+from pipeline.core.layout import KVCacheLayout
 
 PRESETS = Path(__file__).resolve().parents[2] / "configs" / "layouts"
 PRESET_FILES = sorted(PRESETS.glob("*.yaml"))

@@ -10,10 +10,9 @@ import anyio
 import pytest
 import torch
 
-from pipeline.errors import RequestRejected, TransportError
-from pipeline.hashing import block_hashes
-from pipeline.jobs import Job, JobTracker
-from pipeline.messages import (
+from pipeline.core.errors import RequestRejected, TransportError
+from pipeline.core.hashing import block_hashes
+from pipeline.core.messages import (
     PROTOCOL_VERSION,
     ErrorCode,
     HashSelfTest,
@@ -22,7 +21,8 @@ from pipeline.messages import (
     TensorHandle,
     pack_tokens,
 )
-from pipeline.registry import LayerTensors, SessionRegistry
+from pipeline.state.jobs import Job, JobTracker
+from pipeline.state.registry import LayerTensors, SessionRegistry
 
 NUM_BLOCKS = 8
 SELF_TEST_TOKENS = tuple(range(1000, 1040))

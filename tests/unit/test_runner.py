@@ -12,8 +12,17 @@ from anyio.abc import ObjectReceiveStream, TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from pipeline.runner import create_edge, run_batcher, start_stage
+from pipeline.core.config import BatchingStageConfig, StageConfig, StagesConfig
+from pipeline.core.errors import StoreError
+from pipeline.runner import (
+    BatchSpec,
+    Graph,
+    PathSpec,
+    StageSpec,
+    create_edge,
+    run_batcher,
+    start_stage,
+)
 
 TIMEOUT_S = 5
 
@@ -36,7 +45,8 @@ def test_edges_must_be_finite_and_positive(size: float) -> None:
 
 def test_an_edge_holds_exactly_its_size() -> None:
     """An edge of size 2 takes two items without a reader, and refuses a third."""
-    send, receive = create_edge(2)
+    edge_send = create_edge(2)
+    send, receive = edge_send.outbox, edge_send.inbox
     with send, receive:
         send.send_nowait(1)
         send.send_nowait(2)
@@ -50,9 +60,12 @@ def test_an_edge_holds_exactly_its_size() -> None:
 
 async def test_end_of_stream_cascades_through_chained_workers() -> None:
     """Closing the source ends every stage in turn; every item passes and Nones are dropped."""
-    source_send, source_receive = create_edge(4)
-    middle_send, middle_receive = create_edge(4)
-    sink_send, sink_receive = create_edge(4)
+    edge_source_send = create_edge(4)
+    source_send, source_receive = edge_source_send.outbox, edge_source_send.inbox
+    edge_middle_send = create_edge(4)
+    middle_send, middle_receive = edge_middle_send.outbox, edge_middle_send.inbox
+    edge_sink_send = create_edge(4)
+    sink_send, sink_receive = edge_sink_send.outbox, edge_sink_send.inbox
     seen: list[int] = []
 
     async def double(item: int) -> int:
@@ -81,7 +94,8 @@ async def test_end_of_stream_cascades_through_chained_workers() -> None:
 
 async def test_a_sink_stage_ends_when_its_inbox_ends() -> None:
     """A stage without an outbox consumes its inbox and its workers return on EndOfStream."""
-    send, receive = create_edge(2)
+    edge_send = create_edge(2)
+    send, receive = edge_send.outbox, edge_send.inbox
     consumed: list[int] = []
 
     async def consume(item: int) -> None:
@@ -98,8 +112,10 @@ async def test_a_sink_stage_ends_when_its_inbox_ends() -> None:
 
 async def test_start_stage_closes_the_original_streams() -> None:
     """The runner's originals are closed, so only the workers' clones keep the edges open."""
-    inbox_send, inbox = create_edge(1)
-    outbox, outbox_receive = create_edge(1)
+    edge_inbox_send = create_edge(1)
+    inbox_send, inbox = edge_inbox_send.outbox, edge_inbox_send.inbox
+    edge_outbox = create_edge(1)
+    outbox, outbox_receive = edge_outbox.outbox, edge_outbox.inbox
 
     async def identity(item: int) -> int:
         return item
@@ -140,8 +156,10 @@ def start_batcher(
 
 async def test_batcher_flushes_as_soon_as_a_batch_is_full() -> None:
     """A group reaching its limit is sent at once, long before the deadline."""
-    send, receive = create_edge(4)
-    out_send, out_receive = create_edge(4)
+    edge_send = create_edge(4)
+    send, receive = edge_send.outbox, edge_send.inbox
+    edge_out_send = create_edge(4)
+    out_send, out_receive = edge_out_send.outbox, edge_out_send.inbox
     with anyio.fail_after(TIMEOUT_S):
         async with anyio.create_task_group() as tg:
             start_batcher(tg, receive, out_send, limit=2, deadline_s=60.0)
@@ -154,8 +172,10 @@ async def test_batcher_flushes_as_soon_as_a_batch_is_full() -> None:
 
 async def test_batcher_flushes_a_partial_batch_at_its_deadline() -> None:
     """A lone item waits about deadline_s, then goes out alone while the input stays open."""
-    send, receive = create_edge(4)
-    out_send, out_receive = create_edge(4)
+    edge_send = create_edge(4)
+    send, receive = edge_send.outbox, edge_send.inbox
+    edge_out_send = create_edge(4)
+    out_send, out_receive = edge_out_send.outbox, edge_out_send.inbox
     deadline_s = 0.05
     with anyio.fail_after(TIMEOUT_S):
         async with anyio.create_task_group() as tg:
@@ -171,8 +191,10 @@ async def test_batcher_flushes_a_partial_batch_at_its_deadline() -> None:
 
 async def test_batcher_deadline_counts_from_the_oldest_item() -> None:
     """Items arriving steadily do not postpone a partial batch past its first item's deadline."""
-    send, receive = create_edge(4)
-    out_send, out_receive = create_edge(64)
+    edge_send = create_edge(4)
+    send, receive = edge_send.outbox, edge_send.inbox
+    edge_out_send = create_edge(64)
+    out_send, out_receive = edge_out_send.outbox, edge_out_send.inbox
     deadline_s = 0.1
 
     async def trickle() -> None:
@@ -195,8 +217,10 @@ async def test_batcher_deadline_counts_from_the_oldest_item() -> None:
 
 async def test_batcher_keeps_groups_apart() -> None:
     """Interleaved groups come out as batches of one group each."""
-    send, receive = create_edge(4)
-    out_send, out_receive = create_edge(8)
+    edge_send = create_edge(4)
+    send, receive = edge_send.outbox, edge_send.inbox
+    edge_out_send = create_edge(8)
+    out_send, out_receive = edge_out_send.outbox, edge_out_send.inbox
     with anyio.fail_after(TIMEOUT_S):
         async with anyio.create_task_group() as tg:
             start_batcher(tg, receive, out_send, limit=2, deadline_s=60.0)
@@ -209,8 +233,10 @@ async def test_batcher_keeps_groups_apart() -> None:
 
 async def test_batcher_flushes_everything_when_input_ends() -> None:
     """Partial batches of every group go out at end of input, then the outbox ends."""
-    send, receive = create_edge(4)
-    out_send, out_receive = create_edge(8)
+    edge_send = create_edge(4)
+    send, receive = edge_send.outbox, edge_send.inbox
+    edge_out_send = create_edge(8)
+    out_send, out_receive = edge_out_send.outbox, edge_out_send.inbox
     with anyio.fail_after(TIMEOUT_S):
         async with anyio.create_task_group() as tg:
             start_batcher(tg, receive, out_send, limit=10, deadline_s=60.0)
@@ -236,8 +262,10 @@ def test_batcher_partitions_its_input(lists: list[list[str]], limit: int) -> Non
     """Output batches hold every item once, one group each, at most limit, in arrival order."""
 
     async def run() -> list[list[str]]:
-        send, receive = create_edge(len(lists) + 1)
-        out_send, out_receive = create_edge(100)
+        edge_send = create_edge(len(lists) + 1)
+        send, receive = edge_send.outbox, edge_send.inbox
+        edge_out_send = create_edge(100)
+        out_send, out_receive = edge_out_send.outbox, edge_out_send.inbox
         with anyio.fail_after(TIMEOUT_S):
             async with anyio.create_task_group() as tg:
                 start_batcher(tg, receive, out_send, limit=limit, deadline_s=60.0)
@@ -255,3 +283,87 @@ def test_batcher_partitions_its_input(lists: list[list[str]], limit: int) -> Non
     for letter in "abc":
         merged = [item for batch in batches for item in batch if by_letter(item) == letter]
         assert merged == [item for item in flat if by_letter(item) == letter]
+
+
+# -- the declared graph ---------------------------------------------------------------------
+
+
+class Add:
+    """Upstream of a batcher, items travel in lists."""
+
+    def __init__(self, amount: int) -> None:
+        self.amount = amount
+
+    async def process(self, item: int) -> list[int]:
+        if item < 0:
+            raise StoreError("negative")
+        return [item + self.amount]
+
+
+class ByParity:
+    deadline_s = 60.0  # flushed only when full or when the input ends
+
+    def group_of(self, item: int) -> int:
+        return item % 2
+
+    def limit_of(self, item: int) -> int:
+        return 2
+
+    def new_batch(self) -> list[int]:
+        return []
+
+
+class Total:
+    async def process(self, batch: list[int]) -> int:
+        return sum(batch)
+
+
+def test_a_graph_sizes_each_inbox_from_its_stage_config() -> None:
+    """Each stage's inbox is bounded by its own section; batching runs as one task."""
+    config = StagesConfig(
+        hashing=StageConfig(inbox_size=3, workers=2), batching=BatchingStageConfig(inbox_size=5)
+    )
+    graph = Graph[int](
+        [PathSpec("p", [StageSpec("add", lambda r: Add(r), "hashing"),
+                        BatchSpec("batch", lambda r: ByParity(), "batching"),
+                        StageSpec("total", lambda r: Total(), "lookup")], replies=True)],
+        config,
+    )
+    assert [(r.stage, r.workers, r.inbox, r.to) for r in graph.rows()] == [
+        ("add", 2, 3, "batch"), ("batch", 1, 5, "total"), ("total", 4, 64, "sink")]
+
+
+def test_a_graph_refuses_a_stage_without_a_config_section() -> None:
+    """A stage naming no known section is refused when the graph is declared."""
+    with pytest.raises(ValueError, match="no stage config section 'nope'"):
+        Graph[int]([PathSpec("p", [StageSpec("add", lambda r: Add(r), "nope")])],
+                   StagesConfig())
+
+
+async def test_a_graph_runs_its_paths_into_the_sink_and_fails_items_through_the_policy(
+) -> None:
+    """Items flow through every stage to the sink; an item meeting a store error is
+    answered by the failure policy, whose answer goes on; closing the entrance drains."""
+    graph = Graph[int](
+        [PathSpec("p", [StageSpec("add", lambda r: Add(r), "hashing"),
+                        BatchSpec("batch", lambda r: ByParity(), "batching"),
+                        StageSpec("total", lambda r: Total(), "lookup")], replies=True)],
+        StagesConfig(),
+    )
+    replies: list[int] = []
+
+    async def sink(reply: int) -> None:
+        replies.append(reply)
+
+    async def on_failure(item: int, error: StoreError) -> list[int]:
+        return [1000]
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: graph.run(10, sink=sink, on_failure=on_failure))
+            entrance = graph.entrance("p")
+            for item in (1, 2, 3, -5):
+                await entrance.send(item)
+            entrance.close()
+    # 11 + 13 (odd), 12 + 1000 (even; -5 failed and was answered 1000)
+    assert sorted(replies) == [24, 1012]

@@ -11,31 +11,52 @@ import pytest
 import torch
 from anyio.abc import ObjectReceiveStream
 
-from pipeline.config import EmbeddedStoreConfig, TransferStageConfig
-from pipeline.errors import StoreCallAbandoned
-from pipeline.hashing import block_hashes
-from pipeline.jobs import BlockTask, Job, JobTracker, StorePressure
-from pipeline.keys import store_key
-from pipeline.layout import KVCacheLayout
-from pipeline.messages import BlockReport, Load, LoadDone, Lookup, Save, SaveDone, pack_tokens
-from pipeline.sessions import EngineSession, build_store_groups
-from pipeline.staging import StagingPool
-from pipeline.store import STORE_FULL, STORED, BlockStatus, KVStore, StoreWrapper
+from pipeline.backends.cpu_copy import (
+    CopyThreads,
+    CpuCopyEngine,
+    gather_and_seal,
+    verify_and_scatter,
+)
+from pipeline.backends.memory import LentMemory, StagingMemory
+from pipeline.backends.staging import StagingPool
+from pipeline.backends.wrapper import StoreWrapper
+from pipeline.core.config import EmbeddedStoreConfig
+from pipeline.core.errors import StoreCallAbandoned, StoreError
+from pipeline.core.geometry import build_store_groups
+from pipeline.core.hashing import block_hashes
+from pipeline.core.keys import store_key
+from pipeline.core.layout import KVCacheLayout
+from pipeline.core.messages import (
+    BlockReport,
+    Load,
+    LoadDone,
+    Lookup,
+    LookupReply,
+    Save,
+    SaveDone,
+    pack_tokens,
+)
+from pipeline.core.outcomes import STORE_FULL, STORED, BlockStatus
+from pipeline.core.seams import BatchMemory
+from pipeline.core.store import KVStore
+from pipeline.state.jobs import (
+    BlockTask,
+    Job,
+    JobTracker,
+    LookupRequest,
+    StagedBatch,
+    StorePressure,
+)
+from pipeline.state.sessions import EngineSession
 from stages.commit import CommitStage
 from stages.completion import CompletionStage, completion_message
 from stages.dedup import DedupStage
 from stages.fetch import FetchStage
 from stages.group_filter import GroupFilterStage
 from stages.hashing import HashingStage
-from stages.lookup import LookupRequest, LookupStage
-from stages.transfer import (
-    CopyThreads,
-    ScatterStage,
-    StagedBatch,
-    TransferStage,
-    gather_and_seal,
-    verify_and_scatter,
-)
+from stages.lookup import LookupStage
+from stages.scatter import ScatterStage
+from stages.transfer import TransferStage
 from transport.embedded_store import EmbeddedStore
 
 TIMEOUT_S = 10
@@ -99,6 +120,8 @@ class Harness:
     store: EmbeddedStore
     pool: StagingPool
     limiter: anyio.CapacityLimiter
+    memory: BatchMemory
+    copy: CpuCopyEngine
 
     def job(self, message: Save | Load) -> Job:
         job = Job(self.session, message)
@@ -122,7 +145,10 @@ class Harness:
         return {layer: tensor.clone() for layer, (tensor, _) in self.tensors.items()}
 
 
-def harness(groups: list[dict[str, Any]], *, seed: int = 0, **fields: Any) -> Harness:
+def harness(
+    groups: list[dict[str, Any]], *, seed: int = 0, lent: bool = False, **fields: Any
+) -> Harness:
+    """Stages over an embedded store, values in staging (or, ``lent``, in the store)."""
     layout = KVCacheLayout.from_dict({"groups": groups, "model": "m", **fields})
     layout.validate_for_store()
     tensors = make_tensors(layout, seed)
@@ -130,14 +156,15 @@ def harness(groups: list[dict[str, Any]], *, seed: int = 0, **fields: Any) -> Ha
         "engine", b"id", layout, build_store_groups(layout, tensors), hash_seed=None
     )
     send, receive = anyio.create_memory_object_stream[Job](64)
+    store = EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=1 << 20))
+    pool = StagingPool(8 * 4096, 4096, load_slots=2)
+    limiter = anyio.CapacityLimiter(2)
+    memory: BatchMemory = (
+        LentMemory(store) if lent else StagingMemory(pool, store, skip_when_full=False)
+    )
     return Harness(
-        session,
-        tensors,
-        JobTracker(send),
-        receive,
-        EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=1 << 20)),
-        StagingPool(8 * 4096, 4096, load_slots=2),
-        anyio.CapacityLimiter(2),
+        session, tensors, JobTracker(send), receive, store, pool, limiter, memory,
+        CpuCopyEngine(limiter),
     )
 
 
@@ -181,8 +208,9 @@ def by_group(tasks: list[BlockTask]) -> list[list[BlockTask]]:
 async def run_save(h: Harness, message: Save) -> Job:
     """group_filter -> hashing -> dedup -> transfer -> commit, one batch per store group."""
     job = h.job(message)
-    transfer = TransferStage(h.pool, h.tracker, h.limiter, TransferStageConfig(), StorePressure())
-    commit = CommitStage(h.store, h.pool, h.tracker, StorePressure())
+    pressure = StorePressure()
+    transfer = TransferStage(h.memory, h.copy, h.tracker, pressure)
+    commit = CommitStage(h.memory, h.tracker, pressure)
     if await GroupFilterStage(h.tracker).process(job) is None:
         return job
     named = await HashingStage(h.tracker, h.limiter).process(job)
@@ -197,8 +225,8 @@ async def run_save(h: Harness, message: Save) -> Job:
 async def run_load(h: Harness, message: Load) -> Job:
     """group_filter -> hashing -> fetch -> scatter, one batch per store group."""
     job = h.job(message)
-    fetch = FetchStage(h.store, h.pool, h.tracker)
-    scatter = ScatterStage(h.store, h.pool, h.tracker, h.limiter)
+    fetch = FetchStage(h.memory, h.tracker)
+    scatter = ScatterStage(h.store, h.copy, h.tracker)
     if await GroupFilterStage(h.tracker).process(job) is None:
         return job
     named = await HashingStage(h.tracker, h.limiter).process(job)
@@ -453,14 +481,14 @@ async def test_a_middle_block_missing_loads_the_others_into_the_right_blocks() -
     token_ids = tokens(13)
     with anyio.fail_after(TIMEOUT_S):
         await run_save(h, save(token_ids, [1, 0, 3]))
-        fetch = FetchStage(h.store, h.pool, h.tracker)
+        fetch = FetchStage(h.memory, h.tracker)
         job = h.job(load(token_ids, 12, [5, 6, 7]))
         await GroupFilterStage(h.tracker).process(job)
         named = await HashingStage(h.tracker, h.limiter).process(job)
         staged = await fetch.process(named or [])
         assert isinstance(staged, StagedBatch)
         assert [t.block_id for t in staged.tasks] == [5, 7]
-        await ScatterStage(h.store, h.pool, h.tracker, h.limiter).process(staged)
+        await ScatterStage(h.store, h.copy, h.tracker).process(staged)
     assert torch.equal(h.block("attn.0", 5), h.block("attn.0", 1))
     assert torch.equal(h.block("attn.0", 7), h.block("attn.0", 3))
     assert not torch.equal(h.block("attn.0", 6), h.block("attn.0", 2))
@@ -479,10 +507,8 @@ async def test_transfer_skips_and_reports_when_staging_is_full(hybrid: Harness) 
     """Under overflow=skip a save finding no free slot is settled skipped(staging_full)."""
     job = hybrid.job(save(tokens(8), [1, 2], [9], [0, 3]))
     held = [hybrid.pool.try_take("save") for _ in range(hybrid.pool.free_slots("save"))]
-    transfer = TransferStage(
-        hybrid.pool, hybrid.tracker, hybrid.limiter, TransferStageConfig(overflow="skip"),
-        StorePressure(),
-    )
+    skipping = StagingMemory(hybrid.pool, hybrid.store, skip_when_full=True)
+    transfer = TransferStage(skipping, hybrid.copy, hybrid.tracker, StorePressure())
     with anyio.fail_after(TIMEOUT_S):
         await GroupFilterStage(hybrid.tracker).process(job)
         named = await HashingStage(hybrid.tracker, hybrid.limiter).process(job)
@@ -495,7 +521,7 @@ async def test_transfer_skips_and_reports_when_staging_is_full(hybrid: Harness) 
 async def staged_save(h: Harness) -> tuple[Job, StagedBatch]:
     """A save of two attention blocks through the transfer into a staging slot."""
     job = h.job(save(tokens(8), [1, 2], [9], [0, 0]))
-    transfer = TransferStage(h.pool, h.tracker, h.limiter, TransferStageConfig(), StorePressure())
+    transfer = TransferStage(h.memory, h.copy, h.tracker, StorePressure())
     await GroupFilterStage(h.tracker).process(job)
     named = await HashingStage(h.tracker, h.limiter).process(job)
     staged = await transfer.process(named or [])
@@ -510,9 +536,7 @@ async def test_commit_fails_blocks_and_frees_the_slot_when_the_store_is_down(
     with anyio.fail_after(TIMEOUT_S):
         job, staged = await staged_save(hybrid)
         await hybrid.store.aclose()
-        await CommitStage(
-            hybrid.store, hybrid.pool, hybrid.tracker, StorePressure()
-        ).process(staged)
+        await CommitStage(hybrid.memory, hybrid.tracker, StorePressure()).process(staged)
     assert hybrid.pool.free_slots("save") == 6
     assert {s for s, _ in statuses(job).values()} == {BlockStatus.FAILED}
     assert hybrid.finished() == [job]
@@ -542,7 +566,8 @@ async def test_commit_withholds_the_slot_of_an_abandoned_put(hybrid: Harness) ->
     store = AbandoningStore(hybrid.store)
     with anyio.fail_after(TIMEOUT_S):
         job, staged = await staged_save(hybrid)
-        await CommitStage(store, hybrid.pool, hybrid.tracker, StorePressure()).process(staged)
+        memory = StagingMemory(hybrid.pool, store, skip_when_full=False)
+        await CommitStage(memory, hybrid.tracker, StorePressure()).process(staged)
     assert hybrid.pool.free_slots("save") == 5
     assert hybrid.pool.withheld == 1
     assert {s for s, _ in statuses(job).values()} == {BlockStatus.FAILED}
@@ -562,7 +587,7 @@ async def test_fetch_withholds_the_slot_of_an_abandoned_get(hybrid: Harness) -> 
         job = hybrid.job(load(token_ids, 8, [5, 6, 0], [9], [0, 7, 0]))
         await GroupFilterStage(hybrid.tracker).process(job)
         named = await HashingStage(hybrid.tracker, hybrid.limiter).process(job)
-        fetch = FetchStage(store, hybrid.pool, hybrid.tracker)
+        fetch = FetchStage(StagingMemory(hybrid.pool, store, skip_when_full=False), hybrid.tracker)
         for batch in by_group(named or []):
             assert await fetch.process(batch) is None
     assert hybrid.pool.free_slots("load") == 0
@@ -662,16 +687,11 @@ def test_completion_of_a_save_lists_blocks_in_group_order(hybrid: Harness) -> No
 
 async def test_completion_stage_replies_and_forgets_the_job(hybrid: Harness) -> None:
     """The completion stage sends the reply to the job's session and closes the job."""
-    replies: list[tuple[EngineSession, Any]] = []
-
-    async def reply(session: EngineSession, message: Any) -> None:
-        replies.append((session, message))
-
     job = hybrid.job(save(tokens(8), [0, 0], [9], [0, 0]))
     assert (hybrid.tracker.open_jobs, hybrid.session.jobs_in_flight) == (1, 1)
     with anyio.fail_after(TIMEOUT_S):
-        await CompletionStage(reply, hybrid.tracker).process(job)
-    assert replies == [(hybrid.session, SaveDone(1, "r", ()))]
+        reply = await CompletionStage(hybrid.tracker).process(job)
+    assert (reply.session, reply.message) == (hybrid.session, SaveDone(1, "r", ()))
     assert (hybrid.tracker.open_jobs, hybrid.session.jobs_in_flight) == (0, 0)
 
 
@@ -680,12 +700,7 @@ async def test_completion_stage_replies_and_forgets_the_job(hybrid: Harness) -> 
 
 async def test_lookup_reports_the_hybrid_hit_and_keeps_the_last_token(hybrid: Harness) -> None:
     """After saving attention 0-2 and mamba state 2, only a hit at 12 is possible."""
-    replies: list[Any] = []
-
-    async def reply(session: EngineSession, message: Any) -> None:
-        replies.append(message)
-
-    lookup = LookupStage(hybrid.store, reply)
+    lookup = LookupStage(hybrid.store)
     token_ids = tokens(16)
     with anyio.fail_after(TIMEOUT_S):
         await run_save(hybrid, save(token_ids, [1, 2, 3, 0], [9], [0, 0, 4, 0]))
@@ -695,10 +710,13 @@ async def test_lookup_reports_the_hybrid_hit_and_keeps_the_last_token(hybrid: Ha
             )
             for count in (4, 12, 13, 16)
         }
-        await lookup.process(LookupRequest(hybrid.session, Lookup(5, pack_tokens(token_ids))))
+        reply = await lookup.process(
+            LookupRequest(hybrid.session, Lookup(5, pack_tokens(token_ids)))
+        )
     # 12 tokens: the last one is recomputed, so the hit would be 8 and mamba has no state there.
     assert hits == {4: 0, 12: 0, 13: 12, 16: 12}
-    assert [(r.seq, r.hit_tokens) for r in replies] == [(5, 12)]
+    assert reply.session is hybrid.session
+    assert reply.message == LookupReply(5, 12)
 
 
 async def test_a_full_store_puts_the_request_under_pressure_until_a_batch_is_stored(
@@ -722,7 +740,7 @@ async def test_a_full_store_puts_the_request_under_pressure_until_a_batch_is_sto
 
 def test_runs_group_adjacent_values_into_matrices() -> None:
     """Values back to back in memory form one matrix; a gap starts a new run."""
-    from stages.transfer import runs
+    from pipeline.backends.cpu_copy import runs
 
     memory = torch.arange(64, dtype=torch.uint8)
     views = [memory[0:8], memory[8:16], memory[32:40], memory[40:48], memory[56:64]]
@@ -730,3 +748,39 @@ def test_runs_group_adjacent_values_into_matrices() -> None:
     assert [(start, tuple(matrix.shape)) for start, matrix in found] == [
         (0, (2, 8)), (2, (2, 8)), (4, (1, 8))]
     assert torch.equal(found[1][1], memory[32:48].view(2, 8))
+
+
+async def test_values_lent_by_the_store_round_trip_exactly_and_hold_nothing_after() -> None:
+    """With values copied straight into and out of store memory, a save then a load
+    lands the same bytes in the new blocks, and a second save finds them present."""
+    h = harness(HYBRID, lent=True)
+    token_ids = tokens(9)
+    with anyio.fail_after(TIMEOUT_S):
+        saved = await run_save(h, save(token_ids, [1, 2, 0], [9], [0, 3, 0]))
+        loaded = await run_load(h, load(token_ids, 8, [5, 6, 0], [9], [0, 7, 0]))
+        again = await run_save(h, save(token_ids, [1, 2, 0], [9], [0, 3, 0]))
+    assert set(statuses(saved).values()) == {(BlockStatus.STORED, "")}
+    assert set(statuses(loaded).values()) == {(BlockStatus.LOADED, "")}
+    assert set(statuses(again).values()) == {(BlockStatus.PRESENT, "")}
+    for layer, src, dst in (("attn.0", 1, 5), ("attn.1", 2, 6), ("ssm.0", 3, 7)):
+        assert torch.equal(h.block(layer, dst), h.block(layer, src))
+    assert h.store.stats().keys == 3
+    assert h.pool.free_slots("save") == 6 and h.pool.free_slots("load") == 2
+
+
+async def test_a_failed_batch_gives_its_lent_reservation_back() -> None:
+    """A staged batch failing as a whole (a fault after the copy) gives its memory back
+    and settles each block with the store error."""
+    h = harness(HYBRID, lent=True)
+    job = h.job(save(tokens(8), [1, 2], [9], [0, 0]))
+    with anyio.fail_after(TIMEOUT_S):
+        await GroupFilterStage(h.tracker).process(job)
+        named = await HashingStage(h.tracker, h.limiter).process(job)
+        staged = await TransferStage(h.memory, h.copy, h.tracker, StorePressure()).process(
+            named or []
+        )
+        assert staged is not None
+        await staged.fail(StoreError("injected"), h.tracker)
+    assert {reason for _, reason in statuses(job).values()} == {"store: injected"}
+    assert h.finished() == [job]
+    assert h.store.stats().keys == 0  # the reservation was given back, not stored

@@ -6,7 +6,7 @@ import anyio
 import pytest
 import torch
 
-from pipeline.staging import Slot, StagingPool
+from pipeline.backends.staging import Slot, StagingPool
 
 TIMEOUT_S = 5
 

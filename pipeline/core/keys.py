@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pipeline.layout import KVCacheLayout
+from pipeline.core.layout import KVCacheLayout
 
 __all__ = ["key_prefix", "keys_for", "layout_key_prefixes", "store_key"]
 

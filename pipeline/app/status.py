@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.errors import TransportError
+from pipeline.core.errors import TransportError
 
 __all__ = ["show_status"]
 

@@ -11,7 +11,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from pipeline.messages import LoadDone, SaveDone, SidecarMessage
+from pipeline.core.messages import LoadDone, SaveDone, SidecarMessage
 
 __all__ = ["Metrics"]
 

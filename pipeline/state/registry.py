@@ -10,11 +10,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pipeline.errors import LayoutError, RequestRejected, TransportError
-from pipeline.hashing import block_hashes
-from pipeline.layout import KVCacheLayout
-from pipeline.messages import PROTOCOL_VERSION, ErrorCode, Register, Registered, TensorHandle
-from pipeline.sessions import EngineSession, build_store_groups
+from pipeline.core.errors import LayoutError, RequestRejected, TransportError
+from pipeline.core.geometry import build_store_groups
+from pipeline.core.hashing import block_hashes
+from pipeline.core.layout import KVCacheLayout
+from pipeline.core.messages import PROTOCOL_VERSION, ErrorCode, Register, Registered, TensorHandle
+from pipeline.state.sessions import EngineSession
 
 __all__ = ["LayerTensors", "MapTensors", "SessionRegistry"]
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
 import msgspec
 
-from pipeline.errors import FrameTooLarge, ProtocolError
-from pipeline.store import BlockStatus
+from pipeline.core.errors import FrameTooLarge, ProtocolError
+from pipeline.core.outcomes import BlockStatus
 
 __all__ = [
     "PROTOCOL_VERSION",

@@ -24,15 +24,15 @@ import anyio
 import msgspec
 import torch
 
-from pipeline.hashing import block_hashes, group_block_hashes
-from pipeline.layout import GroupKind, KVCacheLayout
-from pipeline.store import BlockStatus
+from pipeline.core.hashing import block_hashes, group_block_hashes
+from pipeline.core.layout import GroupKind, KVCacheLayout
+from pipeline.core.outcomes import BlockStatus
 from transport.client import EngineClient
 from transport.tensors import shared_kv_caches
 
 __all__ = ["SimEngine", "SimReport", "load_layout", "run_engine_sim", "run_workload"]
 
-LAYOUTS_DIR = Path(__file__).resolve().parent.parent / "configs" / "layouts"
+LAYOUTS_DIR = Path(__file__).resolve().parents[2] / "configs" / "layouts"
 _DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,

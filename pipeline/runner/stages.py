@@ -1,4 +1,4 @@
-"""The stage runner: wires small stages with bounded streams, workers and batch deadlines.
+"""Running stages: workers over bounded edges, the error policy, and the batcher.
 
 Stages know nothing of streams: ``process(item)`` returns the output or None to drop it.
 The runner owns the edges. Each worker holds clones of its stage's inbox and outbox and
@@ -15,9 +15,9 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from pipeline.errors import StoreError
+from pipeline.core.errors import StoreError
 
-__all__ = ["Edge", "Stage", "create_edge", "run_batcher", "start_stage"]
+__all__ = ["Batching", "OnFailure", "Sink", "Stage", "run_batcher", "start_stage"]
 
 In = TypeVar("In", contravariant=True)
 Out = TypeVar("Out", covariant=True)
@@ -27,24 +27,34 @@ Item = TypeVar("Item")
 class Stage(Protocol[In, Out]):
     """What every stage offers the runner: one item in, its output (or None) out."""
 
-    async def process(self, item: In) -> Out | None: ...
+    async def process(self, item: In, /) -> Out | None: ...
+
+
+class Batching(Protocol[Item]):
+    """A batching stage: the runner regroups its items (``run_batcher``)."""
+
+    deadline_s: float
+    """How long a partial batch may wait for more items."""
+
+    def group_of(self, item: Item, /) -> Hashable:
+        """Items of one group share a batch."""
+
+    def limit_of(self, item: Item, /) -> int:
+        """How many items fill a batch of this item's group."""
+
+    def new_batch(self) -> list[Item]:
+        """An empty batch (the type the next stage takes)."""
 
 
 MAX_DRAIN = 256
 """Upstream lists taken in at once before the batcher flushes."""
 
-Edge = tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]
-
-
-def create_edge(size: int) -> Edge:
-    """A bounded stream between two stages (``size`` comes from config, never infinite)."""
-    if not 0 < size < math.inf:
-        raise ValueError(f"edge size must be finite and positive, got {size}")
-    return anyio.create_memory_object_stream[Any](max_buffer_size=size)
-
-
 Process = Callable[[Any], Awaitable[Any]]
-OnFailure = Callable[[Any, StoreError], Awaitable[None]]
+OnFailure = Callable[[Any, StoreError], Awaitable[Any]]
+"""Answers an item whose processing met a store error; what it returns is the stage's
+output for that item (None: nothing)."""
+Sink = Callable[[Any], Awaitable[None]]
+"""Where a path's last outputs go (replies to engines)."""
 
 
 def _guarded(process: Process, on_failure: OnFailure | None,
@@ -63,8 +73,7 @@ def _guarded(process: Process, on_failure: OnFailure | None,
         except StoreError as exc:
             if on_failure is None:
                 raise
-            await on_failure(item, exc)
-            return None
+            return await on_failure(item, exc)
 
     return guarded
 
@@ -73,11 +82,14 @@ async def _worker(
     process: Process,
     inbox: MemoryObjectReceiveStream[Any],
     outbox: MemoryObjectSendStream[Any] | None,
+    sink: Sink | None,
 ) -> None:
     async with inbox:
         if outbox is None:
             async for item in inbox:
-                await process(item)
+                result = await process(item)
+                if result is not None and sink is not None:
+                    await sink(result)
             return
         async with outbox:
             async for item in inbox:
@@ -96,16 +108,18 @@ def start_stage(
     workers: int = 1,
     on_failure: OnFailure | None = None,
     before: Callable[[], Awaitable[None]] | None = None,
+    sink: Sink | None = None,
 ) -> None:
     """Run ``workers`` copies of a stage; the originals of both streams are closed here.
 
     ``before`` runs ahead of every item (a fault point); ``on_failure(item, error)``
-    answers an item whose processing met a store error.
+    answers an item whose processing met a store error. Without an outbox, outputs go
+    to ``sink`` (if any).
     """
     guarded = _guarded(process, on_failure, before)
     for index in range(workers):
         tg.start_soon(
-            _worker, guarded, inbox.clone(), outbox.clone() if outbox else None,
+            _worker, guarded, inbox.clone(), outbox.clone() if outbox else None, sink,
             name=f"stage.{name}.{index}",
         )
     inbox.close()
@@ -120,6 +134,7 @@ async def run_batcher(
     group_of: Callable[[Item], Hashable],
     limit_of: Callable[[Item], int],
     deadline_s: float,
+    new_batch: Callable[[], list[Item]] = list,
 ) -> None:
     """Regroup items into batches of one group each, flushed when full or when the oldest
     item has waited ``deadline_s``. ``limit_of`` gives the item count that fills a batch.
@@ -152,8 +167,9 @@ async def run_batcher(
                     ended = True
             for item in (item for items in received for item in items):
                 key = group_of(item)
-                batch = pending.setdefault(key, [])
-                if not batch:
+                batch = pending.get(key)
+                if batch is None:
+                    batch = pending[key] = new_batch()
                     started[key] = anyio.current_time()
                 batch.append(item)
                 if len(batch) >= limit_of(item):

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 __all__ = [
     "BatchingStageConfig",
@@ -80,10 +80,13 @@ class StageConfig(_Section, frozen=True):
     workers: Positive = 1
 
 
-class ReceiveStageConfig(StageConfig, frozen=True):
+class ReceiveStageConfig(_Section, frozen=True):
+    """The receive loop has no inbox of its own (``server.rcvhwm`` bounds the socket): it
+    hands requests to each path's first stage, whose inbox bounds what is queued."""
+
     overflow: Literal["block", "skip"] = "skip"
     """A save arriving when its engine already has ``max_saves_per_engine`` in flight, or
-    the save inbox is full: ``skip`` answers it at once, every block skipped(overloaded);
+    the save path's inbox is full: ``skip`` answers it at once, every block skipped(overloaded);
     ``block`` stops reading the socket until there is room (backpressure on everyone)."""
     max_saves_per_engine: Positive = 32
     """Saves of one engine in the pipeline at once: one engine's flood cannot fill it."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from pipeline.layout import GroupKind, KVCacheGroup, KVCacheLayout
+from pipeline.core.layout import GroupKind, KVCacheGroup, KVCacheLayout
 
 __all__ = ["longest_hit", "max_hit_tokens", "required_blocks"]
 

@@ -16,9 +16,11 @@ from typing import TypeVar
 import anyio
 import torch
 
-from pipeline.config import FaultsConfig
-from pipeline.errors import StoreError
-from pipeline.store import Extents, KeyOutcome, KVStore, StoreWrapper
+from pipeline.backends.wrapper import StoreWrapper
+from pipeline.core.config import FaultsConfig
+from pipeline.core.errors import StoreError
+from pipeline.core.outcomes import KeyOutcome
+from pipeline.core.store import Extents, KVStore
 
 __all__ = ["Faults", "FaultyStore", "InjectedFault"]
 

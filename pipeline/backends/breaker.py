@@ -15,8 +15,9 @@ from typing import TypeVar
 import anyio
 import structlog
 
-from pipeline.errors import StoreError, StoreUnavailable
-from pipeline.store import KVStore, StoreWrapper
+from pipeline.backends.wrapper import StoreWrapper
+from pipeline.core.errors import StoreError, StoreUnavailable
+from pipeline.core.store import KVStore
 
 __all__ = ["BreakerState", "CircuitBreakerStore"]
 

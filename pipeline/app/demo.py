@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,22 +19,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from pipeline.engine_sim import SimReport
+from pipeline.app.engine_sim import SimReport
+from pipeline.app.launcher import run_sidecar_process
 
 __all__ = ["run_demo"]
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 DEMO_BLOCK_SIZE = 32
 """The preset's 800-token blocks scaled down so the demo runs in seconds."""
 ENGINES = ("engine-a", "engine-b")
-
-
-async def _wait_for_socket(path: Path, sidecar: subprocess.Popen[str], timeout_s: float) -> None:
-    with anyio.fail_after(timeout_s):
-        while not path.exists():  # noqa: ASYNC240 - a stat per 50 ms poll
-            if sidecar.poll() is not None:
-                raise RuntimeError(f"the sidecar exited with code {sidecar.returncode}")
-            await anyio.sleep(0.05)
 
 
 async def _run_engines(
@@ -58,7 +47,7 @@ async def _run_engines(
             command = [
                 sys.executable,
                 "-m",
-                "pipeline.cli",
+                "pipeline.app.cli",
                 "engine-sim",
                 "--endpoint",
                 endpoint,
@@ -131,50 +120,34 @@ def _summary(total: SimReport, wall_s: float, sidecar_exit: int) -> Table:
 def run_demo(args: argparse.Namespace) -> int:
     console = Console(stderr=False)
     config = args.config or str(DEFAULT_CONFIG)
-    with tempfile.TemporaryDirectory(prefix="kvsidecar-demo-") as tmp:
-        socket_path = Path(tmp) / "sidecar.sock"
-        endpoint = f"ipc://{socket_path}"
-        log_path = Path(tmp) / "sidecar.log"
-        started = time.perf_counter()
-        with log_path.open("w") as log:
-            sidecar = subprocess.Popen(
-                [sys.executable, "-m", "pipeline.cli", "serve", "--config", config,
-                 "--endpoint", endpoint],
-                text=True,
-                stdout=log,
-                stderr=log,
-                env={**os.environ, "NO_COLOR": "1"},
+    started = time.perf_counter()
+    with run_sidecar_process(config=config, env={"NO_COLOR": "1"},
+                             stop_timeout_s=30) as sidecar:
+        try:
+            console.print(
+                f"sidecar up at {sidecar.endpoint}; engines use layout {args.layout!r} "
+                f"with blocks scaled to {DEMO_BLOCK_SIZE} tokens"
             )
-            try:
-                anyio.run(_wait_for_socket, socket_path, sidecar, 30.0)
-                console.print(
-                    f"sidecar up at {endpoint}; engines use layout {args.layout!r} "
-                    f"with blocks scaled to {DEMO_BLOCK_SIZE} tokens"
-                )
-                reports = anyio.run(_run_engines, endpoint, args, console)
-            finally:
-                sidecar.send_signal(signal.SIGTERM)
-                try:
-                    sidecar_exit = sidecar.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    sidecar.kill()
-                    sidecar_exit = sidecar.wait()
-        wall_s = time.perf_counter() - started
-        total = SimReport()
-        for report in reports:
-            total.merge(report)
-        console.print(_summary(total, wall_s, sidecar_exit))
-        ok = (
-            len(reports) == len(ENGINES)
-            and total.errors == 0
-            and total.blocks_mismatched == 0
-            and total.blocks_verified == total.blocks_loaded
-            and total.blocks_loaded > 0
-            and sidecar_exit == 0
-        )
-        if not ok:
-            console.print("[red]demo FAILED[/red]; sidecar log follows")
-            console.print(log_path.read_text()[-4000:])
-            return 1
-        console.print("[green]every loaded byte verified[/green]")
-        return 0
+            reports = anyio.run(_run_engines, sidecar.endpoint, args, console)
+        finally:
+            sidecar_exit = sidecar.terminate(timeout_s=30)
+        sidecar_log = sidecar.log()
+    wall_s = time.perf_counter() - started
+    total = SimReport()
+    for report in reports:
+        total.merge(report)
+    console.print(_summary(total, wall_s, sidecar_exit))
+    ok = (
+        len(reports) == len(ENGINES)
+        and total.errors == 0
+        and total.blocks_mismatched == 0
+        and total.blocks_verified == total.blocks_loaded
+        and total.blocks_loaded > 0
+        and sidecar_exit == 0
+    )
+    if not ok:
+        console.print("[red]demo FAILED[/red]; sidecar log follows")
+        console.print(sidecar_log[-4000:])
+        return 1
+    console.print("[green]every loaded byte verified[/green]")
+    return 0

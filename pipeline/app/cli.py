@@ -1,4 +1,4 @@
-"""``kvsidecar``: serve, demo, engine-sim, keygen.
+"""``kvsidecar``: serve, demo, engine-sim, status, graph, keygen.
 
 Exit codes: 0 clean shutdown (or a demo whose every byte verified), 1 failure at run
 time, 2 bad configuration or arguments.
@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import anyio
 import structlog
 
-from pipeline.config import Config, load_config
-from pipeline.errors import ConfigError, KVSidecarError
-from pipeline.logs import configure_logging
+from pipeline.app.logs import configure_logging
+from pipeline.core.config import Config, load_config
+from pipeline.core.errors import ConfigError, KVSidecarError
 
 __all__ = ["main"]
 
@@ -26,7 +26,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_CONFIG = 0, 1, 2
 
 async def serve(config: Config) -> None:
     """Run a sidecar until SIGTERM or SIGINT, then drain and return."""
-    from pipeline.service import run_sidecar
+    from pipeline.app.service import run_sidecar
 
     stop = anyio.Event()
     async with anyio.create_task_group() as tg:
@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--metrics-url", default="http://127.0.0.1:9400/metrics",
                         help="the sidecar's metrics endpoint (metrics.host and metrics.port)")
 
+    graph = commands.add_parser("graph", help="the stage graph a config wires, as a table")
+    graph.add_argument("--config", help="YAML config (default: built-in defaults)")
+
     keygen = commands.add_parser("keygen", help="write a CURVE key pair (sidecar or engine)")
     keygen.add_argument("--out", required=True, help="writes OUT.key (secret) and OUT.key.pub")
     return parser
@@ -113,18 +116,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             anyio.run(serve, config)
             return EXIT_OK
         if args.command == "demo":
-            from pipeline.demo import run_demo
+            from pipeline.app.demo import run_demo
 
             return run_demo(args)
         if args.command == "status":
-            from pipeline.status import show_status
+            from pipeline.app.status import show_status
 
             show_status(args.metrics_url)
+            return EXIT_OK
+        if args.command == "graph":
+            from pipeline.app.graph import show_graph
+
+            show_graph(load_config(args.config))
             return EXIT_OK
         if args.command == "keygen":
             keygen(args.out)
             return EXIT_OK
-        from pipeline.engine_sim import run_engine_sim
+        from pipeline.app.engine_sim import run_engine_sim
 
         return run_engine_sim(args)
     except BaseException as exc:

@@ -10,15 +10,49 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import anyio
+import torch
 from anyio.abc import ObjectSendStream
 
-from pipeline.messages import BlockReport, Load, Save
-from pipeline.sessions import EngineSession, StoreGroupGeometry
-from pipeline.store import STORE_FULL, BlockStatus, KeyOutcome
+from pipeline.core.errors import StoreError
+from pipeline.core.geometry import StoreGroupGeometry
+from pipeline.core.hitrule import required_blocks
+from pipeline.core.layout import NULL_BLOCK_ID
+from pipeline.core.messages import BlockReport, Load, Lookup, LookupReply, Save, SidecarMessage
+from pipeline.core.outcomes import STORE_FULL, BlockStatus, KeyOutcome, store_error_outcome
+from pipeline.core.seams import Values
+from pipeline.state.sessions import EngineSession
 
-__all__ = ["BlockTask", "Job", "JobTracker", "StorePressure"]
+__all__ = [
+    "BlockTask",
+    "Failable",
+    "Job",
+    "JobTracker",
+    "LookupRequest",
+    "Reply",
+    "StagedBatch",
+    "StorePressure",
+    "TaskBatch",
+    "planned_blocks",
+]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reply:
+    """A message for one engine, and when the request it answers was received."""
+
+    session: EngineSession
+    message: SidecarMessage
+    received_at: float
+
+
+class Failable(Protocol):
+    """An item in flight that can fail as a whole: it gives back what it holds and
+    settles its blocks (or returns the reply that answers it)."""
+
+    async def fail(self, error: StoreError, tracker: JobTracker) -> Reply | None: ...
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -56,6 +90,82 @@ class Job:
         return BlockReport(
             kv_group_id, task.block_index, task.block_id, outcome.status, outcome.reason
         )
+
+    async def fail(self, error: StoreError, tracker: JobTracker) -> None:
+        if not self.planned and self.pending == 0:
+            tracker.plan(self, planned_blocks(self))
+        if not self.planned:  # nothing to move: the job is answered as it is
+            await tracker.settle(self, ())
+            return
+        await tracker.settle_all(
+            self.planned, store_error_outcome(error, saving=not self.is_load)
+        )
+
+
+def planned_blocks(job: Job) -> list[BlockTask]:
+    """The blocks a job moves: per store group, in block order, null blocks left out.
+    Saves move every block; loads the blocks each store group needs to resume at
+    ``num_tokens`` (the hit rule), nothing more."""
+    session = job.session
+    projected = session.layout.project_block_ids(job.message.block_ids)
+    tasks: list[BlockTask] = []
+    for store_group, block_ids in enumerate(projected):
+        if isinstance(job.message, Load):
+            group = session.store_groups[store_group].group
+            wanted = required_blocks(group, job.message.num_tokens) or range(0)
+            indices: Iterable[int] = (j for j in wanted if j < len(block_ids))
+        else:
+            indices = range(len(block_ids))
+        tasks.extend(
+            BlockTask(job, store_group, j, block_ids[j])
+            for j in indices
+            if block_ids[j] != NULL_BLOCK_ID
+        )
+    return tasks
+
+
+class TaskBatch(list[BlockTask]):
+    """Named blocks on their way to the store: one job's, or (batched) one store group's
+    of one session."""
+
+    async def fail(self, error: StoreError, tracker: JobTracker) -> None:
+        if self:
+            saving = not self[0].job.is_load
+            await tracker.settle_all(self, store_error_outcome(error, saving=saving))
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class StagedBatch:
+    """A batch of one session's store group with a value per block."""
+
+    tasks: list[BlockTask]
+    views: list[torch.Tensor]
+    """Value i belongs to tasks[i]: 1-D uint8, ``geometry.stored_bytes`` long."""
+    values: Values
+    """The memory the views live in, given back through it."""
+
+    @property
+    def geometry(self) -> StoreGroupGeometry:
+        return self.tasks[0].geometry
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [task.block_id for task in self.tasks]
+
+    async def fail(self, error: StoreError, tracker: JobTracker) -> None:
+        self.values.release()
+        await TaskBatch(self.tasks).fail(error, tracker)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LookupRequest:
+    session: EngineSession
+    message: Lookup
+    received_at: float = dataclasses.field(default_factory=time.monotonic)
+
+    async def fail(self, error: StoreError, tracker: JobTracker) -> Reply:
+        """A lookup the store could not answer is a miss."""
+        return Reply(self.session, LookupReply(self.message.seq, 0), self.received_at)
 
 
 class JobTracker:
@@ -110,6 +220,13 @@ class JobTracker:
             job.pending -= 1
         if job.pending == 0:
             await self._finish(job)
+
+    async def settle_each(
+        self, tasks: Sequence[BlockTask], outcomes: Sequence[KeyOutcome]
+    ) -> None:
+        """Settle tasks, possibly of several jobs, each with its own outcome."""
+        for task, outcome in zip(tasks, outcomes, strict=True):
+            await self.settle(task.job, ((task, outcome),))
 
     async def settle_all(self, tasks: Iterable[BlockTask], outcome: KeyOutcome) -> None:
         """Settle tasks, possibly of several jobs, with one outcome."""

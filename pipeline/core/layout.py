@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from pipeline.errors import LayoutError
+from pipeline.core.errors import LayoutError
 
 __all__ = [
     "NULL_BLOCK_ID",

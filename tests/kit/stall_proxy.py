@@ -1,7 +1,7 @@
 """A TCP relay to one upstream address that can be told to stall: a hung peer on demand,
-for tests (``pipeline.testing.stall_proxy`` drives it).
+for tests (``tests.kit.stall_proxy`` drives it).
 
-    python -m pipeline.stall_proxy UPSTREAM_HOST:PORT
+    python tests/kit/stall_proxy.py UPSTREAM_HOST:PORT
 
 Prints ``listening PORT`` once it accepts connections. Each line on stdin is a command,
 answered on stdout once it has taken effect: ``stall`` (stop relaying in both

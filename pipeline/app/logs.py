@@ -7,7 +7,7 @@ import sys
 
 import structlog
 
-from pipeline.config import LoggingConfig
+from pipeline.core.config import LoggingConfig
 
 __all__ = ["configure_logging"]
 

@@ -1,0 +1,84 @@
+"""The backend choices, made once: the store (behind its decorators), the batch memory
+and the copy engines every data stage is built with."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+
+import anyio
+
+from pipeline.backends.breaker import CircuitBreakerStore
+from pipeline.backends.cpu_copy import CpuCopyEngine
+from pipeline.backends.faults import Faults, FaultyStore
+from pipeline.backends.memory import LentMemory, StagingMemory
+from pipeline.backends.staging import StagingPool
+from pipeline.core.config import Config, StoreConfig
+from pipeline.core.seams import BatchMemory, CopyEngine
+from pipeline.core.store import KVStore
+
+__all__ = ["Backends", "open_backends", "open_store"]
+
+
+@contextlib.asynccontextmanager
+async def open_store(
+    config: StoreConfig, faults: Faults | None = None
+) -> AsyncIterator[CircuitBreakerStore]:
+    """The configured store backend behind a circuit breaker (and fault points, if any),
+    closed on exit."""
+    store: KVStore
+    if config.backend == "mooncake":
+        from transport.mooncake_store import open_mooncake_store
+
+        store = await open_mooncake_store(config.mooncake)
+    else:
+        from transport.embedded_store import EmbeddedStore
+
+        store = EmbeddedStore(config.embedded)
+    if faults is not None and faults.enabled:
+        store = FaultyStore(store, faults)
+    guarded = CircuitBreakerStore(
+        store,
+        call_timeout_s=config.breaker.call_timeout_s,
+        failure_threshold=config.breaker.failure_threshold,
+        reset_after_s=config.breaker.reset_after_s,
+    )
+    try:
+        yield guarded
+    finally:
+        with anyio.CancelScope(shield=True):
+            await guarded.aclose()
+
+
+@dataclasses.dataclass(frozen=True)
+class Backends:
+    store: KVStore
+    pool: StagingPool
+    memory: BatchMemory
+    save_copy: CopyEngine
+    load_copy: CopyEngine
+    """Loads copy on threads of their own: a load never waits behind a save's copy."""
+
+
+@contextlib.asynccontextmanager
+async def open_backends(config: Config, faults: Faults) -> AsyncIterator[Backends]:
+    staging = config.staging
+    pool = StagingPool(staging.pool_bytes, staging.slot_bytes, load_slots=staging.load_slots)
+    async with open_store(config.store, faults) as store:
+        await store.register_buffer(pool.buffer)
+        memory: BatchMemory
+        if config.store.backend == "embedded":
+            # The embedded store lends its memory: values are copied straight into and
+            # out of it, one copy instead of two through staging.
+            memory = LentMemory(store)
+        else:
+            memory = StagingMemory(
+                pool, store, skip_when_full=config.stages.transfer.overflow == "skip"
+            )
+        threads = config.stages.transfer.threads
+        yield Backends(
+            store, pool, memory,
+            save_copy=CpuCopyEngine(anyio.CapacityLimiter(threads)),
+            load_copy=CpuCopyEngine(anyio.CapacityLimiter(threads)),
+        )

@@ -1,0 +1,264 @@
+"""The receive side: frames in, decoded and checked, handed to their path; replies out.
+
+Admission happens here: a request that cannot be served is refused before it is
+accepted, and under overload a save is answered at once (every block skipped) instead
+of queueing in front of completions that loads are waiting for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import anyio
+import msgspec
+import structlog
+from anyio.streams.memory import MemoryObjectSendStream
+
+from pipeline.app.metrics import Metrics
+from pipeline.core.config import Config
+from pipeline.core.errors import FrameTooLarge, ProtocolError, RequestRejected
+from pipeline.core.hitrule import required_blocks
+from pipeline.core.layout import NULL_BLOCK_ID
+from pipeline.core.messages import (
+    EngineMessage,
+    ErrorCode,
+    ErrorReply,
+    Heartbeat,
+    HeartbeatAck,
+    Load,
+    Lookup,
+    LookupReply,
+    Register,
+    Save,
+    SaveDone,
+    SidecarMessage,
+    Unregister,
+    Unregistered,
+    decode_engine_message,
+    encode,
+)
+from pipeline.core.outcomes import BlockStatus, KeyOutcome
+from pipeline.state.jobs import Job, JobTracker, LookupRequest, Reply, planned_blocks
+from pipeline.state.registry import SessionRegistry
+from pipeline.state.sessions import EngineSession
+from stages.completion import completion_message
+from transport.server import SidecarSocket
+
+__all__ = ["Receiver"]
+
+log = structlog.get_logger("kvsidecar.service")
+
+OVERLOADED = KeyOutcome(BlockStatus.SKIPPED, "overloaded")
+
+
+class Receiver:
+    """Reads the socket until cancelled and answers engines."""
+
+    def __init__(
+        self,
+        config: Config,
+        socket: SidecarSocket,
+        registry: SessionRegistry,
+        tracker: JobTracker,
+        metrics: Metrics,
+        entrance: Callable[[str], MemoryObjectSendStream[object]],
+    ) -> None:
+        self._config = config
+        self._socket = socket
+        self._registry = registry
+        self._tracker = tracker
+        self._metrics = metrics
+        self._save_inbox = entrance("save")
+        self._load_inbox = entrance("load")
+        self._lookup_inbox = entrance("lookup")
+        self.accepting = True
+        self.last_receive = 0.0
+
+    def close_inboxes(self) -> None:
+        """Stop feeding the paths: they drain what they hold, then end."""
+        self.accepting = False
+        for inbox in (self._save_inbox, self._load_inbox, self._lookup_inbox):
+            inbox.close()
+
+    # -- replies ---------------------------------------------------------------------
+
+    async def send_reply(self, reply: Reply) -> None:
+        """The sink of every path that answers engines."""
+        message = reply.message
+        if isinstance(message, LookupReply | SaveDone):
+            message = msgspec.structs.replace(
+                message, save_credits=self._save_credits(reply.session)
+            )
+        await self._send(reply.session.identity, message)
+        self._metrics.replied(message, reply.received_at)
+
+    def _save_credits(self, session: EngineSession) -> int:
+        """How many more saves of this engine would be queued now, not refused."""
+        receive = self._config.stages.receive
+        if receive.overflow == "block":
+            return -1  # saves are never refused, only slowed down
+        inbox = self._save_inbox.statistics()
+        room = inbox.max_buffer_size - inbox.current_buffer_used
+        return int(max(0, min(receive.max_saves_per_engine - session.saves_in_flight, room)))
+
+    async def _send(self, identity: bytes, message: SidecarMessage) -> None:
+        await self._socket.send(identity, encode(message))
+
+    # -- receiving --------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            identity, frame = await self._socket.receive()
+            self.last_receive = anyio.current_time()
+            try:
+                message = decode_engine_message(
+                    frame, max_bytes=self._config.server.max_frame_bytes
+                )
+                await self._dispatch(identity, message)
+            except ProtocolError as exc:
+                too_large = isinstance(exc, FrameTooLarge)
+                code = ErrorCode.TOO_LARGE if too_large else ErrorCode.BAD_FRAME
+                self._metrics.rejected.labels(code).inc()
+                log.info("server.frame.rejected", code=code, error=str(exc))
+                await self._send(identity, ErrorReply(code, str(exc)))
+            except RequestRejected as exc:
+                self._metrics.rejected.labels(exc.code).inc()
+                log.info("server.request.rejected", code=exc.code, error=str(exc))
+                await self._send(identity, ErrorReply(exc.code, str(exc), _seq(message)))
+
+    async def _dispatch(self, identity: bytes, message: EngineMessage) -> None:
+        self._metrics.requests.labels(message.__struct_config__.tag).inc()
+        if isinstance(message, Register):
+            registered_session, registered = self._registry.register(identity, message)
+            self._metrics.sessions.set(len(self._registry.sessions))
+            log.info(
+                "session.registered",
+                engine_id=registered_session.engine_id,
+                store_groups=registered.store_group_ids,
+                fingerprint=registered.layout_fingerprint,
+            )
+            await self._send(identity, registered)
+            return
+        session = self._registry.get(identity)
+        if session is None:
+            raise RequestRejected(ErrorCode.NOT_REGISTERED, "register before sending requests")
+        session.last_seen = time.monotonic()
+        if isinstance(message, Heartbeat):
+            await self._send(identity, HeartbeatAck(message.seq))
+        elif isinstance(message, Unregister):
+            self._registry.remove(identity)
+            self._metrics.sessions.set(len(self._registry.sessions))
+            log.info("session.unregistered", engine_id=session.engine_id)
+            await self._send(identity, Unregistered(message.seq))
+        elif not self.accepting:
+            raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
+        elif isinstance(message, Lookup):
+            _check_engine_hashes(session, message)
+            await self._enqueue(self._lookup_inbox, LookupRequest(session, message))
+        else:
+            _check_request(session, message)
+            job = Job(session, message)
+            if isinstance(message, Load):
+                self._tracker.accept(job)
+                await self._enqueue(self._load_inbox, job)
+            else:
+                await self._accept_save(job)
+
+    async def _enqueue(
+        self, inbox: MemoryObjectSendStream[object], item: Job | LookupRequest
+    ) -> None:
+        """Hand a request to its path, waiting for room; if the shutdown closed the path
+        meanwhile, the request is refused as shutting down instead."""
+        try:
+            await inbox.send(item)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
+            if isinstance(item, Job):
+                self._tracker.answered(item)
+            raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down") from exc
+
+    async def _accept_save(self, job: Job) -> None:
+        """Queue a save, or under overload answer it at once with every block skipped.
+
+        The refusal is answered right here: it costs no stage, and it never queues in
+        front of completions that loads are waiting for."""
+        receive = self._config.stages.receive
+        if receive.overflow == "block":
+            self._tracker.accept(job)
+            await self._enqueue(self._save_inbox, job)
+            return
+        if job.session.saves_in_flight < receive.max_saves_per_engine:
+            self._tracker.accept(job)
+            try:
+                self._save_inbox.send_nowait(job)
+                return
+            except anyio.WouldBlock:
+                self._tracker.answered(job)
+        job.reports = [job.report(task, OVERLOADED) for task in planned_blocks(job)]
+        await self.send_reply(Reply(job.session, completion_message(job), job.received_at))
+
+
+def _seq(message: object) -> int:
+    return int(getattr(message, "seq", 0))
+
+
+def _check_engine_hashes(session: EngineSession, message: Lookup | Save | Load) -> None:
+    """Engine-sent block hashes must match the tokens in number and, on a sample (the
+    first block), in value: a wrong hash would name another prefix's KV."""
+    if message.block_hashes is None:
+        return
+    hbs = session.layout.hash_block_size
+    expected = len(message.token_ids) // hbs
+    if len(message.block_hashes) != expected:
+        raise RequestRejected(
+            ErrorCode.BAD_REQUEST,
+            f"{len(message.block_hashes)} block hashes for {len(message.token_ids)} tokens; "
+            f"expected {expected} (hash_block_size {hbs})",
+        )
+    if expected and message.block_hashes[0] != session.new_hasher(message.keys).extend(
+        message.token_ids[:hbs]
+    )[0]:
+        raise RequestRejected(
+            ErrorCode.HASH_MISMATCH,
+            "the first block hash differs from the sidecar's hash of the same tokens",
+        )
+
+
+def _check_request(session: EngineSession, message: Save | Load) -> None:
+    """Reject a save or load that cannot be served, before it is accepted."""
+    _check_engine_hashes(session, message)
+    try:
+        projected = session.check_block_ids(message.block_ids)
+    except ProtocolError as exc:
+        raise RequestRejected(ErrorCode.BAD_REQUEST, str(exc)) from exc
+    if not isinstance(message, Load):
+        return
+    tokens = message.num_tokens
+    if tokens > len(message.token_ids):
+        raise RequestRejected(
+            ErrorCode.BAD_REQUEST,
+            f"num_tokens {tokens} exceeds the request's {len(message.token_ids)} tokens",
+        )
+    for geometry, block_ids in zip(session.store_groups, projected, strict=True):
+        needed = required_blocks(geometry.group, tokens)
+        if needed is None:
+            raise RequestRejected(
+                ErrorCode.BAD_REQUEST,
+                f"num_tokens {tokens} is not a multiple of kv-cache group "
+                f"{geometry.kv_group_id}'s block size {geometry.group.block_size}",
+            )
+        for block in needed:
+            if block >= len(block_ids) or block_ids[block] == NULL_BLOCK_ID:
+                raise RequestRejected(
+                    ErrorCode.BAD_REQUEST,
+                    f"loading {tokens} tokens needs block {block} of kv-cache group "
+                    f"{geometry.kv_group_id}, but the engine gave no block for it",
+                )
+        targets = [block_ids[block] for block in needed]
+        if len(set(targets)) != len(targets):
+            # Two stored blocks copied into one engine block: whichever lands last wins.
+            raise RequestRejected(
+                ErrorCode.BAD_REQUEST,
+                f"loading {tokens} tokens would write block ids {targets} of kv-cache group "
+                f"{geometry.kv_group_id}: a block id appears twice",
+            )

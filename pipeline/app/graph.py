@@ -1,0 +1,128 @@
+"""The stage graph of a sidecar, declared: one list of stages per path.
+
+    save:   group_filter → hashing → dedup → batching → transfer → commit
+    load:   group_filter → hashing → batching → fetch → scatter
+    lookup: lookup → sink
+    save.completion, load.completion: completion → sink   (every job settles here)
+
+Each entry names its stage, how it is built from the root's resources, and its config
+section; the runner wires them (``pipeline.runner.Graph``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import anyio
+from rich.console import Console
+from rich.table import Table
+
+from pipeline.core.config import Config
+from pipeline.core.seams import BatchMemory, CopyEngine
+from pipeline.core.store import KVStore
+from pipeline.runner import BatchSpec, Graph, PathSpec, StageSpec
+from pipeline.state.jobs import JobTracker, StorePressure
+from stages.batching import BatchingStage
+from stages.commit import CommitStage
+from stages.completion import CompletionStage
+from stages.dedup import DedupStage
+from stages.fetch import FetchStage
+from stages.group_filter import GroupFilterStage
+from stages.hashing import HashingStage
+from stages.lookup import LookupStage
+from stages.scatter import ScatterStage
+from stages.transfer import TransferStage
+
+__all__ = ["COMPLETION_PATHS", "Resources", "build_graph", "paths", "show_graph"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    """What the stages are built from, chosen once at the root."""
+
+    config: Config
+    store: KVStore
+    memory: BatchMemory
+    save_copy: CopyEngine
+    load_copy: CopyEngine
+    tracker: JobTracker
+    pressure: StorePressure
+    hash_limiter: anyio.CapacityLimiter
+    slot_bytes: int
+
+
+Spec = StageSpec[Resources]
+
+GROUP_FILTER = Spec("group_filter", lambda r: GroupFilterStage(r.tracker), "group_filter")
+HASHING = Spec("hashing", lambda r: HashingStage(r.tracker, r.hash_limiter), "hashing")
+BATCHING = BatchSpec[Resources](
+    "batching", lambda r: BatchingStage(r.config.stages.batching, r.slot_bytes), "batching"
+)
+COMPLETION = Spec("completion", lambda r: CompletionStage(r.tracker), "completion")
+
+SAVE = (
+    GROUP_FILTER,
+    HASHING,
+    Spec("dedup", lambda r: DedupStage(r.store, r.tracker), "dedup"),
+    BATCHING,
+    Spec("transfer", lambda r: TransferStage(
+        r.memory, r.save_copy, r.tracker, r.pressure,
+        yield_to_loads_s=r.config.stages.transfer.yield_to_loads_ms / 1000,
+    ), "transfer"),
+    Spec("commit", lambda r: CommitStage(r.memory, r.tracker, r.pressure), "commit"),
+)
+LOAD = (
+    GROUP_FILTER,
+    HASHING,
+    BATCHING,
+    Spec("fetch", lambda r: FetchStage(r.memory, r.tracker), "fetch"),
+    Spec("scatter", lambda r: ScatterStage(r.store, r.load_copy, r.tracker), "scatter"),
+)
+LOOKUP = (Spec("lookup", lambda r: LookupStage(r.store), "lookup"),)
+
+COMPLETION_PATHS = ("save.completion", "load.completion")
+"""Finished jobs' lanes: a load's reply never queues behind a backlog of save replies."""
+
+
+def paths(config: Config) -> list[PathSpec[Resources]]:
+    receive = config.stages.receive
+    when_full = (
+        f"answer skipped(overloaded) (also past {receive.max_saves_per_engine} per engine)"
+        if receive.overflow == "skip" else "wait (stop reading the socket)"
+    )
+    return [
+        PathSpec("save", SAVE, when_full=when_full),
+        PathSpec("load", LOAD, when_full="wait (loads are never dropped)"),
+        PathSpec("lookup", LOOKUP, replies=True),
+        *(PathSpec(name, (COMPLETION,), replies=True, fed_by_stages=True)
+          for name in COMPLETION_PATHS),
+    ]
+
+
+def build_graph(config: Config) -> Graph[Resources]:
+    return Graph(paths(config), config.stages)
+
+
+def show_graph(config: Config) -> None:
+    """Print the graph as ``config`` wires it: each stage, its workers, its inbox's
+    bound and what happens to an item offered to a full inbox; then the backends."""
+    table = Table(title="kvsidecar stage graph")
+    for column in ("path", "stage", "workers", "inbox", "when full", "next"):
+        table.add_column(column, justify="right" if column in ("workers", "inbox") else "left")
+    for row in build_graph(config).rows():
+        table.add_row(row.path, row.stage, str(row.workers), str(row.inbox), row.when_full,
+                      row.to)
+    console = Console()
+    console.print(table)
+    store = config.store
+    memory = ("lent by the store (one copy each way)" if store.backend == "embedded"
+              else f"staging pool, {config.staging.pool_bytes // config.staging.slot_bytes} "
+                   f"slots of {config.staging.slot_bytes >> 20} MiB "
+                   f"({config.staging.load_slots} for loads); "
+                   f"a save finding none: {config.stages.transfer.overflow}")
+    console.print(f"store: {store.backend} behind a circuit breaker "
+                  f"(call timeout {store.breaker.call_timeout_s:g} s), "
+                  f"checksums {'on' if store.checksum else 'off'}")
+    console.print(f"batch memory: {memory}")
+    console.print(f"copy engine: cpu, {config.stages.transfer.threads} threads for saves "
+                  f"and {config.stages.transfer.threads} for loads")

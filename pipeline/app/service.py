@@ -1,0 +1,189 @@
+"""The composition root: backends, a socket, sessions and the stage graph, wired once.
+
+The graph is declared in ``pipeline.app.graph``; requests come in through the
+``Receiver``. Shutdown: stop accepting (new requests get a ``shutting_down`` error),
+let the stages drain within ``server.drain_timeout_s``, then abort and answer every
+job still open with failed blocks. An unexpected stage crash ends the service with an
+error.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+import anyio
+import structlog
+import torch
+from anyio.abc import TaskStatus
+
+from pipeline.app.backends import Backends, open_backends
+from pipeline.app.dispatch import Receiver
+from pipeline.app.graph import COMPLETION_PATHS, Resources, build_graph
+from pipeline.app.metrics import Metrics
+from pipeline.backends.faults import Faults
+from pipeline.core.config import Config
+from pipeline.core.errors import StoreError
+from pipeline.core.messages import TensorHandle
+from pipeline.state.jobs import Failable, JobTracker, Reply, StorePressure
+from pipeline.state.registry import LayerTensors, SessionRegistry
+from stages.completion import CompletionStage
+from transport.server import SidecarSocket, open_server_socket
+from transport.tensors import MappedTensors
+
+__all__ = ["Sidecar", "run_sidecar"]
+
+log = structlog.get_logger("kvsidecar.service")
+
+STRAGGLER_WINDOW_S = 0.1
+
+
+def map_shared_tensors(
+    handles: Sequence[TensorHandle],
+) -> tuple[LayerTensors, Callable[[], None]]:
+    mapper = MappedTensors()
+    try:
+        tensors = {
+            handle.layer: (mapper.map_tensor(handle), handle.block_dim) for handle in handles
+        }
+    except BaseException:
+        mapper.close()
+        raise
+    return tensors, mapper.close
+
+
+class Sidecar:
+    """One running sidecar: sessions, the receiver and the stage graph."""
+
+    def __init__(
+        self, config: Config, backends: Backends, socket: SidecarSocket, faults: Faults
+    ) -> None:
+        self.config = config
+        self.faults = faults
+        self.backends = backends
+        pool = backends.pool
+        self.registry = SessionRegistry(
+            map_shared_tensors,
+            checksum=config.store.checksum,
+            max_value_bytes=pool.slot_bytes,
+            save_capacity_blocks=lambda value_bytes: (
+                (pool.slots - pool.load_slots) * (pool.slot_bytes // value_bytes)
+            ),
+        )
+        self.graph = build_graph(config)
+        self.tracker = JobTracker(*(self.graph.entrance(name) for name in COMPLETION_PATHS))
+        self.metrics = Metrics()
+        self.metrics.open_jobs.set_function(lambda: self.tracker.open_jobs)
+        self.metrics.withheld_slots.set_function(lambda: pool.withheld)
+        self.receiver = Receiver(
+            config, socket, self.registry, self.tracker, self.metrics, self.graph.entrance
+        )
+        self.socket = socket
+
+    def _resources(self) -> Resources:
+        backends = self.backends
+        return Resources(
+            config=self.config,
+            store=backends.store,
+            memory=backends.memory,
+            save_copy=backends.save_copy,
+            load_copy=backends.load_copy,
+            tracker=self.tracker,
+            pressure=StorePressure(),
+            hash_limiter=anyio.CapacityLimiter(self.config.stages.hashing.workers),
+            slot_bytes=backends.pool.slot_bytes,
+        )
+
+    async def _fail_item(self, item: Failable, error: StoreError) -> Reply | None:
+        """An item that met a store error (or an injected fault) answers for itself."""
+        log.info("stage.item.failed", error=str(error), item=type(item).__name__)
+        return await item.fail(error, self.tracker)
+
+    def _fault_point(self, point: str) -> Callable[[], Awaitable[None]] | None:
+        return functools.partial(self.faults.check, point) if self.faults.enabled else None
+
+    async def _reap_loop(self) -> None:
+        timeout = self.config.server.heartbeat_timeout_s
+        while True:
+            await anyio.sleep(timeout / 4)
+            now = time.monotonic()
+            for identity, session in list(self.registry.sessions.items()):
+                if now - session.last_seen > timeout:
+                    log.warning(
+                        "session.reaped",
+                        engine_id=session.engine_id,
+                        silent_s=round(now - session.last_seen, 1),
+                    )
+                    self.metrics.reaped.inc()
+                    self.registry.remove(identity)
+                    self.metrics.sessions.set(len(self.registry.sessions))
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def run(
+        self, stop: anyio.Event, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve until ``stop`` is set, then drain and return."""
+        receiver = self.receiver
+        async with anyio.create_task_group() as root:
+            root.start_soon(receiver.run, name="receive")
+            root.start_soon(self._reap_loop, name="reap")
+            drained = anyio.Event()
+            pipeline_scope = anyio.CancelScope()
+
+            async def run_pipeline() -> None:
+                with pipeline_scope:
+                    await self.graph.run(
+                        self._resources(), sink=receiver.send_reply,
+                        on_failure=self._fail_item, before=self._fault_point,
+                    )
+                drained.set()
+
+            root.start_soon(run_pipeline, name="pipeline")
+            if self.config.metrics.port:
+                self.metrics.serve(self.config.metrics.host, self.config.metrics.port)
+            task_status.started(self.socket.endpoint)
+            log.info("sidecar.ready", endpoint=self.socket.endpoint)
+            await stop.wait()
+
+            log.info("sidecar.draining", open_jobs=self.tracker.open_jobs)
+            receiver.close_inboxes()
+            with anyio.move_on_after(self.config.server.drain_timeout_s):
+                await drained.wait()
+            if not drained.is_set():
+                pipeline_scope.cancel()
+                abandoned = self.tracker.abandon_open("shutdown")
+                log.warning("sidecar.drain.timeout", abandoned=len(abandoned))
+                completion = CompletionStage(self.tracker)
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    for job in abandoned:
+                        await receiver.send_reply(await completion.process(job))
+            await self._answer_stragglers()
+            root.cancel_scope.cancel()
+        self.registry.close()
+        log.info("sidecar.stopped")
+
+    async def _answer_stragglers(self) -> None:
+        """Keep refusing new requests until engines go quiet, so that a request sent just
+        before the shutdown gets an answer instead of a timeout."""
+        with anyio.move_on_after(STRAGGLER_WINDOW_S * 10):
+            while anyio.current_time() - self.receiver.last_receive < STRAGGLER_WINDOW_S:  # noqa: ASYNC110
+                await anyio.sleep(STRAGGLER_WINDOW_S / 5)
+
+
+async def run_sidecar(
+    config: Config,
+    stop: anyio.Event,
+    *,
+    task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Open the backends and the socket, serve until ``stop``, drain, close everything."""
+    # The copy engine splits each batch across its own threads (pipeline.backends.
+    # cpu_copy.CopyThreads); an OpenMP team inside every copy call would only add wake-ups.
+    torch.set_num_threads(1)
+    faults = Faults(config.faults)
+    async with open_backends(config, faults) as backends:
+        with open_server_socket(config.server) as socket:
+            sidecar = Sidecar(config, backends, socket, faults)
+            await sidecar.run(stop, task_status=task_status)

@@ -1,0 +1,65 @@
+"""The base of store decorators (circuit breaker, fault points): every call of the
+wrapped store goes through one overridable hook."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import torch
+
+from pipeline.core.outcomes import KeyOutcome
+from pipeline.core.store import DirectKVStore, Extents, KVStore
+
+__all__ = ["StoreWrapper"]
+
+T = TypeVar("T")
+
+
+class StoreWrapper:
+    """A store around another: each call goes through ``_around(name, call)``, which a
+    subclass overrides to guard it (timeouts, fault points); lent memory is passed on."""
+
+    def __init__(self, inner: KVStore) -> None:
+        self.inner = inner
+
+    async def _around(self, name: str, call: Callable[[], Awaitable[T]]) -> T:
+        return await call()
+
+    async def register_buffer(self, buffer: torch.Tensor) -> None:
+        await self.inner.register_buffer(buffer)
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        return await self._around("exists", lambda: self.inner.exists(keys))
+
+    async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
+        return await self._around("put", lambda: self.inner.put(keys, values))
+
+    async def get_into(
+        self, keys: Sequence[str], buffers: Sequence[torch.Tensor]
+    ) -> list[KeyOutcome]:
+        return await self._around("get", lambda: self.inner.get_into(keys, buffers))
+
+    async def remove(self, keys: Sequence[str]) -> int:
+        return await self._around("remove", lambda: self.inner.remove(keys))
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def reserve(self, keys: Sequence[str], size: int) -> Extents:
+        return await self._around("put", lambda: self._direct().reserve(keys, size))
+
+    def commit(self, extents: Extents, *, written: bool) -> list[KeyOutcome]:
+        return self._direct().commit(extents, written=written)
+
+    async def lease(self, keys: Sequence[str], size: int) -> Extents:
+        return await self._around("get", lambda: self._direct().lease(keys, size))
+
+    def release(self, extents: Extents) -> None:
+        self._direct().release(extents)
+
+    def _direct(self) -> DirectKVStore:
+        if not isinstance(self.inner, DirectKVStore):
+            raise TypeError(f"{type(self.inner).__name__} does not lend its memory")
+        return self.inner
+

@@ -1,0 +1,61 @@
+"""What happened to one block: the outcome every store call and every stage reports.
+
+Pure values (no torch), so that the wire messages can carry them without the store.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from pipeline.core.errors import StoreError, StoreUnavailable
+
+__all__ = [
+    "LOADED",
+    "MISSING",
+    "PRESENT",
+    "STORED",
+    "STORE_FULL",
+    "STORE_UNAVAILABLE",
+    "BlockStatus",
+    "KeyOutcome",
+    "failed",
+    "store_error_outcome",
+]
+
+
+class BlockStatus(enum.StrEnum):
+    STORED = "stored"
+    PRESENT = "present"
+    SKIPPED = "skipped"
+    FAILED = "failed"
+    LOADED = "loaded"
+    MISSING = "missing"
+
+
+class KeyOutcome(msgspec.Struct, frozen=True):
+    status: BlockStatus
+    reason: str = ""
+
+
+STORED = KeyOutcome(BlockStatus.STORED)
+PRESENT = KeyOutcome(BlockStatus.PRESENT)
+LOADED = KeyOutcome(BlockStatus.LOADED)
+MISSING = KeyOutcome(BlockStatus.MISSING, "missing")
+STORE_FULL = KeyOutcome(BlockStatus.SKIPPED, "store_full")
+STORE_UNAVAILABLE = KeyOutcome(BlockStatus.SKIPPED, "store_unavailable")
+
+
+def failed(reason: str) -> KeyOutcome:
+    return KeyOutcome(BlockStatus.FAILED, reason)
+
+
+def store_error_outcome(exc: StoreError, *, saving: bool) -> KeyOutcome:
+    """The outcome of blocks whose whole batch met a store error.
+
+    Saves are a cache fill: while the store is known to be down they are skipped.
+    """
+    if saving and isinstance(exc, StoreUnavailable):
+        return STORE_UNAVAILABLE
+    return failed(f"store: {exc}")

@@ -1,0 +1,73 @@
+"""The two seams the data stages move bytes through, each chosen once at the root.
+
+- ``BatchMemory``: where a batch's values live. The staging pool (values reach the store
+  by its batch calls) or memory the store lends (the embedded store: one copy each way).
+- ``CopyEngine``: gathers engine blocks into values and scatters them back, sealing and
+  verifying checksums. CPU threads today; a CUDA engine next.
+
+A stage calls these and never asks which backend it has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from pipeline.core.geometry import StoreGroupGeometry
+from pipeline.core.outcomes import KeyOutcome
+
+__all__ = ["BatchMemory", "CopyEngine", "Hold", "Values"]
+
+
+class Hold(Protocol):
+    """A memory's hold on one batch's values."""
+
+    def release(self) -> None:
+        """Give the memory back without storing the values; idempotent."""
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Values:
+    """One batch's values: per key a view (1-D uint8) or the outcome that says why there
+    is none, and the hold that gives their memory back."""
+
+    keys: list[str]
+    views: list[torch.Tensor | None]
+    outcomes: list[KeyOutcome]
+    hold: Hold
+
+    def release(self) -> None:
+        self.hold.release()
+
+
+class BatchMemory(Protocol):
+    async def reserve(self, keys: Sequence[str], size: int) -> Values:
+        """Save: writable room of ``size`` bytes per key (outcome ``STORED`` once
+        stored); keys refused say why (present, store full, staging full)."""
+
+    async def store(self, values: Values) -> list[KeyOutcome]:
+        """Save: store the written values (those with a view, in order) and give their
+        memory back. A store error is an outcome per key, never raised."""
+
+    async def fetch(self, keys: Sequence[str], size: int) -> Values:
+        """Load: each key's stored value, readable (outcome ``LOADED``), or why there is
+        none. A store error is an outcome per key, never raised."""
+
+
+class CopyEngine(Protocol):
+    async def gather(
+        self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
+        views: Sequence[torch.Tensor],
+    ) -> None:
+        """Fill value i from engine block ``block_ids[i]``, then seal its checksum."""
+
+    async def scatter(
+        self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
+        views: Sequence[torch.Tensor],
+    ) -> list[bool]:
+        """Check each value against its checksum, then copy only the intact ones into
+        their engine blocks: the engine never receives a corrupted byte. Returns whether
+        each value was intact."""

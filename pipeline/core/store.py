@@ -1,0 +1,82 @@
+"""The block-store contract every backend implements (embedded, Mooncake, test fakes).
+
+A value is one stored block: a contiguous byte range inside a staging buffer that was
+registered with the store once (zero-copy backends register it for DMA). Every batch
+call returns one outcome per key, in order; a backend raises ``StoreError`` only when
+the store as a whole is unusable (down, closed), never for a single key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from pipeline.core.outcomes import KeyOutcome
+
+__all__ = ["DirectKVStore", "Extents", "KVStore"]
+
+
+@runtime_checkable
+class KVStore(Protocol):
+    """A byte store keyed by strings; all methods are safe to call from the event loop."""
+
+    async def register_buffer(self, buffer: torch.Tensor) -> None:
+        """Register a staging buffer (1-D uint8, contiguous) that values will live in."""
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored and readable."""
+
+    async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
+        """Store each value (a 1-D uint8 slice of a registered buffer) under its key.
+
+        Outcomes: ``STORED``, ``PRESENT`` (the key existed: not overwritten),
+        ``STORE_FULL`` (skipped: no room), or ``failed(reason)``.
+        """
+
+    async def get_into(
+        self, keys: Sequence[str], buffers: Sequence[torch.Tensor]
+    ) -> list[KeyOutcome]:
+        """Copy each key's value into its buffer (a 1-D uint8 slice of a registered buffer).
+
+        Outcomes: ``LOADED``, ``MISSING``, or ``failed(reason)`` (a size mismatch is a
+        failure). A buffer whose outcome is not ``LOADED`` holds undefined bytes.
+        """
+
+    async def remove(self, keys: Sequence[str]) -> int:
+        """Remove keys if present; return how many were removed."""
+
+    async def aclose(self) -> None:
+        """Release the backend's resources; idempotent."""
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Extents:
+    """Store memory lent for one batch: per key a view (1-D uint8) or the outcome that
+    says why there is none. ``handle`` is the backend's own bookkeeping."""
+
+    views: list[torch.Tensor | None]
+    outcomes: list[KeyOutcome]
+    handle: list[Any]
+
+
+@runtime_checkable
+class DirectKVStore(Protocol):
+    """A store whose values live in this process: stages copy straight into and out of
+    its memory, one copy instead of two through staging."""
+
+    async def reserve(self, keys: Sequence[str], size: int) -> Extents:
+        """Writable, not yet readable extents of ``size`` bytes for new keys (outcome
+        ``STORED`` once committed); present keys and a full store say so instead."""
+
+    def commit(self, extents: Extents, *, written: bool) -> list[KeyOutcome]:
+        """Make reserved extents readable (``written``) or give them back."""
+
+    async def lease(self, keys: Sequence[str], size: int) -> Extents:
+        """Pinned, readable extents of stored values (outcome ``LOADED``)."""
+
+    def release(self, extents: Extents) -> None:
+        """End a lease; the store may evict those values again."""
+

@@ -1,0 +1,168 @@
+"""The stage graph, declared as data and wired by the runner.
+
+A path is a list of ``StageSpec`` entries (name, factory, config section). The runner
+gives every stage an inbox bounded by its section's ``inbox_size``, starts its workers,
+and joins each stage's outbox to the next one's inbox; a path that answers engines ends
+in the sink. Adding a stage is one entry plus its module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import anyio
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectSendStream
+
+from pipeline.core.config import StageConfig, StagesConfig
+from pipeline.runner.edges import Edge, create_edge
+from pipeline.runner.stages import Batching, OnFailure, Sink, Stage, run_batcher, start_stage
+
+__all__ = ["BatchSpec", "Graph", "GraphRow", "PathSpec", "StageSpec"]
+
+R = TypeVar("R")
+"""What the stage factories are built from (the root's resources)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec(Generic[R]):
+    name: str
+    build: Callable[[R], Stage[Any, Any]]
+    section: str
+    """The stage's section under ``stages:`` in the config (inbox_size, workers)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSpec(Generic[R]):
+    """A batching stage: one task regroups its inbox into batches (``run_batcher``)."""
+
+    name: str
+    build: Callable[[R], Batching[Any]]
+    section: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PathSpec(Generic[R]):
+    name: str
+    stages: Sequence[StageSpec[R] | BatchSpec[R]]
+    replies: bool = False
+    """The last stage's outputs are replies, handed to the sink."""
+    fed_by_stages: bool = False
+    """Its items come from the other paths' stages (completions): its inbox closes once
+    they have all drained."""
+    when_full: str = "wait"
+    """What happens to an item offered to the path's full inbox."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphRow:
+    """One wired stage, as ``kvsidecar graph`` prints it."""
+
+    path: str
+    stage: str
+    workers: int
+    inbox: int
+    when_full: str
+    to: str
+
+
+class Graph(Generic[R]):
+    """The declared paths with their edges; ``run`` starts every stage once."""
+
+    def __init__(self, paths: Sequence[PathSpec[R]], config: StagesConfig) -> None:
+        self._paths = list(paths)
+        self._sections: dict[str, StageConfig] = {}
+        for path in self._paths:
+            if not path.stages:
+                raise ValueError(f"path {path.name!r} has no stages")
+            for spec in path.stages:
+                section = getattr(config, spec.section, None)
+                if not isinstance(section, StageConfig):
+                    raise ValueError(f"stage {path.name}.{spec.name}: no stage config "
+                                     f"section {spec.section!r}")
+                self._sections[spec.section] = section
+        self._edges: dict[str, list[Edge[Any]]] = {
+            path.name: [create_edge(self._sections[spec.section].inbox_size)
+                        for spec in path.stages]
+            for path in self._paths
+        }
+
+    def entrance(self, path: str) -> MemoryObjectSendStream[Any]:
+        """Where the path's items go in (its first stage's inbox)."""
+        return self._edges[path][0].outbox
+
+    def rows(self) -> list[GraphRow]:
+        rows = []
+        for path in self._paths:
+            for index, spec in enumerate(path.stages):
+                last = index == len(path.stages) - 1
+                rows.append(GraphRow(
+                    path=path.name,
+                    stage=spec.name,
+                    workers=self._workers(spec),
+                    inbox=self._edges[path.name][index].size,
+                    when_full=path.when_full if index == 0 else "wait",
+                    to=("sink" if path.replies else "-") if last
+                    else path.stages[index + 1].name,
+                ))
+        return rows
+
+    def _workers(self, spec: StageSpec[R] | BatchSpec[R]) -> int:
+        return 1 if isinstance(spec, BatchSpec) else self._sections[spec.section].workers
+
+    async def run(
+        self,
+        resources: R,
+        *,
+        sink: Sink,
+        on_failure: OnFailure,
+        before: Callable[[str], Callable[[], Awaitable[None]] | None] = lambda point: None,
+    ) -> None:
+        """Run every stage until the paths' entrances close and they have drained.
+
+        ``before(point)`` gives the fault point run ahead of each item of stage
+        ``stage.<name>`` (None: none)."""
+        fed = [path for path in self._paths if path.fed_by_stages]
+        async with anyio.create_task_group() as outer:
+            for path in fed:
+                self._start(outer, path, resources, sink, on_failure, before)
+            async with anyio.create_task_group() as tg:
+                for path in self._paths:
+                    if not path.fed_by_stages:
+                        self._start(tg, path, resources, sink, on_failure, before)
+            # Every other stage has drained: nothing can feed these paths any more.
+            for path in fed:
+                self.entrance(path.name).close()
+
+    def _start(
+        self, tg: TaskGroup, path: PathSpec[R], resources: R, sink: Sink,
+        on_failure: OnFailure,
+        before: Callable[[str], Callable[[], Awaitable[None]] | None],
+    ) -> None:
+        edges = self._edges[path.name]
+        for index, spec in enumerate(path.stages):
+            inbox = edges[index].inbox
+            outbox = edges[index + 1].outbox if index + 1 < len(edges) else None
+            name = f"{path.name}.{spec.name}"
+            if isinstance(spec, BatchSpec):
+                if outbox is None:
+                    raise ValueError(f"stage {name}: a batching stage cannot end a path")
+                batching = spec.build(resources)
+                tg.start_soon(
+                    functools.partial(
+                        run_batcher, inbox, outbox, group_of=batching.group_of,
+                        limit_of=batching.limit_of, deadline_s=batching.deadline_s,
+                        new_batch=batching.new_batch,
+                    ),
+                    name=f"stage.{name}",
+                )
+                continue
+            start_stage(
+                tg, name, spec.build(resources).process, inbox, outbox, workers=self._workers(spec),
+                on_failure=on_failure, before=before(f"stage.{spec.name}"),
+                sink=sink if path.replies and outbox is None else None,
+            )
+

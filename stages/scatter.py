@@ -1,0 +1,41 @@
+"""Scatter (load side): verified values into engine blocks.
+
+A value that does not match its checksum is never copied: its block is reported failed
+(the engine recomputes it) and the value is removed from the store, so that a fresh
+save can replace it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from pipeline.core.errors import StoreError
+from pipeline.core.outcomes import LOADED, BlockStatus, KeyOutcome
+from pipeline.core.seams import CopyEngine
+from pipeline.core.store import KVStore
+from pipeline.state.jobs import JobTracker, StagedBatch
+
+__all__ = ["CHECKSUM_MISMATCH", "ScatterStage"]
+
+CHECKSUM_MISMATCH = KeyOutcome(BlockStatus.FAILED, "checksum_mismatch")
+
+
+class ScatterStage:
+    def __init__(self, store: KVStore, copy: CopyEngine, tracker: JobTracker) -> None:
+        self._store = store
+        self._copy = copy
+        self._tracker = tracker
+
+    async def process(self, batch: StagedBatch) -> None:
+        try:
+            intact = await self._copy.scatter(batch.geometry, batch.block_ids, batch.views)
+        finally:
+            batch.values.release()
+        corrupt = [task for task, ok in zip(batch.tasks, intact, strict=True) if not ok]
+        if corrupt:
+            with contextlib.suppress(StoreError):  # the next load finds it and tries again
+                await self._store.remove([task.key for task in corrupt])
+            await self._tracker.settle_all(corrupt, CHECKSUM_MISMATCH)
+        await self._tracker.settle_all(
+            [task for task, ok in zip(batch.tasks, intact, strict=True) if ok], LOADED
+        )

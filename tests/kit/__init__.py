@@ -1,0 +1,129 @@
+"""The test kit: small layouts, engines with random KV bytes, and a stallable relay."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import torch
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from pipeline.core.layout import KVCacheLayout
+from transport.client import EngineClient
+from transport.tensors import shared_kv_caches
+
+__all__ = ["KVEngine", "StallProxy", "hybrid_layout", "random_tokens", "stall_proxy"]
+
+
+def random_tokens(count: int, seed: int = 0) -> list[int]:
+    """Reproducible token ids."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, 32_000) for _ in range(count)]
+
+
+class KVEngine:
+    """A minimal engine's KV memory: one blocks-first shared tensor per layer, random bytes."""
+
+    def __init__(self, layout: Mapping[str, Any], num_blocks: int = 64) -> None:
+        self.layout = KVCacheLayout.from_dict(layout)
+        self.kv_caches = shared_kv_caches(self.layout, num_blocks)
+        for tensor in self.kv_caches.values():
+            tensor.normal_()
+
+    def pages(self, kv_group_id: int, block_id: int) -> list[torch.Tensor]:
+        """Copies of one block's pages, layer by layer."""
+        return [
+            self.kv_caches[layer][block_id].clone()
+            for layer in self.layout.groups[kv_group_id].layers
+        ]
+
+    def same_block(self, kv_group_id: int, block_a: int, other: KVEngine, block_b: int) -> bool:
+        return all(
+            torch.equal(x, y)
+            for x, y in zip(
+                self.pages(kv_group_id, block_a), other.pages(kv_group_id, block_b), strict=True
+            )
+        )
+
+    async def connect(self, endpoint: str, **kwargs: Any) -> EngineClient:
+        return await EngineClient.connect(
+            endpoint, layout=self.layout, kv_caches=self.kv_caches, **kwargs
+        )
+
+
+def hybrid_layout(
+    *,
+    block_size: int = 16,
+    ring: int = 4,
+    page_bytes: int = 4096,
+    model: str = "test-model",
+    layers_per_group: int = 2,
+    mamba_mode: str = "align",
+    **extra: Any,
+) -> dict[str, Any]:
+    """A small Qwen3-Next-style layout dict: full attention + QSA ring + mamba."""
+
+    def layers(prefix: str) -> list[str]:
+        return [f"{prefix}.{i}" for i in range(layers_per_group)]
+
+    return {
+        "model": model,
+        "groups": [
+            {
+                "kind": "full_attention",
+                "block_size": block_size,
+                "layers": layers("attn"),
+                "page_bytes": page_bytes,
+            },
+            {
+                "kind": "circular_buffer",
+                "block_size": ring,
+                "layers": layers("ring"),
+                "page_bytes": page_bytes,
+            },
+            {
+                "kind": "mamba",
+                "block_size": block_size,
+                "mamba_cache_mode": mamba_mode,
+                "layers": layers("mamba"),
+                "page_bytes": page_bytes,
+            },
+        ],
+        **extra,
+    }
+
+
+class StallProxy:
+    """``stall_proxy.py`` in its own process: a relay that can be told to hang."""
+
+    def __init__(self, process: anyio.abc.Process) -> None:
+        assert process.stdin is not None and process.stdout is not None
+        self._stdout = BufferedByteReceiveStream(process.stdout)
+        self._stdin = process.stdin
+
+    async def command(self, command: str) -> str:
+        """``stall`` or ``resume``; returns once it has taken effect."""
+        await self._stdin.send(f"{command}\n".encode())
+        return await self.answer()
+
+    async def answer(self) -> str:
+        return (await self._stdout.receive_until(b"\n", 1024)).decode()
+
+
+@contextlib.asynccontextmanager
+async def stall_proxy(upstream: str) -> AsyncIterator[tuple[StallProxy, str]]:
+    """A stallable relay to ``upstream`` (host:port) and the address to reach it at."""
+    command = [sys.executable, str(Path(__file__).with_name("stall_proxy.py")), upstream]
+    async with await anyio.open_process(command) as process:
+        proxy = StallProxy(process)
+        try:
+            port = int((await proxy.answer()).split()[1])
+            yield proxy, f"127.0.0.1:{port}"
+        finally:
+            process.kill()
