@@ -23,7 +23,8 @@ from mooncake.store import ReplicateConfig
 
 from pipeline.core.config import MooncakeStoreConfig
 from pipeline.core.outcomes import LOADED, STORED
-from transport.mooncake_store import MooncakeStore, open_mooncake_store
+from transport.mooncake_setup import open_mooncake_store
+from transport.mooncake_store import MooncakeStore
 
 MIB = 1024 * 1024
 

@@ -1,4 +1,5 @@
-"""The Mooncake distributed store as a ``KVStore`` (mooncake-transfer-engine's Python client).
+"""The Mooncake distributed store as a ``KVStore`` (mooncake-transfer-engine's Python client),
+opened by ``transport.mooncake_setup.open_mooncake_store``.
 
 Values move zero-copy: staging buffers are registered with Mooncake once, and every put
 and get names byte ranges inside them (``batch_put_from`` / ``batch_get_into``). Every
@@ -37,9 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import urllib.parse
 from collections.abc import Callable, Sequence
-from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -51,37 +50,21 @@ import torch
 from anyio.abc import AsyncResource
 
 from pipeline.core.config import MooncakeStoreConfig
-from pipeline.core.errors import ConfigError, StoreCallAbandoned, StoreError
-from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORE_FULL, STORED, KeyOutcome, failed
-from transport.mooncake_master import EmbeddedMaster, MasterEndpoints, open_embedded_master
+from pipeline.core.errors import StoreCallAbandoned, StoreError
+from pipeline.core.outcomes import PRESENT, STORED, KeyOutcome, failed
+from transport.mooncake_codes import OK, RPC_ERRORS, get_outcome, put_outcome
+from transport.mooncake_master import EmbeddedMaster
 
-__all__ = [
-    "OBJECT_ALREADY_EXISTS",
-    "OBJECT_NOT_FOUND",
-    "MooncakeClient",
-    "MooncakeStore",
-    "get_outcome",
-    "open_mooncake_store",
-    "put_outcome",
-]
+__all__ = ["MooncakeClient", "MooncakeStore"]
 
 log = structlog.get_logger("kvsidecar.store.mooncake")
 
 T = TypeVar("T")
 
-OK = 0
-NO_AVAILABLE_HANDLE = -200
-OBJECT_NOT_FOUND = -704
-OBJECT_ALREADY_EXISTS = -705
-RPC_ERRORS = range(-999, -899)
-"""Mooncake's RPC error codes: -900 (the master is gone), -901 (it did not answer)."""
 
 _BUSY_POLL_S = 0.01
 _ABANDONED_CLIENTS: list[object] = []
 """Clients closed while a timed-out call was still inside: kept alive, never destroyed."""
-
-LIBIBVERBS_HINT = "install Debian's libibverbs1 (apt-get install -y libibverbs1)"
-
 
 class MooncakeClient(Protocol):
     """The part of ``mooncake.store.MooncakeDistributedStore`` this backend uses."""
@@ -383,151 +366,6 @@ def _outside(ptrs: list[int], sizes: list[int], ranges: list[tuple[int, int]]) -
         for i, (ptr, n) in enumerate(zip(ptrs, sizes, strict=True))
         if not any(low <= ptr and ptr + n <= high for low, high in ranges)
     ]
-
-
-async def open_mooncake_store(config: MooncakeStoreConfig) -> MooncakeStore:
-    """Connect to a Mooncake cluster (or start an embedded master) and mount a segment."""
-    store_module = await anyio.to_thread.run_sync(_import_mooncake)
-    async with AsyncExitStack() as stack:
-        master = None
-        if config.master == "embedded":
-            master = await open_embedded_master(config)
-            stack.push_async_callback(master.aclose)
-            endpoints = master.endpoints
-        else:
-            endpoints = _remote_endpoints(config)
-            await _probe(endpoints.master_address, "master", config)
-            metadata = urllib.parse.urlsplit(endpoints.metadata_server)
-            if metadata.scheme in ("http", "https") and metadata.hostname:
-                default_port = 443 if metadata.scheme == "https" else 80
-                address = f"{metadata.hostname}:{metadata.port or default_port}"
-                await _probe(address, "metadata server", config)
-        client = await _setup_client(store_module, config, endpoints)
-        replicate_config = store_module.ReplicateConfig()
-        replicate_config.replica_num = config.replica_num
-        store = MooncakeStore(
-            client,
-            config,
-            replicate_config=replicate_config,
-            master_address=endpoints.master_address,
-            master=master,
-        )
-        stack.pop_all()
-    log.info(
-        "store.mooncake.opened",
-        master=endpoints.master_address,
-        metadata_server=endpoints.metadata_server,
-        segment_bytes=config.global_segment_bytes,
-        embedded=master is not None,
-    )
-    return store
-
-
-def _import_mooncake() -> Any:
-    try:
-        import mooncake.store as store_module
-    except (ImportError, OSError) as exc:
-        if "libibverbs" in str(exc):
-            raise StoreError(f"cannot load the Mooncake client ({exc}): {LIBIBVERBS_HINT}") from exc
-        raise StoreError(
-            f"cannot import mooncake.store ({exc}): install mooncake-transfer-engine-non-cuda "
-            "(or mooncake-transfer-engine on CUDA hosts), e.g. pip install 'kvsidecar[mooncake]'"
-        ) from exc
-    return store_module
-
-
-def _remote_endpoints(config: MooncakeStoreConfig) -> MasterEndpoints:
-    host, sep, port = config.master.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ConfigError(
-            f"store.mooncake.master must be 'embedded' or host:port, not {config.master!r}"
-        )
-    if not config.metadata_server:
-        raise ConfigError(
-            "store.mooncake.metadata_server is required with a remote master "
-            f"({config.master}): the URL of the cluster's metadata server"
-        )
-    return MasterEndpoints(master_address=config.master, metadata_server=config.metadata_server)
-
-
-async def _probe(address: str, what: str, config: MooncakeStoreConfig) -> None:
-    """Fail fast on an unreachable peer: Mooncake's setup retries for ~90 s, holding the GIL."""
-    host, _, port = address.rpartition(":")
-    try:
-        with anyio.fail_after(config.call_timeout_s):
-            stream = await anyio.connect_tcp(host.strip("[]"), int(port))
-    except (OSError, TimeoutError) as exc:
-        key = "master" if what == "master" else "metadata_server"
-        raise StoreError(
-            f"cannot reach the Mooncake {what} at {address} ({exc or 'timed out'}): check that "
-            f"mooncake_master runs there, that store.mooncake.{key} names the right address, "
-            "and that no firewall blocks it"
-        ) from exc
-    await stream.aclose()
-
-
-async def _setup_client(
-    store_module: Any, config: MooncakeStoreConfig, endpoints: MasterEndpoints
-) -> MooncakeClient:
-    client = store_module.MooncakeDistributedStore()
-    setup = _setup_call(client, config, endpoints)
-    try:
-        with anyio.fail_after(config.startup_timeout_s):
-            rc = await anyio.to_thread.run_sync(setup, abandon_on_cancel=True)
-    except TimeoutError as exc:
-        raise StoreError(
-            f"mooncake setup against master {endpoints.master_address} and metadata server "
-            f"{endpoints.metadata_server} did not finish within {config.startup_timeout_s}s "
-            "(store.mooncake.startup_timeout_s): check both are up and reachable"
-        ) from exc
-    if rc != OK:
-        await anyio.to_thread.run_sync(client.close)
-        raise StoreError(
-            f"mooncake setup failed with code {rc} (master {endpoints.master_address}, "
-            f"metadata server {endpoints.metadata_server}, protocol {config.protocol}, "
-            f"segment {config.global_segment_bytes} bytes): check the master's and the "
-            "metadata server's addresses, and store.mooncake.local_hostname"
-        )
-    return client  # type: ignore[no-any-return]
-
-
-def _setup_call(client: Any, config: MooncakeStoreConfig, endpoints: MasterEndpoints) -> Any:
-    def setup() -> int:
-        rc: int = client.setup(
-            local_hostname=config.local_hostname,
-            metadata_server=endpoints.metadata_server,
-            global_segment_size=config.global_segment_bytes,
-            local_buffer_size=config.local_buffer_bytes,
-            protocol=config.protocol,
-            rdma_devices=config.device_name,
-            master_server_addr=endpoints.master_address,
-            tenant_id=config.tenant_id or "default",
-        )
-        return rc
-
-    return setup
-
-
-def put_outcome(code: int) -> KeyOutcome:
-    """A ``batch_put_from`` per-key code as a store outcome."""
-    if code == OK:
-        return STORED
-    if code == OBJECT_ALREADY_EXISTS:
-        return PRESENT
-    if code == NO_AVAILABLE_HANDLE:
-        return STORE_FULL
-    return failed(f"mooncake:{code}")
-
-
-def get_outcome(code: int, expected: int) -> KeyOutcome:
-    """A ``batch_get_into`` per-key code (bytes read, or an error) as a store outcome."""
-    if code == expected:
-        return LOADED
-    if code == OBJECT_NOT_FOUND:
-        return MISSING
-    if code >= 0:
-        return failed("size_mismatch")
-    return failed(f"mooncake:{code}")
 
 
 def _complete(outcomes: list[KeyOutcome | None]) -> list[KeyOutcome]:

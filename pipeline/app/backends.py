@@ -29,7 +29,7 @@ async def open_store(
     closed on exit."""
     store: KVStore
     if config.backend == "mooncake":
-        from transport.mooncake_store import open_mooncake_store
+        from transport.mooncake_setup import open_mooncake_store
 
         store = await open_mooncake_store(config.mooncake)
     else:

@@ -217,7 +217,7 @@ async def test_a_block_removed_between_lookup_and_load_is_reported_failed() -> N
 
     from pipeline.core.hashing import block_hashes
     from pipeline.core.keys import store_key
-    from transport.mooncake_store import open_mooncake_store
+    from transport.mooncake_setup import open_mooncake_store
 
     quick_leases = MooncakeStoreConfig(kv_lease_ttl_ms=100)
     async with await open_embedded_master(quick_leases) as master:

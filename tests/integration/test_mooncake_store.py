@@ -32,13 +32,10 @@ from pipeline.core.outcomes import (
 )
 from pipeline.core.store import KVStore
 from tests.kit import stall_proxy
+from transport.mooncake_codes import get_outcome, put_outcome
 from transport.mooncake_master import EmbeddedMaster, open_embedded_master
-from transport.mooncake_store import (
-    MooncakeStore,
-    get_outcome,
-    open_mooncake_store,
-    put_outcome,
-)
+from transport.mooncake_setup import open_mooncake_store
+from transport.mooncake_store import MooncakeStore
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.asyncio(loop_scope="module")]
 
@@ -325,7 +322,7 @@ async def test_closing_an_embedded_store_leaves_no_master_and_no_port() -> None:
 CHILD = """
 import anyio
 from pipeline.core.config import MooncakeStoreConfig
-from transport.mooncake_store import open_mooncake_store
+from transport.mooncake_setup import open_mooncake_store
 
 async def main():
     store = await open_mooncake_store(MooncakeStoreConfig(

@@ -17,7 +17,8 @@ from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORE_FULL, STORED, BlockStatus, failed
 from pipeline.core.store import KVStore
-from transport.embedded_store import ArenaAllocator, EmbeddedStore
+from transport.arena import ArenaAllocator
+from transport.embedded_store import EmbeddedStore
 
 WAIT_S = 10.0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -34,3 +35,17 @@ def test_package_is_typed(name: str) -> None:
     module = importlib.import_module(name)
     assert module.__file__ is not None
     assert (Path(module.__file__).parent / "py.typed").is_file()
+
+
+def test_every_package_folder_is_declared() -> None:
+    """Each folder of the three packages holding an ``__init__.py`` is in pyproject's
+    explicit package list, so a built wheel carries every layer."""
+    declared = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"
+    ])
+    on_disk = {
+        ".".join(init.parent.relative_to(REPO).parts)
+        for name in PACKAGES
+        for init in (REPO / name).rglob("__init__.py")
+    }
+    assert on_disk == declared

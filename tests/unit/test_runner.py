@@ -12,6 +12,7 @@ from anyio.abc import ObjectReceiveStream, TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pipeline.core.config import BatchingStageConfig, StageConfig, StagesConfig
 from pipeline.core.errors import StoreError
 from pipeline.runner import (

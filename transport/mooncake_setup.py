@@ -1,0 +1,147 @@
+"""Opening a Mooncake store: import the client, reach (or start) the master, mount a
+segment. Every step fails fast with an error that says what to check."""
+
+from __future__ import annotations
+
+import urllib.parse
+from contextlib import AsyncExitStack
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import structlog
+
+from pipeline.core.config import MooncakeStoreConfig
+from pipeline.core.errors import ConfigError, StoreError
+from transport.mooncake_codes import OK
+from transport.mooncake_master import MasterEndpoints, open_embedded_master
+from transport.mooncake_store import MooncakeClient, MooncakeStore
+
+__all__ = ["LIBIBVERBS_HINT", "open_mooncake_store"]
+
+log = structlog.get_logger("kvsidecar.store.mooncake")
+
+LIBIBVERBS_HINT = "install Debian's libibverbs1 (apt-get install -y libibverbs1)"
+
+
+async def open_mooncake_store(config: MooncakeStoreConfig) -> MooncakeStore:
+    """Connect to a Mooncake cluster (or start an embedded master) and mount a segment."""
+    store_module = await anyio.to_thread.run_sync(_import_mooncake)
+    async with AsyncExitStack() as stack:
+        master = None
+        if config.master == "embedded":
+            master = await open_embedded_master(config)
+            stack.push_async_callback(master.aclose)
+            endpoints = master.endpoints
+        else:
+            endpoints = _remote_endpoints(config)
+            await _probe(endpoints.master_address, "master", config)
+            metadata = urllib.parse.urlsplit(endpoints.metadata_server)
+            if metadata.scheme in ("http", "https") and metadata.hostname:
+                default_port = 443 if metadata.scheme == "https" else 80
+                address = f"{metadata.hostname}:{metadata.port or default_port}"
+                await _probe(address, "metadata server", config)
+        client = await _setup_client(store_module, config, endpoints)
+        replicate_config = store_module.ReplicateConfig()
+        replicate_config.replica_num = config.replica_num
+        store = MooncakeStore(
+            client,
+            config,
+            replicate_config=replicate_config,
+            master_address=endpoints.master_address,
+            master=master,
+        )
+        stack.pop_all()
+    log.info(
+        "store.mooncake.opened",
+        master=endpoints.master_address,
+        metadata_server=endpoints.metadata_server,
+        segment_bytes=config.global_segment_bytes,
+        embedded=master is not None,
+    )
+    return store
+
+
+def _import_mooncake() -> Any:
+    try:
+        import mooncake.store as store_module
+    except (ImportError, OSError) as exc:
+        if "libibverbs" in str(exc):
+            raise StoreError(f"cannot load the Mooncake client ({exc}): {LIBIBVERBS_HINT}") from exc
+        raise StoreError(
+            f"cannot import mooncake.store ({exc}): install mooncake-transfer-engine-non-cuda "
+            "(or mooncake-transfer-engine on CUDA hosts), e.g. pip install 'kvsidecar[mooncake]'"
+        ) from exc
+    return store_module
+
+
+def _remote_endpoints(config: MooncakeStoreConfig) -> MasterEndpoints:
+    host, sep, port = config.master.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(
+            f"store.mooncake.master must be 'embedded' or host:port, not {config.master!r}"
+        )
+    if not config.metadata_server:
+        raise ConfigError(
+            "store.mooncake.metadata_server is required with a remote master "
+            f"({config.master}): the URL of the cluster's metadata server"
+        )
+    return MasterEndpoints(master_address=config.master, metadata_server=config.metadata_server)
+
+
+async def _probe(address: str, what: str, config: MooncakeStoreConfig) -> None:
+    """Fail fast on an unreachable peer: Mooncake's setup retries for ~90 s, holding the GIL."""
+    host, _, port = address.rpartition(":")
+    try:
+        with anyio.fail_after(config.call_timeout_s):
+            stream = await anyio.connect_tcp(host.strip("[]"), int(port))
+    except (OSError, TimeoutError) as exc:
+        key = "master" if what == "master" else "metadata_server"
+        raise StoreError(
+            f"cannot reach the Mooncake {what} at {address} ({exc or 'timed out'}): check that "
+            f"mooncake_master runs there, that store.mooncake.{key} names the right address, "
+            "and that no firewall blocks it"
+        ) from exc
+    await stream.aclose()
+
+
+async def _setup_client(
+    store_module: Any, config: MooncakeStoreConfig, endpoints: MasterEndpoints
+) -> MooncakeClient:
+    client = store_module.MooncakeDistributedStore()
+    setup = _setup_call(client, config, endpoints)
+    try:
+        with anyio.fail_after(config.startup_timeout_s):
+            rc = await anyio.to_thread.run_sync(setup, abandon_on_cancel=True)
+    except TimeoutError as exc:
+        raise StoreError(
+            f"mooncake setup against master {endpoints.master_address} and metadata server "
+            f"{endpoints.metadata_server} did not finish within {config.startup_timeout_s}s "
+            "(store.mooncake.startup_timeout_s): check both are up and reachable"
+        ) from exc
+    if rc != OK:
+        await anyio.to_thread.run_sync(client.close)
+        raise StoreError(
+            f"mooncake setup failed with code {rc} (master {endpoints.master_address}, "
+            f"metadata server {endpoints.metadata_server}, protocol {config.protocol}, "
+            f"segment {config.global_segment_bytes} bytes): check the master's and the "
+            "metadata server's addresses, and store.mooncake.local_hostname"
+        )
+    return client  # type: ignore[no-any-return]
+
+
+def _setup_call(client: Any, config: MooncakeStoreConfig, endpoints: MasterEndpoints) -> Any:
+    def setup() -> int:
+        rc: int = client.setup(
+            local_hostname=config.local_hostname,
+            metadata_server=endpoints.metadata_server,
+            global_segment_size=config.global_segment_bytes,
+            local_buffer_size=config.local_buffer_bytes,
+            protocol=config.protocol,
+            rdma_devices=config.device_name,
+            master_server_addr=endpoints.master_address,
+            tenant_id=config.tenant_id or "default",
+        )
+        return rc
+
+    return setup
