@@ -105,7 +105,7 @@ class Graph(Generic[R]):
                     workers=self._workers(spec),
                     inbox=self._edges[path.name][index].size,
                     when_full=path.when_full if index == 0 else "wait",
-                    to=("sink" if path.replies else "-") if last
+                    to=("sink" if path.replies else "settles jobs") if last
                     else path.stages[index + 1].name,
                 ))
         return rows

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +62,36 @@ def test_status_without_a_sidecar_says_what_to_check() -> None:
         capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "127.0.0.1:9" in result.stderr and "metrics.port" in result.stderr
+
+
+def test_graph_prints_every_stage_as_the_config_wires_it(tmp_path: Path) -> None:
+    """`kvsidecar graph` lists each path's stages with the config's workers and inbox
+    bounds, and names the backends the config chooses."""
+    config = tmp_path / "graph.yaml"
+    config.write_text("stages:\n  transfer: {inbox_size: 3, workers: 5}\n"
+                      "  receive: {overflow: block}\n")
+    result = subprocess.run([*KVSIDECAR, "graph", "--config", str(config)],
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "COLUMNS": "160"})
+    assert result.returncode == 0, result.stderr
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]]
+            for line in result.stdout.splitlines() if line.startswith("│")]
+    assert [row[:2] for row in rows] == [
+        ["save", "group_filter"], ["save", "hashing"], ["save", "dedup"], ["save", "batching"],
+        ["save", "transfer"], ["save", "commit"], ["load", "group_filter"], ["load", "hashing"],
+        ["load", "batching"], ["load", "fetch"], ["load", "scatter"], ["lookup", "lookup"],
+        ["save.completion", "completion"], ["load.completion", "completion"],
+    ]
+    assert rows[4][2:] == ["5", "3", "wait", "commit"]
+    assert rows[0][4] == "wait (stop reading the socket)"
+    assert "batch memory: lent by the store" in result.stdout
+
+
+def test_graph_of_the_mooncake_config_stages_through_the_pool() -> None:
+    """With Mooncake the batch memory is the staging pool, as configs/mooncake.yaml sizes it."""
+    config = Path(__file__).resolve().parents[2] / "configs" / "mooncake.yaml"
+    result = subprocess.run([*KVSIDECAR, "graph", "--config", str(config)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "store: mooncake" in result.stdout
+    assert "batch memory: staging pool, 16 slots of 64 MiB (4 for loads)" in result.stdout
