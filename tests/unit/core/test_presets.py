@@ -9,7 +9,7 @@ import yaml
 
 from pipeline.core.layout import KVCacheLayout
 
-PRESETS = Path(__file__).resolve().parents[2] / "configs" / "layouts"
+PRESETS = Path(__file__).resolve().parents[3] / "configs" / "layouts"
 PRESET_FILES = sorted(PRESETS.glob("*.yaml"))
 
 

@@ -11,7 +11,7 @@ import pytest
 from pipeline.app.cli import main
 from pipeline.core.config import Config, ConfigError, default_endpoint, load_config
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 SHIPPED = sorted(
     path for path in CONFIGS.rglob("*.yaml") if (CONFIGS / "layouts") not in path.parents
 )
