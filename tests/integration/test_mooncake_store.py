@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
@@ -65,9 +66,14 @@ def listening(port: int) -> bool:
 
 
 def gone(process: psutil.Process) -> bool:
+    """Exited with every thread. A process whose main thread has exited shows as a zombie
+    while its other threads may still run and hold its sockets, so a zombie counts as
+    gone only once it is down to that one thread (init reaps it later)."""
     try:
-        return process.status() == psutil.STATUS_ZOMBIE  # exited; init reaps it later
-    except psutil.NoSuchProcess:
+        if process.status() != psutil.STATUS_ZOMBIE:
+            return False
+        return len(os.listdir(f"/proc/{process.pid}/task")) <= 1
+    except (psutil.NoSuchProcess, FileNotFoundError):
         return True
 
 
