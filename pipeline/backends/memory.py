@@ -62,6 +62,9 @@ class _SlotHold:
 
 
 class StagingMemory:
+    """Values in a staging slot, one slot a batch; ``store`` takes only values this
+    memory handed out."""
+
     def __init__(self, pool: StagingPool, store: KVStore, *, skip_when_full: bool) -> None:
         """``skip_when_full``: a save finding no free slot is refused (staging_full)
         instead of waiting for one."""
@@ -126,6 +129,9 @@ class _ReservationHold(_LeaseHold):
 
 
 class LentMemory:
+    """Values in extents the store lends; ``store`` takes only values this memory
+    reserved."""
+
     def __init__(self, store: DirectKVStore) -> None:
         self._store = store
 
