@@ -28,6 +28,12 @@ from pipeline.runner import (
 TIMEOUT_S = 5
 
 
+def ends(size: int) -> tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]:
+    """A new edge's two ends: the producer's outbox, the consumer's inbox."""
+    edge = create_edge(size)
+    return edge.outbox, edge.inbox
+
+
 async def collect(inbox: ObjectReceiveStream[Any]) -> list[Any]:
     """Everything a stream yields until it ends."""
     async with inbox:
@@ -46,8 +52,7 @@ def test_edges_must_be_finite_and_positive(size: float) -> None:
 
 def test_an_edge_holds_exactly_its_size() -> None:
     """An edge of size 2 takes two items without a reader, and refuses a third."""
-    edge_send = create_edge(2)
-    send, receive = edge_send.outbox, edge_send.inbox
+    send, receive = ends(2)
     with send, receive:
         send.send_nowait(1)
         send.send_nowait(2)
@@ -61,12 +66,9 @@ def test_an_edge_holds_exactly_its_size() -> None:
 
 async def test_end_of_stream_cascades_through_chained_workers() -> None:
     """Closing the source ends every stage in turn; every item passes and Nones are dropped."""
-    edge_source_send = create_edge(4)
-    source_send, source_receive = edge_source_send.outbox, edge_source_send.inbox
-    edge_middle_send = create_edge(4)
-    middle_send, middle_receive = edge_middle_send.outbox, edge_middle_send.inbox
-    edge_sink_send = create_edge(4)
-    sink_send, sink_receive = edge_sink_send.outbox, edge_sink_send.inbox
+    source_send, source_receive = ends(4)
+    middle_send, middle_receive = ends(4)
+    sink_send, sink_receive = ends(4)
     seen: list[int] = []
 
     async def double(item: int) -> int:
@@ -95,8 +97,7 @@ async def test_end_of_stream_cascades_through_chained_workers() -> None:
 
 async def test_a_sink_stage_ends_when_its_inbox_ends() -> None:
     """A stage without an outbox consumes its inbox and its workers return on EndOfStream."""
-    edge_send = create_edge(2)
-    send, receive = edge_send.outbox, edge_send.inbox
+    send, receive = ends(2)
     consumed: list[int] = []
 
     async def consume(item: int) -> None:
@@ -113,10 +114,8 @@ async def test_a_sink_stage_ends_when_its_inbox_ends() -> None:
 
 async def test_start_stage_closes_the_original_streams() -> None:
     """The runner's originals are closed, so only the workers' clones keep the edges open."""
-    edge_inbox_send = create_edge(1)
-    inbox_send, inbox = edge_inbox_send.outbox, edge_inbox_send.inbox
-    edge_outbox = create_edge(1)
-    outbox, outbox_receive = edge_outbox.outbox, edge_outbox.inbox
+    inbox_send, inbox = ends(1)
+    outbox, outbox_receive = ends(1)
 
     async def identity(item: int) -> int:
         return item
@@ -157,10 +156,8 @@ def start_batcher(
 
 async def test_batcher_flushes_as_soon_as_a_batch_is_full() -> None:
     """A group reaching its limit is sent at once, long before the deadline."""
-    edge_send = create_edge(4)
-    send, receive = edge_send.outbox, edge_send.inbox
-    edge_out_send = create_edge(4)
-    out_send, out_receive = edge_out_send.outbox, edge_out_send.inbox
+    send, receive = ends(4)
+    out_send, out_receive = ends(4)
     with anyio.fail_after(TIMEOUT_S):
         async with anyio.create_task_group() as tg:
             start_batcher(tg, receive, out_send, limit=2, deadline_s=60.0)
@@ -173,10 +170,8 @@ async def test_batcher_flushes_as_soon_as_a_batch_is_full() -> None:
 
 async def test_batcher_flushes_a_partial_batch_at_its_deadline() -> None:
     """A lone item waits about deadline_s, then goes out alone while the input stays open."""
-    edge_send = create_edge(4)
-    send, receive = edge_send.outbox, edge_send.inbox
-    edge_out_send = create_edge(4)
-    out_send, out_receive = edge_out_send.outbox, edge_out_send.inbox
+    send, receive = ends(4)
+    out_send, out_receive = ends(4)
     deadline_s = 0.05
     with anyio.fail_after(TIMEOUT_S):
         async with anyio.create_task_group() as tg:
@@ -192,10 +187,8 @@ async def test_batcher_flushes_a_partial_batch_at_its_deadline() -> None:
 
 async def test_batcher_deadline_counts_from_the_oldest_item() -> None:
     """Items arriving steadily do not postpone a partial batch past its first item's deadline."""
-    edge_send = create_edge(4)
-    send, receive = edge_send.outbox, edge_send.inbox
-    edge_out_send = create_edge(64)
-    out_send, out_receive = edge_out_send.outbox, edge_out_send.inbox
+    send, receive = ends(4)
+    out_send, out_receive = ends(64)
     deadline_s = 0.1
 
     async def trickle() -> None:
@@ -218,10 +211,8 @@ async def test_batcher_deadline_counts_from_the_oldest_item() -> None:
 
 async def test_batcher_keeps_groups_apart() -> None:
     """Interleaved groups come out as batches of one group each."""
-    edge_send = create_edge(4)
-    send, receive = edge_send.outbox, edge_send.inbox
-    edge_out_send = create_edge(8)
-    out_send, out_receive = edge_out_send.outbox, edge_out_send.inbox
+    send, receive = ends(4)
+    out_send, out_receive = ends(8)
     with anyio.fail_after(TIMEOUT_S):
         async with anyio.create_task_group() as tg:
             start_batcher(tg, receive, out_send, limit=2, deadline_s=60.0)
@@ -234,10 +225,8 @@ async def test_batcher_keeps_groups_apart() -> None:
 
 async def test_batcher_flushes_everything_when_input_ends() -> None:
     """Partial batches of every group go out at end of input, then the outbox ends."""
-    edge_send = create_edge(4)
-    send, receive = edge_send.outbox, edge_send.inbox
-    edge_out_send = create_edge(8)
-    out_send, out_receive = edge_out_send.outbox, edge_out_send.inbox
+    send, receive = ends(4)
+    out_send, out_receive = ends(8)
     with anyio.fail_after(TIMEOUT_S):
         async with anyio.create_task_group() as tg:
             start_batcher(tg, receive, out_send, limit=10, deadline_s=60.0)
@@ -263,10 +252,8 @@ def test_batcher_partitions_its_input(lists: list[list[str]], limit: int) -> Non
     """Output batches hold every item once, one group each, at most limit, in arrival order."""
 
     async def run() -> list[list[str]]:
-        edge_send = create_edge(len(lists) + 1)
-        send, receive = edge_send.outbox, edge_send.inbox
-        edge_out_send = create_edge(100)
-        out_send, out_receive = edge_out_send.outbox, edge_out_send.inbox
+        send, receive = ends(len(lists) + 1)
+        out_send, out_receive = ends(100)
         with anyio.fail_after(TIMEOUT_S):
             async with anyio.create_task_group() as tg:
                 start_batcher(tg, receive, out_send, limit=limit, deadline_s=60.0)
@@ -319,17 +306,22 @@ class Total:
         return sum(batch)
 
 
-def test_a_graph_sizes_each_inbox_from_its_stage_config() -> None:
-    """Each stage's inbox is bounded by its own section; batching runs as one task."""
-    config = StagesConfig(
-        hashing=StageConfig(inbox_size=3, workers=2), batching=BatchingStageConfig(inbox_size=5)
-    )
-    graph = Graph[int](
+def add_batch_total(config: StagesConfig) -> Graph[int]:
+    """One replying path: add the resource to each item, batch by parity, sum each batch."""
+    return Graph[int](
         [PathSpec("p", [StageSpec("add", lambda r: Add(r), "hashing"),
                         BatchSpec("batch", lambda r: ByParity(), "batching"),
                         StageSpec("total", lambda r: Total(), "lookup")], replies=True)],
         config,
     )
+
+
+def test_a_graph_sizes_each_inbox_from_its_stage_config() -> None:
+    """Each stage's inbox is bounded by its own section; batching runs as one task."""
+    config = StagesConfig(
+        hashing=StageConfig(inbox_size=3, workers=2), batching=BatchingStageConfig(inbox_size=5)
+    )
+    graph = add_batch_total(config)
     assert [(r.stage, r.workers, r.inbox, r.to) for r in graph.rows()] == [
         ("add", 2, 3, "batch"), ("batch", 1, 5, "total"), ("total", 4, 64, "sink")]
 
@@ -345,12 +337,7 @@ async def test_a_graph_runs_its_paths_into_the_sink_and_fails_items_through_the_
 ) -> None:
     """Items flow through every stage to the sink; an item meeting a store error is
     answered by the failure policy, whose answer goes on; closing the entrance drains."""
-    graph = Graph[int](
-        [PathSpec("p", [StageSpec("add", lambda r: Add(r), "hashing"),
-                        BatchSpec("batch", lambda r: ByParity(), "batching"),
-                        StageSpec("total", lambda r: Total(), "lookup")], replies=True)],
-        StagesConfig(),
-    )
+    graph = add_batch_total(StagesConfig())
     replies: list[int] = []
 
     async def sink(reply: int) -> None:
