@@ -23,21 +23,13 @@ class FetchStage:
         values = await self._memory.fetch(
             [task.key for task in tasks], tasks[0].geometry.stored_bytes
         )
+        batch, missed, outcomes = StagedBatch.split(tasks, values, BlockStatus.LOADED)
         try:
-            loaded: list[int] = []
-            for i, (outcome, view) in enumerate(zip(values.outcomes, values.views, strict=True)):
-                if outcome.status is BlockStatus.LOADED and view is not None:
-                    loaded.append(i)
-                else:
-                    await self._tracker.settle(tasks[i].job, ((tasks[i], _as_failure(outcome)),))
+            await self._tracker.settle_each(missed, [_as_failure(o) for o in outcomes])
         except BaseException:
             values.release()
             raise
-        if not loaded:
-            values.release()
-            return None
-        views = [values.views[i] for i in loaded]
-        return StagedBatch([tasks[i] for i in loaded], [v for v in views if v is not None], values)
+        return batch
 
 
 def _as_failure(outcome: KeyOutcome) -> KeyOutcome:

@@ -6,7 +6,7 @@ flight (for at most ``yield_to_loads_ms``), so loads get the cores first.
 
 from __future__ import annotations
 
-from pipeline.core.outcomes import STORE_FULL
+from pipeline.core.outcomes import STORE_FULL, BlockStatus
 from pipeline.core.seams import BatchMemory, CopyEngine
 from pipeline.state.jobs import BlockTask, JobTracker, StagedBatch, StorePressure
 
@@ -39,19 +39,11 @@ class TransferStage:
         values = await self._memory.reserve(
             [task.key for task in tasks], tasks[0].geometry.stored_bytes
         )
-        refused = [i for i, view in enumerate(values.views) if view is None]
+        batch, refused, outcomes = StagedBatch.split(tasks, values, BlockStatus.STORED)
         if refused:
-            refused_tasks = [tasks[i] for i in refused]
-            refused_outcomes = [values.outcomes[i] for i in refused]
-            self._pressure.record(refused_tasks, refused_outcomes)
-            await self._tracker.settle_each(refused_tasks, refused_outcomes)
-        batch = StagedBatch(
-            [task for task, view in zip(tasks, values.views, strict=True) if view is not None],
-            [view for view in values.views if view is not None],
-            values,
-        )
-        if not batch.tasks:
-            values.release()
+            self._pressure.record(refused, outcomes)
+            await self._tracker.settle_each(refused, outcomes)
+        if batch is None:
             return None
         try:
             await self._copy.gather(batch.geometry, batch.block_ids, batch.views)

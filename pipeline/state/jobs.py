@@ -97,9 +97,7 @@ class Job:
         if not self.planned:  # nothing to move: the job is answered as it is
             await tracker.settle(self, ())
             return
-        await tracker.settle_all(
-            self.planned, store_error_outcome(error, saving=not self.is_load)
-        )
+        await TaskBatch(self.planned).fail(error, tracker)
 
 
 def planned_blocks(job: Job) -> list[BlockTask]:
@@ -143,6 +141,29 @@ class StagedBatch:
     """Value i belongs to tasks[i]: 1-D uint8, ``geometry.stored_bytes`` long."""
     values: Values
     """The memory the views live in, given back through it."""
+
+    @classmethod
+    def split(
+        cls, tasks: Sequence[BlockTask], values: Values, usable: BlockStatus
+    ) -> tuple[StagedBatch | None, list[BlockTask], list[KeyOutcome]]:
+        """The tasks whose value is usable (a view, outcome ``usable``) as a batch, and
+        the others with their outcomes. With none usable the batch is None and the
+        memory is given back."""
+        kept: list[BlockTask] = []
+        views: list[torch.Tensor] = []
+        refused: list[BlockTask] = []
+        outcomes: list[KeyOutcome] = []
+        for task, view, outcome in zip(tasks, values.views, values.outcomes, strict=True):
+            if view is not None and outcome.status is usable:
+                kept.append(task)
+                views.append(view)
+            else:
+                refused.append(task)
+                outcomes.append(outcome)
+        if not kept:
+            values.release()
+            return None, refused, outcomes
+        return cls(kept, views, values), refused, outcomes
 
     @property
     def geometry(self) -> StoreGroupGeometry:
