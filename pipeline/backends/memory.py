@@ -76,7 +76,7 @@ class StagingMemory:
         pool = self._pool
         slot = pool.try_take("save") if self._skip_when_full else await pool.take("save")
         if slot is None:
-            return Values(list(keys), [None] * len(keys), [STAGING_FULL] * len(keys), _NoHold())
+            return _refused(keys, STAGING_FULL)
         return self._values(slot, keys, size)
 
     async def store(self, values: Values) -> list[KeyOutcome]:
@@ -146,13 +146,14 @@ class LentMemory:
                 if view is not None]
 
     async def fetch(self, keys: Sequence[str], size: int) -> Values:
-        leased: list[Extents] = []
+        try:
+            extents = await self._store.lease(keys, size)
+        except StoreError as exc:
+            return _refused(keys, store_error_outcome(exc, saving=False))
+        return Values(list(keys), extents.views, list(extents.outcomes),
+                      _LeaseHold(self._store, extents))
 
-        async def lease() -> list[KeyOutcome]:
-            leased.append(await self._store.lease(keys, size))
-            return list(leased[0].outcomes)
 
-        outcomes = await per_key_outcomes(lease, len(keys), saving=False)
-        if not leased:
-            return Values(list(keys), [None] * len(keys), outcomes, _NoHold())
-        return Values(list(keys), leased[0].views, outcomes, _LeaseHold(self._store, leased[0]))
+def _refused(keys: Sequence[str], outcome: KeyOutcome) -> Values:
+    """No memory for any key, each refused with ``outcome``."""
+    return Values(list(keys), [None] * len(keys), [outcome] * len(keys), _NoHold())
