@@ -26,8 +26,11 @@ def completion_message(job: Job) -> SaveDone | LoadDone:
     if len(loaded) < len(reports):
         # Resume only where every stored group has what it needs; the engine recomputes
         # from there (the failed blocks are listed so it never reads them).
+        held = [message.computed_tokens // group.block_size for group in layout.store_groups]
         loaded_tokens = longest_hit(
-            layout, message.num_tokens, lambda group, block: (group, block) in loaded
+            layout,
+            message.num_tokens,
+            lambda group, block: block < held[group] or (group, block) in loaded,
         )
     invalid = tuple(r.block_id for r in reports if r.status is not BlockStatus.LOADED)
     return LoadDone(message.seq, message.request_id, loaded_tokens, invalid, reports)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, Literal
 
 import anyio
@@ -129,6 +131,9 @@ class EngineClient(AsyncResource):
         kv_cache_shape: KVCacheShape | None = None,
         hash_seed: str | None = None,
         block_hasher: BlockHasher | None = None,
+        hash_algo: str = "sha256_cbor",
+        lookup_only: bool = False,
+        share_in_place: bool = False,
         timeout_s: float = 30.0,
         curve_server_key: str | bytes | None = None,
         curve_key_pair: tuple[str | bytes, str | bytes] | None = None,
@@ -138,6 +143,11 @@ class EngineClient(AsyncResource):
         ``hash_seed`` is the engine's ``PYTHONHASHSEED`` (None: the default seed).
         ``block_hasher(tokens, hash_block_size)`` is the engine's own block hasher for the
         registration self-test (default: kvsidecar's, i.e. vLLM-compatible hashing).
+        ``hash_algo`` names it (vLLM's ``prefix_caching_hash_algo``); with any but
+        ``sha256_cbor`` every request must carry the engine's block hashes.
+        ``lookup_only``: this connection only looks up (no tensors, no saves or loads).
+        ``share_in_place``: tensors the engine allocated itself are moved into shared
+        memory in place instead of being refused (``transport.tensors.tensor_handle``).
         ``curve_server_key`` (the sidecar's public key) and ``curve_key_pair`` (this
         engine's public and secret keys, all Z85) connect to a sidecar that has CURVE on;
         ``transport.server.load_key_pair`` reads a pair from a ``kvsidecar keygen`` file.
@@ -148,7 +158,8 @@ class EngineClient(AsyncResource):
             layout = KVCacheLayout.from_dict(layout)
         payload = {layer for layers in layout.payload_layers for layer in layers}
         handles = tuple(
-            tensor_handle(layer, tensor, block_dim=_block_dim(tensor, kv_cache_shape))
+            tensor_handle(layer, tensor, block_dim=_block_dim(tensor, kv_cache_shape),
+                          share_in_place=share_in_place)
             for layer, tensor in kv_caches.items()
             if layer in payload
         )
@@ -174,7 +185,8 @@ class EngineClient(AsyncResource):
                 raise ConfigError(f"invalid CURVE key (Z85, 40 characters): {exc}") from exc
         socket.connect(endpoint)
         client = cls(socket, context, timeout_s, curve=curve_server_key is not None)
-        registration = Register(engine_id, layout.to_dict(), handles, self_test, hash_seed)
+        registration = Register(engine_id, layout.to_dict(), handles, self_test, hash_seed,
+                                hash_algo=hash_algo, lookup_only=lookup_only)
         try:
             reply = await client._call(0, registration)
         except BaseException:
@@ -199,10 +211,12 @@ class EngineClient(AsyncResource):
         *,
         request_id: str | None = None,
         block_hashes: Sequence[bytes] | None = None,
+        timeout_s: float | None = None,
         **request_keys: Any,
     ) -> int:
         """Tokens from the start of the request that can be loaded (a multiple of the
-        alignment, never the last token).
+        alignment, never the last token). ``timeout_s`` overrides the client's, as in
+        ``save`` and ``load``.
 
         ``block_hashes``: the engine's own fine block hashes of ``token_ids`` (vLLM's
         ``request.block_hashes``), sparing the sidecar the hashing; optional everywhere.
@@ -212,7 +226,7 @@ class EngineClient(AsyncResource):
         seq = next(self._seq)
         message = Lookup(seq, pack_tokens(token_ids), _request_keys(**request_keys),
                          _hashes(block_hashes), request_id)
-        reply = await self._call(seq, message)
+        reply = await self._call(seq, message, timeout_s)
         assert isinstance(reply, LookupReply)
         self.save_credits = reply.save_credits
         return reply.hit_tokens
@@ -224,13 +238,14 @@ class EngineClient(AsyncResource):
         block_ids: Sequence[Sequence[int]],
         *,
         block_hashes: Sequence[bytes] | None = None,
+        timeout_s: float | None = None,
         **request_keys: Any,
     ) -> SaveResult:
         """Store the request's full blocks; the engine may reuse them once this returns."""
         seq = next(self._seq)
         message = Save(seq, request_id, pack_tokens(token_ids), _blocks(block_ids),
                        _request_keys(**request_keys), _hashes(block_hashes))
-        reply = await self._call(seq, message)
+        reply = await self._call(seq, message, timeout_s)
         assert isinstance(reply, SaveDone)
         self.save_credits = reply.save_credits
         return SaveResult.from_reply(reply)
@@ -243,13 +258,16 @@ class EngineClient(AsyncResource):
         num_tokens: int,
         *,
         block_hashes: Sequence[bytes] | None = None,
+        computed_tokens: int = 0,
+        timeout_s: float | None = None,
         **request_keys: Any,
     ) -> LoadResult:
-        """Load the first ``num_tokens`` tokens' blocks into ``block_ids``."""
+        """Load the first ``num_tokens`` tokens' blocks into ``block_ids``; blocks that end
+        within the first ``computed_tokens`` (already in the engine) are left alone."""
         seq = next(self._seq)
         message = Load(seq, request_id, pack_tokens(token_ids), _blocks(block_ids), num_tokens,
-                       _request_keys(**request_keys), _hashes(block_hashes))
-        reply = await self._call(seq, message)
+                       _request_keys(**request_keys), _hashes(block_hashes), computed_tokens)
+        reply = await self._call(seq, message, timeout_s)
         assert isinstance(reply, LoadDone)
         return LoadResult(reply.loaded_tokens, reply.invalid_block_ids, reply.blocks)
 
@@ -270,10 +288,12 @@ class EngineClient(AsyncResource):
         self._socket.close(0)
         self._context.term()
 
-    async def _call(self, seq: int, message: EngineMessage) -> SidecarMessage:
+    async def _call(
+        self, seq: int, message: EngineMessage, timeout_s: float | None = None
+    ) -> SidecarMessage:
         """Send and wait for the reply; re-register once if the sidecar forgot us."""
         known = self.registered
-        reply = await self._exchange(seq, message)
+        reply = await self._exchange(seq, message, timeout_s)
         if (
             isinstance(reply, ErrorReply)
             and reply.code == ErrorCode.NOT_REGISTERED
@@ -289,18 +309,22 @@ class EngineClient(AsyncResource):
                     else:
                         self.registered = registered
             if self.registered is not known:
-                reply = await self._exchange(seq, message)
+                reply = await self._exchange(seq, message, timeout_s)
         if isinstance(reply, ErrorReply):
             raise RequestRejected(reply.code, reply.message)
         return reply
 
-    async def _exchange(self, seq: int, message: EngineMessage) -> SidecarMessage:
+    async def _exchange(
+        self, seq: int, message: EngineMessage, timeout_s: float | None = None
+    ) -> SidecarMessage:
         if self._closed:
             raise TransportError("client is closed")
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
         self._waiting.add(seq)
         try:
-            await self._socket.send(encode(message))
-            with anyio.fail_after(self._timeout_s):
+            with anyio.fail_after(timeout_s):
+                # Inside the deadline: with no sidecar, a full queue would block the send.
+                await self._socket.send(encode(message))
                 while seq not in self._replies:
                     async with self._recv_lock:
                         if seq in self._replies:
@@ -318,7 +342,7 @@ class EngineClient(AsyncResource):
                 else ""
             )
             raise TransportError(
-                f"no reply from the sidecar within {self._timeout_s}s "
+                f"no reply from the sidecar within {timeout_s}s "
                 f"({type(message).__name__}){hint}"
             ) from exc
         finally:
@@ -381,6 +405,27 @@ class BlockingEngineClient:
         return self._portal.call(
             lambda: self._client.load(request_id, token_ids, block_ids, num_tokens,
                                       **request_keys)
+        )
+
+    def start_lookup(self, token_ids: Sequence[int], **kwargs: Any) -> Future[int]:
+        """``lookup`` without waiting: the result arrives in the future."""
+        return self._portal.start_task_soon(functools.partial(self._client.lookup, token_ids,
+                                                              **kwargs))
+
+    def start_save(self, request_id: str, token_ids: Sequence[int],
+                   block_ids: Sequence[Sequence[int]], **kwargs: Any) -> Future[SaveResult]:
+        """``save`` without waiting: the result arrives in the future."""
+        return self._portal.start_task_soon(
+            functools.partial(self._client.save, request_id, token_ids, block_ids, **kwargs)
+        )
+
+    def start_load(self, request_id: str, token_ids: Sequence[int],
+                   block_ids: Sequence[Sequence[int]], num_tokens: int,
+                   **kwargs: Any) -> Future[LoadResult]:
+        """``load`` without waiting: the result arrives in the future."""
+        return self._portal.start_task_soon(
+            functools.partial(self._client.load, request_id, token_ids, block_ids, num_tokens,
+                              **kwargs)
         )
 
     def close(self) -> None:

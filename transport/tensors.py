@@ -1,4 +1,4 @@
-"""CPU KV tensors shared between processes by name: the engine allocates, the sidecar maps.
+"""CPU KV tensors shared between processes: the engine allocates, the sidecar maps.
 
 Lifetime. The engine owns every segment it allocates with ``shared_kv_tensor``: the
 segment is a file in ``/dev/shm`` mapped into the engine, kept mapped by the tensor's
@@ -8,6 +8,11 @@ segments by name and unmaps them on ``close()``. A mapping outlives the unlinkin
 its name, so the engine may free its tensors while the sidecar still holds a mapping;
 the memory goes back to the system when the last mapping is gone. A process killed
 with SIGKILL cannot unlink, so its names stay in ``/dev/shm`` until removed by hand.
+
+Shared in place. Memory an engine allocated itself (vLLM's KV cache) is moved into an
+unlinked shared-memory file by torch, in place, and described by the engine's file
+descriptor of it; the sidecar reopens that through ``/proc/PID/fd/FD`` (same host, same
+user). Nothing has a name, so nothing is left behind when either side dies.
 
 ``multiprocessing.shared_memory`` is not used: on Python 3.11 every process that
 attaches a ``SharedMemory`` registers it with its resource tracker, which then unlinks
@@ -27,6 +32,7 @@ import math
 import mmap
 import os
 import secrets
+import stat
 import threading
 import weakref
 from collections.abc import Sequence
@@ -138,31 +144,58 @@ def shared_kv_caches(
     }
 
 
-def tensor_handle(layer: str, tensor: torch.Tensor, *, block_dim: int = 0) -> TensorHandle:
-    """Describe ``tensor`` (or a view of one) from ``shared_kv_tensor`` for another process."""
+def tensor_handle(
+    layer: str, tensor: torch.Tensor, *, block_dim: int = 0, share_in_place: bool = False
+) -> TensorHandle:
+    """Describe ``tensor`` (or a view of one) for another process.
+
+    A tensor from ``shared_kv_tensor`` is described by its segment's name. Any other CPU
+    tensor is refused unless ``share_in_place``: its storage is then moved into shared
+    memory in place (torch's file-descriptor sharing; every view of the storage follows,
+    the bytes are kept) and described by this process's descriptor of it. That memory
+    has no name left in ``/dev/shm``, so nothing outlives the engine, even a SIGKILLed one.
+    """
     if tensor.device.type != "cpu":
         raise TransportError(f"layer {layer!r}: tensor is on {tensor.device}, not on the CPU")
-    base = tensor.untyped_storage().data_ptr()
-    with _owned_lock:
-        segment = _owned.get(base)
-    if segment is None:
-        raise TransportError(
-            f"layer {layer!r}: tensor is not in shared memory (allocate it with shared_kv_tensor)"
-        )
     dtype_name = _DTYPE_NAMES.get(tensor.dtype)
     if dtype_name is None:
         raise TransportError(f"layer {layer!r}: dtype {tensor.dtype} is not supported")
+    storage = tensor.untyped_storage()
+    with _owned_lock:
+        segment = _owned.get(storage.data_ptr())
+    shm_name, owner_fd = "", None
+    if segment is not None:
+        shm_name, segment_bytes = segment.name, segment.nbytes
+    elif share_in_place:
+        fd, segment_bytes = _share_fd(layer, storage)
+        owner_fd = (os.getpid(), fd)
+    else:
+        raise TransportError(
+            f"layer {layer!r}: tensor is not in shared memory (allocate it with "
+            "shared_kv_tensor, or share it in place)"
+        )
     handle = TensorHandle(
         layer=layer,
-        shm_name=segment.name,
+        shm_name=shm_name,
         offset=int(tensor.storage_offset()) * tensor.element_size(),
         shape=tuple(tensor.shape),
         strides=tuple(tensor.stride()),
         dtype=dtype_name,
         block_dim=block_dim,
+        owner_fd=owner_fd,
     )
-    _check_fits(handle, _check_geometry(handle), segment.nbytes)
+    _check_fits(handle, _check_geometry(handle), segment_bytes)
     return handle
+
+
+def _share_fd(layer: str, storage: torch.UntypedStorage) -> tuple[int, int]:
+    # torch's own file-descriptor sharing (what torch.multiprocessing sends tensors with):
+    # the storage's bytes move into an unlinked shared-memory file, in place.
+    try:
+        fd, nbytes = storage._share_fd_cpu_()
+    except RuntimeError as exc:
+        raise TransportError(f"layer {layer!r}: cannot share its memory in place: {exc}") from exc
+    return int(fd), int(nbytes)
 
 
 # -- sidecar side: map ---------------------------------------------------------------
@@ -210,12 +243,20 @@ def _check_geometry(handle: TensorHandle) -> _Geometry:
     return _Geometry(dtype, span * dtype.itemsize)
 
 
+def _segment(handle: TensorHandle) -> str:
+    """The segment a handle names: its shm name, or the owner's descriptor as a path."""
+    if handle.owner_fd is None:
+        return handle.shm_name
+    pid, fd = handle.owner_fd
+    return f"/proc/{pid}/fd/{fd}"
+
+
 def _check_fits(handle: TensorHandle, geometry: _Geometry, segment_bytes: int) -> None:
     end = handle.offset + geometry.extent
     if end > segment_bytes:
         raise _fail(
             handle,
-            f"tensor spans bytes [{handle.offset}, {end}) but segment {handle.shm_name!r} "
+            f"tensor spans bytes [{handle.offset}, {end}) but segment {_segment(handle)!r} "
             f"has {segment_bytes} bytes",
         )
 
@@ -251,9 +292,10 @@ class MappedTensors:
         if self._closed:
             raise _fail(handle, "the tensor registry is closed")
         geometry = _check_geometry(handle)
-        mapping = self._mappings.get(handle.shm_name)
+        segment = _segment(handle)
+        mapping = self._mappings.get(segment)
         if mapping is None:
-            mapping = self._mappings[handle.shm_name] = _attach(handle)
+            mapping = self._mappings[segment] = _attach(handle)
         _check_fits(handle, geometry, len(mapping))
         itemsize = geometry.dtype.itemsize
         flat = torch.frombuffer(memoryview(mapping), dtype=torch.uint8)
@@ -273,18 +315,35 @@ class MappedTensors:
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere faults on use
 
 
-def _attach(handle: TensorHandle) -> mmap.mmap:
-    name = handle.shm_name
-    if not name or "/" in name or name in (".", "..") or len(name) > _NAME_MAX:
-        raise _fail(handle, f"{name!r} is not a shared memory segment name")
+def _open_segment(handle: TensorHandle) -> int:
+    if handle.owner_fd is not None:
+        if handle.shm_name:
+            raise _fail(handle, "a handle names its segment by shm_name or owner_fd, not both")
+        # A descriptor of the engine's, reopened through procfs: a magic link, so no
+        # O_NOFOLLOW. It works on the engine's host, for its user (or root).
+        path = _segment(handle)
+        flags = os.O_RDWR
+    else:
+        name = handle.shm_name
+        if not name or "/" in name or name in (".", "..") or len(name) > _NAME_MAX:
+            raise _fail(handle, f"{name!r} is not a shared memory segment name")
+        path, flags = str(SHM_DIR / name), os.O_RDWR | os.O_NOFOLLOW
     try:
-        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
+        return os.open(path, flags)
     except FileNotFoundError as exc:
-        raise _fail(handle, f"shared memory segment {name!r} does not exist") from exc
+        raise _fail(handle, f"shared memory segment {path!r} does not exist") from exc
     except OSError as exc:
-        raise _fail(handle, f"cannot open shared memory segment {name!r}: {exc}") from exc
+        raise _fail(handle, f"cannot open shared memory segment {path!r}: {exc}") from exc
+
+
+def _attach(handle: TensorHandle) -> mmap.mmap:
+    name = _segment(handle)
+    fd = _open_segment(handle)
     try:
-        size = os.fstat(fd).st_size
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise _fail(handle, f"{name!r} is not a shared memory segment")
+        size = status.st_size
         if size == 0:
             raise _fail(handle, f"shared memory segment {name!r} is empty")
         # Populate the page tables now: a first touch per page at copy time would run

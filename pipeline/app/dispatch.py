@@ -18,7 +18,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from pipeline.app.metrics import Metrics
 from pipeline.core.config import Config
 from pipeline.core.errors import FrameTooLarge, ProtocolError, RequestRejected
-from pipeline.core.hitrule import required_blocks
+from pipeline.core.hitrule import blocks_to_load
 from pipeline.core.layout import NULL_BLOCK_ID
 from pipeline.core.messages import (
     EngineMessage,
@@ -206,6 +206,12 @@ def _check_engine_hashes(session: EngineSession, message: Lookup | Save | Load) 
     """Engine-sent block hashes must match the tokens in number and, on a sample (the
     first block), in value: a wrong hash would name another prefix's KV."""
     if message.block_hashes is None:
+        if session.engine_hashes_only:
+            raise RequestRejected(
+                ErrorCode.BAD_REQUEST,
+                "this engine hashes blocks with an algorithm the sidecar does not compute: "
+                "send block_hashes with every request",
+            )
         return
     hbs = session.layout.hash_block_size
     expected = len(message.token_ids) // hbs
@@ -215,6 +221,8 @@ def _check_engine_hashes(session: EngineSession, message: Lookup | Save | Load) 
             f"{len(message.block_hashes)} block hashes for {len(message.token_ids)} tokens; "
             f"expected {expected} (hash_block_size {hbs})",
         )
+    if session.engine_hashes_only:
+        return
     if expected and message.block_hashes[0] != session.new_hasher(message.keys).extend(
         message.token_ids[:hbs]
     )[0]:
@@ -226,6 +234,10 @@ def _check_engine_hashes(session: EngineSession, message: Lookup | Save | Load) 
 
 def _check_request(session: EngineSession, message: Save | Load) -> None:
     """Reject a save or load that cannot be served, before it is accepted."""
+    if session.lookup_only:
+        raise RequestRejected(
+            ErrorCode.BAD_REQUEST, "this engine registered for lookups only: it cannot save or load"
+        )
     _check_engine_hashes(session, message)
     try:
         projected = session.check_block_ids(message.block_ids)
@@ -240,7 +252,7 @@ def _check_request(session: EngineSession, message: Save | Load) -> None:
             f"num_tokens {tokens} exceeds the request's {len(message.token_ids)} tokens",
         )
     for geometry, block_ids in zip(session.store_groups, projected, strict=True):
-        needed = required_blocks(geometry.group, tokens)
+        needed = blocks_to_load(geometry.group, tokens, message.computed_tokens)
         if needed is None:
             raise RequestRejected(
                 ErrorCode.BAD_REQUEST,

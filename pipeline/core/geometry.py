@@ -17,7 +17,7 @@ from pipeline.core.integrity import CHECKSUM_BYTES, fingerprint_seed
 from pipeline.core.keys import layout_key_prefixes
 from pipeline.core.layout import KVCacheGroup, KVCacheLayout
 
-__all__ = ["Segment", "StoreGroupGeometry", "build_store_groups"]
+__all__ = ["Segment", "StoreGroupGeometry", "build_lookup_groups", "build_store_groups"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -120,3 +120,12 @@ def build_store_groups(
             )
         )
     return tuple(result)
+
+
+def build_lookup_groups(layout: KVCacheLayout) -> tuple[StoreGroupGeometry, ...]:
+    """Store groups of a session that only looks up: their keys and hit rule, no memory."""
+    prefixes = layout_key_prefixes(layout)
+    return tuple(
+        StoreGroupGeometry(kv_group_id, layout.groups[kv_group_id], (), 0, 0, prefixes[index])
+        for index, kv_group_id in enumerate(layout.prefix_cacheable_group_ids)
+    )

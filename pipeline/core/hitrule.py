@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from pipeline.core.layout import GroupKind, KVCacheGroup, KVCacheLayout
 
-__all__ = ["longest_hit", "max_hit_tokens", "required_blocks"]
+__all__ = ["blocks_to_load", "longest_hit", "max_hit_tokens", "required_blocks"]
 
 
 def required_blocks(group: KVCacheGroup, tokens: int) -> range | None:
@@ -31,6 +31,15 @@ def required_blocks(group: KVCacheGroup, tokens: int) -> range | None:
         first_token = max(0, tokens - (group.sliding_window - 1))
         return range(first_token // size, end)
     return range(end)
+
+
+def blocks_to_load(group: KVCacheGroup, tokens: int, computed_tokens: int = 0) -> range | None:
+    """The blocks a load writes to resume at ``tokens`` when the engine already holds the
+    first ``computed_tokens``: the required ones that end after those."""
+    needed = required_blocks(group, tokens)
+    if needed is None:
+        return None
+    return range(max(needed.start, computed_tokens // group.block_size), needed.stop)
 
 
 def max_hit_tokens(layout: KVCacheLayout, num_tokens: int) -> int:

@@ -17,6 +17,7 @@ from pipeline.core.errors import FrameTooLarge, ProtocolError
 from pipeline.core.outcomes import BlockStatus
 
 __all__ = [
+    "HASH_ALGOS",
     "PROTOCOL_VERSION",
     "BlockReport",
     "EngineMessage",
@@ -115,6 +116,9 @@ class TensorHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: str
     block_dim: Annotated[int, msgspec.Meta(ge=0, le=1)] = 0
     device: str = "cpu"
+    owner_fd: tuple[Annotated[int, msgspec.Meta(gt=0)], NonNegative] | None = None
+    """``(pid, fd)`` of a segment without a name (memory the engine shared in place): the
+    sidecar opens it through ``/proc/PID/fd/FD``. ``shm_name`` is then empty."""
 
 
 class HashSelfTest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -133,6 +137,10 @@ class RequestKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_
     mm_items: tuple[tuple[str, NonNegative, NonNegative], ...] = ()
 
 
+HASH_ALGOS = ("sha256_cbor", "sha256", "xxhash", "xxhash_cbor")
+"""vLLM's ``prefix_caching_hash_algo`` names; the sidecar computes only the first itself."""
+
+
 class Register(_Wire, frozen=True, tag="register"):
     engine_id: str
     layout: dict[str, Any]
@@ -140,6 +148,12 @@ class Register(_Wire, frozen=True, tag="register"):
     self_test: HashSelfTest
     hash_seed: str | None = None
     version: int = PROTOCOL_VERSION
+    hash_algo: str = "sha256_cbor"
+    """How the engine hashes blocks. With any algorithm but ``sha256_cbor`` the sidecar
+    cannot check hashes itself: every lookup, save and load must carry the engine's."""
+    lookup_only: bool = False
+    """A session that only looks up (vLLM's scheduler process): no tensors, no saves or
+    loads."""
 
 
 class Heartbeat(_Wire, frozen=True, tag="heartbeat"):
@@ -182,6 +196,9 @@ class Load(_Wire, frozen=True, tag="load"):
     block_hashes: tuple[bytes, ...] | None = None
     """The engine's own fine block hashes (vLLM's ``request.block_hashes``): the sidecar
     then skips hashing and only checks the first one against the tokens."""
+    computed_tokens: NonNegative = 0
+    """Tokens whose KV the engine already holds (its own prefix cache): blocks that end
+    at or before this are neither needed nor written."""
 
 
 class Unregister(_Wire, frozen=True, tag="unregister"):

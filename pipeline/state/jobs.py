@@ -18,7 +18,7 @@ from anyio.abc import ObjectSendStream
 
 from pipeline.core.errors import StoreError
 from pipeline.core.geometry import StoreGroupGeometry
-from pipeline.core.hitrule import required_blocks
+from pipeline.core.hitrule import blocks_to_load
 from pipeline.core.layout import NULL_BLOCK_ID
 from pipeline.core.messages import BlockReport, Load, Lookup, LookupReply, Save, SidecarMessage
 from pipeline.core.outcomes import STORE_FULL, BlockStatus, KeyOutcome, store_error_outcome
@@ -110,7 +110,10 @@ def planned_blocks(job: Job) -> list[BlockTask]:
     for store_group, block_ids in enumerate(projected):
         if isinstance(job.message, Load):
             group = session.store_groups[store_group].group
-            wanted = required_blocks(group, job.message.num_tokens) or range(0)
+            wanted = (
+                blocks_to_load(group, job.message.num_tokens, job.message.computed_tokens)
+                or range(0)
+            )
             indices: Iterable[int] = (j for j in wanted if j < len(block_ids))
         else:
             indices = range(len(block_ids))

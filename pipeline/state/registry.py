@@ -11,13 +11,23 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pipeline.core.errors import LayoutError, RequestRejected, TransportError
-from pipeline.core.geometry import build_store_groups
+from pipeline.core.geometry import StoreGroupGeometry, build_lookup_groups, build_store_groups
 from pipeline.core.hashing import block_hashes
 from pipeline.core.layout import KVCacheLayout
-from pipeline.core.messages import PROTOCOL_VERSION, ErrorCode, Register, Registered, TensorHandle
+from pipeline.core.messages import (
+    HASH_ALGOS,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Register,
+    Registered,
+    TensorHandle,
+)
 from pipeline.state.sessions import EngineSession
 
-__all__ = ["LayerTensors", "MapTensors", "SessionRegistry"]
+__all__ = ["SIDECAR_HASH_ALGO", "LayerTensors", "MapTensors", "SessionRegistry"]
+
+SIDECAR_HASH_ALGO = "sha256_cbor"
+"""The one block-hash algorithm the sidecar computes (and so can check) itself."""
 
 LayerTensors = dict[str, tuple[torch.Tensor, int]]
 MapTensors = Callable[[Sequence[TensorHandle]], tuple[LayerTensors, Callable[[], None]]]
@@ -55,8 +65,58 @@ class SessionRegistry:
             layout.validate_for_store()
         except LayoutError as exc:
             raise RequestRejected(ErrorCode.BAD_LAYOUT, str(exc)) from exc
-        self._self_test(layout, message)
+        if message.hash_algo not in HASH_ALGOS:
+            raise RequestRejected(
+                ErrorCode.BAD_LAYOUT,
+                f"hash_algo {message.hash_algo!r} is not one of {', '.join(HASH_ALGOS)}",
+            )
+        if message.hash_algo == SIDECAR_HASH_ALGO:
+            self._self_test(layout, message)
+        if message.lookup_only:
+            store_groups, release = self._lookup_groups(layout, message)
+        else:
+            store_groups, release = self._mapped_groups(layout, message)
 
+        old = self.sessions.pop(identity, None)
+        if old is not None:
+            old.close()
+        session = EngineSession(
+            message.engine_id,
+            identity,
+            layout,
+            store_groups,
+            hash_seed=message.hash_seed,
+            engine_hashes_only=message.hash_algo != SIDECAR_HASH_ALGO,
+            lookup_only=message.lookup_only,
+            release=release,
+        )
+        self.sessions[identity] = session
+        capacity = 0 if message.lookup_only else min(
+            self._save_capacity_blocks(g.stored_bytes) for g in store_groups
+        )
+        reply = Registered(
+            engine_id=message.engine_id,
+            hash_block_size=layout.hash_block_size,
+            lookup_alignment=layout.lookup_alignment,
+            store_group_ids=layout.prefix_cacheable_group_ids,
+            layout_fingerprint=layout.fingerprint,
+            save_capacity_blocks=capacity,
+        )
+        return session, reply
+
+    def _lookup_groups(
+        self, layout: KVCacheLayout, message: Register
+    ) -> tuple[tuple[StoreGroupGeometry, ...], Callable[[], None]]:
+        """Store groups of a session that only looks up: keys and hit rule, no memory."""
+        if message.tensors:
+            raise RequestRejected(
+                ErrorCode.BAD_TENSORS, "a lookup-only registration must not share tensors"
+            )
+        return build_lookup_groups(layout), lambda: None
+
+    def _mapped_groups(
+        self, layout: KVCacheLayout, message: Register
+    ) -> tuple[tuple[StoreGroupGeometry, ...], Callable[[], None]]:
         payload = {layer for layers in layout.payload_layers for layer in layers}
         # Tensors of groups that are not stored (the ring) are never mapped or read.
         wanted = [handle for handle in message.tensors if handle.layer in payload]
@@ -76,30 +136,7 @@ class SessionRegistry:
         except LayoutError as exc:
             release()
             raise RequestRejected(ErrorCode.BAD_TENSORS, str(exc)) from exc
-
-        old = self.sessions.pop(identity, None)
-        if old is not None:
-            old.close()
-        session = EngineSession(
-            message.engine_id,
-            identity,
-            layout,
-            store_groups,
-            hash_seed=message.hash_seed,
-            release=release,
-        )
-        self.sessions[identity] = session
-        reply = Registered(
-            engine_id=message.engine_id,
-            hash_block_size=layout.hash_block_size,
-            lookup_alignment=layout.lookup_alignment,
-            store_group_ids=layout.prefix_cacheable_group_ids,
-            layout_fingerprint=layout.fingerprint,
-            save_capacity_blocks=min(
-                self._save_capacity_blocks(g.stored_bytes) for g in store_groups
-            ),
-        )
-        return session, reply
+        return store_groups, release
 
     def _self_test(self, layout: KVCacheLayout, message: Register) -> None:
         test = message.self_test

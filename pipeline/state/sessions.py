@@ -30,6 +30,8 @@ class EngineSession:
         store_groups: tuple[StoreGroupGeometry, ...],
         *,
         hash_seed: str | None,
+        engine_hashes_only: bool = False,
+        lookup_only: bool = False,
         release: Callable[[], None] = lambda: None,
     ) -> None:
         self.engine_id = engine_id
@@ -37,6 +39,10 @@ class EngineSession:
         self.layout = layout
         self.store_groups = store_groups
         self.hash_seed = hash_seed
+        self.engine_hashes_only = engine_hashes_only
+        """The engine hashes with an algorithm the sidecar does not compute: its
+        requests must carry their block hashes, which cannot be checked."""
+        self.lookup_only = lookup_only
         self.last_seen = time.monotonic()
         self.closed = False
         self.jobs_in_flight = 0

@@ -1,0 +1,68 @@
+"""The connector's settings: vLLM's ``kv_connector_extra_config``, typed and checked."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+from pipeline.core.errors import ConfigError
+from transport.server import load_key_pair
+
+__all__ = ["ConnectorConfig"]
+
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    endpoint: str
+    """The sidecar's endpoint (``ipc://...`` or ``tcp://host:port``); the one required key."""
+    timeout_s: Positive = 30.0
+    """How long a save or a load may take before the engine gives up on it (the blocks
+    are then recomputed, or released)."""
+    lookup_timeout_s: Positive = 1.0
+    """How long a lookup may take; a slower one is a miss."""
+    lookup_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    """How long the scheduler waits for a lookup before it defers the request to a later
+    step (vLLM asks again); the scheduler itself never waits longer."""
+    connect_timeout_s: Positive = 10.0
+    retry_after_s: Positive = 5.0
+    """After the sidecar could not be reached, requests skip it for this long."""
+    heartbeat_interval_s: Positive = 5.0
+    cache_prefix: str = ""
+    """A namespace of this deployment's keys (tenants apart, or a model revision)."""
+    min_load_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Load policy: a hit of fewer tokens than this (beyond the engine's own prefix
+    cache) is recomputed instead of loaded."""
+    curve_server_key_file: str | None = None
+    """The sidecar's public key (``kvsidecar keygen``'s ``.key.pub``), for CURVE."""
+    curve_key_file: str | None = None
+    """This engine's key pair file (``kvsidecar keygen``'s ``.key``), for CURVE."""
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        try:
+            return msgspec.convert(dict(extra or {}), cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"kv_connector_extra_config: {exc}") from exc
+
+    def curve(self) -> dict[str, Any]:
+        """``EngineClient.connect``'s CURVE arguments (none unless both files are set)."""
+        if (self.curve_server_key_file is None) != (self.curve_key_file is None):
+            raise ConfigError(
+                "kv_connector_extra_config: curve_server_key_file and curve_key_file "
+                "go together"
+            )
+        if self.curve_server_key_file is None or self.curve_key_file is None:
+            return {}
+        try:
+            server_key = Path(self.curve_server_key_file).read_text()
+        except OSError as exc:
+            raise ConfigError(
+                f"kv_connector_extra_config.curve_server_key_file: cannot read "
+                f"{self.curve_server_key_file}: {exc}"
+            ) from exc
+        return {"curve_server_key": server_key,
+                "curve_key_pair": load_key_pair(self.curve_key_file)}

@@ -1,0 +1,105 @@
+"""One side's connection to the sidecar: opened in the background, never waited for.
+
+vLLM calls the connector from its engine loop; a sidecar that is down or slow must
+never hold that loop. Until the link is up, and for ``retry_after_s`` after a call
+failed, ``client()`` is None and the connector recomputes instead of asking. Once up,
+the client itself re-registers when a restarted sidecar has forgotten it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from pipeline.core.errors import KVSidecarError
+from transport.client import BlockingEngineClient
+from transport.vllm.config import ConnectorConfig
+
+__all__ = ["SidecarLink"]
+
+log = structlog.get_logger("kvsidecar.vllm")
+
+
+class SidecarLink:
+    def __init__(
+        self, config: ConnectorConfig, name: str, connect_kwargs: Callable[[], dict[str, Any]]
+    ) -> None:
+        self._config = config
+        self._name = name
+        self._connect_kwargs = connect_kwargs
+        self._lock = threading.Lock()
+        self._client: BlockingEngineClient | None = None
+        self._thread: threading.Thread | None = None
+        self._down_until = 0.0
+        self._closed = False
+
+    def client(self) -> BlockingEngineClient | None:
+        """The connected client, or None (then a connection is being made, or the
+        sidecar failed within the last ``retry_after_s``)."""
+        with self._lock:
+            if self._closed or time.monotonic() < self._down_until:
+                return None
+            if self._client is None and self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._connect, name=f"kvsidecar-{self._name}-connect", daemon=True
+                )
+                self._thread.start()
+            return self._client
+
+    def failed(self, error: BaseException) -> None:
+        """A call failed: leave the sidecar alone for a while."""
+        with self._lock:
+            first = time.monotonic() >= self._down_until
+            self._down_until = time.monotonic() + self._config.retry_after_s
+        if first:
+            log.warning("vllm.sidecar.unavailable", side=self._name, error=str(error),
+                        retry_after_s=self._config.retry_after_s)
+
+    def _connect(self) -> None:
+        try:
+            client = BlockingEngineClient(
+                self._config.endpoint,
+                heartbeat_interval_s=self._config.heartbeat_interval_s,
+                timeout_s=self._config.connect_timeout_s,
+                **self._connect_kwargs(),
+                **self._config.curve(),
+            )
+        except (KVSidecarError, OSError) as exc:
+            with self._lock:
+                self._thread = None
+            self.failed(exc)
+            return
+        with self._lock:
+            self._thread = None
+            if self._closed:
+                closing: BlockingEngineClient | None = client
+            else:
+                self._client, closing = client, None
+        if closing is not None:
+            closing.close()
+            return
+        registered = client.registered
+        log.info("vllm.sidecar.registered", side=self._name, endpoint=self._config.endpoint,
+                 store_groups=registered.store_group_ids if registered else None)
+
+    def wait_connected(self, timeout_s: float) -> BlockingEngineClient | None:
+        """Wait up to ``timeout_s`` for the connection (tests and start-up checks)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            client = self.client()
+            if client is not None:
+                return client
+            time.sleep(0.01)
+        return None
+
+    def close(self) -> None:
+        """Unregister and disconnect; idempotent."""
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()

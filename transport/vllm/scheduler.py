@@ -1,0 +1,236 @@
+"""The connector in vLLM's engine-core process: lookups, and each step's plan.
+
+Lookups use the request's own vLLM block hashes, so whatever ``prefix_caching_hash_algo``
+the engine uses, keys are the engine's. A lookup never holds the scheduler: it waits
+``lookup_wait_ms`` at most, then vLLM is told to ask again next step (``None``).
+
+Loads are asynchronous in vLLM's sense: the request waits (``WAITING_FOR_REMOTE_KVS``)
+while the worker loads into its freshly allocated blocks, and is scheduled once the
+load is reported. A failed load is reported per request, so vLLM recomputes; that is
+the one failure path vLLM supports for hybrid (several-group) layouts.
+
+Blocks stay allocated while a save or load of theirs may still touch them: a finished
+request with a save planned, or a load in flight, is freed only when the worker says
+so (``request_finished_all_groups`` returns True exactly then).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import structlog
+
+from pipeline.core.errors import KVSidecarError
+from pipeline.core.layout import GroupKind, KVCacheLayout
+from transport.vllm.config import ConnectorConfig
+from transport.vllm.layout import request_keys, vllm_block_hasher
+from transport.vllm.link import SidecarLink
+from transport.vllm.plan import LoadPlan, SavePlan, StepPlan
+
+__all__ = ["FENCED_KINDS", "SchedulerSide", "prefix"]
+
+log = structlog.get_logger("kvsidecar.vllm")
+
+FENCED_KINDS = frozenset(
+    {GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL_ATTENTION, GroupKind.MAMBA}
+)
+"""Groups whose blocks vLLM frees while their request still runs."""
+
+
+def prefix(request: Any, tokens: int, hash_block_size: int) -> tuple[list[int], list[bytes]]:
+    """The request's first ``tokens`` tokens and their vLLM block hashes; cut to the
+    hashed blocks where vLLM has not hashed that far (lookahead tokens)."""
+    hashes = request.block_hashes
+    full = tokens // hash_block_size
+    if len(hashes) < full:
+        full = len(hashes)
+        tokens = full * hash_block_size
+    return list(request.all_token_ids[:tokens]), [bytes(h) for h in hashes[:full]]
+
+
+@dataclasses.dataclass(slots=True)
+class _Tracked:
+    request: Any
+    saved_tokens: int = 0
+    """Tokens whose full blocks have been planned for saving."""
+    has_saves: bool = False
+    """A save was planned since the request last started (its blocks need the worker's
+    word before they are freed)."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Lookup:
+    future: Future[int]
+    started: float
+
+
+class SchedulerSide:
+    def __init__(
+        self, config: ConnectorConfig, layout: KVCacheLayout, *, hash_algo: str,
+        load: bool, save: bool,
+    ) -> None:
+        self._config = config
+        self._layout = layout
+        self._hbs = layout.hash_block_size
+        self._load = load
+        self._save = save
+        self._fenced = [g.kind in FENCED_KINDS for g in layout.groups]
+        self._stored = set(layout.prefix_cacheable_group_ids)
+        self._requests: dict[str, _Tracked] = {}
+        self._lookups: dict[str, _Lookup] = {}
+        self._matched: dict[str, int] = {}
+        """Request -> the engine's own hit its lookup was answered for."""
+        self._planned_loads: list[LoadPlan] = []
+        self._loading: set[str] = set()
+        self._block_ids: Any = None  # the KV cache manager's get_block_ids, once bound
+        self.link = SidecarLink(config, "scheduler", lambda: {
+            "layout": layout,
+            "kv_caches": {},
+            "lookup_only": True,
+            "hash_algo": hash_algo,
+            "hash_seed": os.environ.get("PYTHONHASHSEED"),
+            "block_hasher": vllm_block_hasher(hash_algo),
+            "engine_id": f"vllm-scheduler-{os.getpid()}",
+        })
+        if load:
+            self.link.client()  # start connecting now, not at the first request
+
+    def bind_block_ids(self, get_block_ids: Any) -> None:
+        self._block_ids = get_block_ids
+
+    # -- lookups ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        self._requests.setdefault(req_id, _Tracked(request))
+        if not self._load:
+            return 0, False
+        pending = self._lookups.get(req_id)
+        if pending is None:
+            client = self.link.client()
+            if client is None:
+                return 0, False
+            tokens, hashes = prefix(request, request.num_tokens, self._hbs)
+            pending = self._lookups[req_id] = _Lookup(
+                client.start_lookup(tokens, block_hashes=hashes, request_id=req_id,
+                                    timeout_s=self._config.lookup_timeout_s,
+                                    **request_keys(request)),
+                time.monotonic(),
+            )
+        try:
+            hit = pending.future.result(timeout=self._config.lookup_wait_ms / 1000)
+        except FutureTimeout:
+            return None, False  # not answered yet: vLLM asks again next step
+        except KVSidecarError as exc:
+            self.link.failed(exc)
+            hit = 0
+        finally:
+            if pending.future.done():
+                del self._lookups[req_id]
+        extra = hit - num_computed_tokens
+        if extra <= 0 or extra < self._config.min_load_tokens:
+            return 0, False
+        self._matched[req_id] = num_computed_tokens
+        return extra, True
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        req_id = request.request_id
+        self._requests.setdefault(req_id, _Tracked(request))
+        computed = self._matched.pop(req_id, None)
+        if num_external_tokens == 0 or computed is None:
+            return
+        end = computed + num_external_tokens
+        tokens, hashes = prefix(request, end, self._hbs)
+        # What is loaded is in the store already: saves start after it.
+        tracked = self._requests[req_id]
+        tracked.saved_tokens = max(tracked.saved_tokens, end)
+        self._planned_loads.append(LoadPlan(
+            req_id, tokens, hashes, self._only_stored(blocks.get_block_ids()),
+            request_keys(request), num_tokens=end, computed_tokens=computed,
+        ))
+
+    # -- the step's plan ----------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
+        plan = StepPlan(loads=self._planned_loads)
+        self._planned_loads = []
+        self._loading.update(load.request_id for load in plan.loads)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            plan.preempted.append(req_id)
+            tracked = self._requests.get(req_id)
+            if tracked is not None:
+                # The worker waits for its saves before the next forward; from here on
+                # nothing of it is in flight, so a finish needs no delay for them.
+                tracked.has_saves = False
+        if self._save and self._block_ids is not None:
+            spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+            for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+                tracked = self._requests.get(req_id)
+                if tracked is not None:
+                    drafts = len(spec.get(req_id, ()))  # their KV may be rejected
+                    done = tracked.request.num_computed_tokens + scheduled - drafts
+                    save = self._plan_save(tracked, done)
+                    if save is not None:
+                        plan.saves.append(save)
+        return plan
+
+    def _plan_save(self, tracked: _Tracked, done: int) -> SavePlan | None:
+        """The blocks that become full in this step, if any (earlier ones were planned)."""
+        request = tracked.request
+        full = min(done // self._hbs, len(request.block_hashes)) * self._hbs
+        if full <= tracked.saved_tokens:
+            return None
+        block_ids = self._block_ids(request.request_id)
+        planned: list[list[int]] = []
+        fence = False
+        for group_id, (group, ids) in enumerate(zip(self._layout.groups, block_ids, strict=True)):
+            first = tracked.saved_tokens // group.block_size
+            last = full // group.block_size
+            if group_id not in self._stored or last <= first:
+                planned.append([])
+                continue
+            # Blocks already planned are left out (0); dedup would skip them anyway.
+            planned.append([0] * first + list(ids[first:last]))
+            fence = fence or self._fenced[group_id]
+        tracked.saved_tokens = full
+        if not any(planned):
+            return None
+        tracked.has_saves = True
+        tokens, hashes = prefix(request, full, self._hbs)
+        return SavePlan(request.request_id, tokens, hashes, tuple(planned),
+                        request_keys(request), fence=fence)
+
+    def _only_stored(self, block_ids: Any) -> tuple[list[int], ...]:
+        # Groups that are never stored (the ring) travel empty.
+        return tuple(
+            list(ids) if group_id in self._stored else []
+            for group_id, ids in enumerate(block_ids)
+        )
+
+    # -- completions --------------------------------------------------------------------
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for req_id in connector_output.finished_recving or ():
+            self._loading.discard(req_id)
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        tracked = self._requests.pop(req_id, None)
+        self._matched.pop(req_id, None)
+        lookup = self._lookups.pop(req_id, None)
+        if lookup is not None:
+            lookup.future.cancel()
+        delay = req_id in self._loading or (tracked is not None and tracked.has_saves)
+        return delay, None
+
+    def shutdown(self) -> None:
+        self.link.close()

@@ -1,0 +1,232 @@
+"""The connector in each vLLM worker: vLLM's KV tensors shared, loads and saves issued.
+
+Registration shares vLLM's own KV cache with the sidecar without copying it through
+any socket: on CPU its memory is moved into shared memory in place, before the first
+forward (every view vLLM holds follows), and the sidecar maps it by descriptor.
+
+Loads were planned asynchronous by the scheduler side: they are issued after the
+step's forward (which never reads those blocks) and reported when done. Saves are
+handed over after the forward and reported once the sidecar has them; a save whose
+blocks vLLM may reuse while it runs (a sliding window moving on, a preempted request)
+is waited for before the next forward, in ``handle_preemptions``.
+
+Every planned save and load is reported exactly once, success or not: a sidecar that
+is down, restarting or slow costs recomputation, never a hung engine or wrong tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+import structlog
+import torch
+
+from pipeline.core.errors import LayoutError
+from pipeline.core.layout import KVCacheLayout
+from transport.client import KVCacheShape, LoadResult
+from transport.tensors import tensor_handle
+from transport.vllm.config import ConnectorConfig
+from transport.vllm.layout import vllm_block_hasher
+from transport.vllm.link import SidecarLink
+from transport.vllm.plan import LoadPlan, StepPlan
+
+__all__ = ["TransferResults", "WorkerSide"]
+
+log = structlog.get_logger("kvsidecar.vllm")
+
+
+@dataclasses.dataclass(slots=True)
+class TransferResults:
+    finished_sending: set[str] = dataclasses.field(default_factory=set)
+    finished_recving: set[str] = dataclasses.field(default_factory=set)
+    failed_recving: set[str] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass(slots=True)
+class _Save:
+    future: Future[Any]
+    fence: bool
+
+
+def kv_cache_shape(tensors: Iterable[torch.Tensor], num_blocks: int) -> KVCacheShape:
+    """How vLLM laid its per-layer KV tensors out: blocks first (``[num_blocks, ...]``,
+    e.g. LBHNC) or K/V first (``[2, num_blocks, ...]``)."""
+    shapes: set[KVCacheShape] = set()
+    for tensor in tensors:
+        if tensor.shape[0] == num_blocks:
+            shapes.add("blocks_first")
+        elif tensor.dim() >= 2 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks:
+            shapes.add("kv_first")
+        else:
+            raise LayoutError(
+                f"a KV tensor of shape {tuple(tensor.shape)} has neither [num_blocks, ...] "
+                f"nor [2, num_blocks, ...] with vLLM's {num_blocks} blocks (a kernel block "
+                "size other than the cache's is not supported)"
+            )
+    if len(shapes) != 1:
+        raise LayoutError(f"KV tensors mix layouts {sorted(shapes)}")
+    return shapes.pop()
+
+
+class WorkerSide:
+    def __init__(
+        self, config: ConnectorConfig, layout: KVCacheLayout, *, hash_algo: str,
+        num_blocks: int,
+    ) -> None:
+        self._config = config
+        self._layout = layout
+        self._hash_algo = hash_algo
+        self._num_blocks = num_blocks
+        self._single_group = len(layout.groups) == 1
+        self._loads: dict[str, tuple[LoadPlan, Future[LoadResult]]] = {}
+        self._saves: dict[str, list[_Save]] = {}
+        """Requests with planned saves since they last started: their blocks are freed
+        only once all of them are done and the request has finished."""
+        self._finished: set[str] = set()
+        self._invalid: set[int] = set()
+        self.link: SidecarLink | None = None
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        payload = {layer for layers in self._layout.payload_layers for layer in layers}
+        tensors = {layer: t for layer, t in kv_caches.items() if layer in payload}
+        missing = payload - tensors.keys()
+        if missing:
+            raise LayoutError(f"vLLM registered no KV tensor for layers {sorted(missing)}")
+        shape = kv_cache_shape(tensors.values(), self._num_blocks)
+        on_cpu = all(t.device.type == "cpu" for t in tensors.values())
+        if not on_cpu:
+            # CUDA IPC registration is not built yet: serve nothing rather than guess.
+            log.error("vllm.register.unsupported_device",
+                      devices=sorted({str(t.device) for t in tensors.values()}))
+            return
+        # Move the memory into shared memory now, before any forward runs: views vLLM
+        # holds follow the move, and the bytes are kept.
+        for layer, tensor in tensors.items():
+            tensor_handle(layer, tensor, share_in_place=True)
+        self.link = SidecarLink(self._config, "worker", lambda: {
+            "layout": self._layout,
+            "kv_caches": tensors,
+            "kv_cache_shape": shape,
+            "share_in_place": True,
+            "hash_algo": self._hash_algo,
+            "hash_seed": os.environ.get("PYTHONHASHSEED"),
+            "block_hasher": vllm_block_hasher(self._hash_algo),
+            "engine_id": f"vllm-worker-{os.getpid()}",
+        })
+        if self.link.wait_connected(self._config.connect_timeout_s) is None:
+            log.warning("vllm.register.sidecar_not_ready", endpoint=self._config.endpoint)
+
+    # -- per step ---------------------------------------------------------------------
+
+    def handle_preemptions(self, plan: StepPlan) -> None:
+        """Before the forward: wait for saves whose blocks it may overwrite."""
+        waiting = [s.future for saves in self._saves.values() for s in saves if s.fence]
+        for req_id in plan.preempted:
+            waiting.extend(s.future for s in self._saves.pop(req_id, ()))
+        if waiting:
+            wait_futures(waiting, timeout=self._config.timeout_s)
+            for saves in self._saves.values():
+                for save in saves:
+                    save.fence = False
+
+    def start_load_kv(self, plan: StepPlan) -> None:
+        client = self.link.client() if self.link is not None else None
+        for load in plan.loads:
+            if client is None:
+                future: Future[LoadResult] = Future()
+                future.set_exception(ConnectionError("the sidecar is not connected"))
+            else:
+                future = client.start_load(
+                    load.request_id, load.token_ids, load.block_ids, load.num_tokens,
+                    block_hashes=load.block_hashes, computed_tokens=load.computed_tokens,
+                    timeout_s=self._config.timeout_s, **load.keys,
+                )
+            self._loads[load.request_id] = (load, future)
+
+    def wait_for_save(self, plan: StepPlan) -> None:
+        """Hand the step's saves over; the forward never waits for them here."""
+        client = self.link.client() if self.link is not None else None
+        for save in plan.saves:
+            saves = self._saves.setdefault(save.request_id, [])
+            if client is None:
+                continue  # a cache fill skipped; the request still reports finished
+            future = client.start_save(
+                save.request_id, save.token_ids, save.block_ids,
+                block_hashes=save.block_hashes, timeout_s=self._config.timeout_s,
+                **save.keys,
+            )
+            saves.append(_Save(future, save.fence))
+
+    def transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
+        results = TransferResults()
+        self._finished |= finished_req_ids
+        for req_id, (load, future) in list(self._loads.items()):
+            if future.done():
+                del self._loads[req_id]
+                results.finished_recving.add(req_id)
+                if not self._loaded(load, future):
+                    results.failed_recving.add(req_id)
+        for req_id in list(self._finished):
+            if req_id in self._loads:
+                continue  # the load's report frees the blocks
+            saves = self._saves.get(req_id)
+            if saves is None or req_id in results.finished_recving:
+                self._saves.pop(req_id, None)
+                self._finished.discard(req_id)
+            elif all(save.future.done() for save in saves):
+                self._report_saves(req_id, saves)
+                del self._saves[req_id]
+                self._finished.discard(req_id)
+                results.finished_sending.add(req_id)
+        return results
+
+    def _loaded(self, load: LoadPlan, future: Future[LoadResult]) -> bool:
+        """Whether the load gave everything it planned; a failed one is recomputed."""
+        error = future.exception()
+        if error is not None:
+            if self.link is not None and not isinstance(error, ConnectionError):
+                self.link.failed(error)
+            log.warning("vllm.load.failed", request_id=load.request_id, error=str(error))
+            invalid = self._planned_block_ids(load)
+        else:
+            result = future.result()
+            if result.loaded_tokens >= load.num_tokens:
+                return True
+            log.warning("vllm.load.partial", request_id=load.request_id,
+                        loaded_tokens=result.loaded_tokens, num_tokens=load.num_tokens)
+            invalid = set(result.invalid_block_ids) or self._planned_block_ids(load)
+        if self._single_group:
+            # vLLM keeps what loaded and recomputes from the first failed block.
+            self._invalid |= invalid
+            return True
+        return False
+
+    def _planned_block_ids(self, load: LoadPlan) -> set[int]:
+        size = self._layout.groups[0].block_size
+        ids = load.block_ids[0][load.computed_tokens // size : load.num_tokens // size]
+        return {block for block in ids if block}
+
+    def _report_saves(self, req_id: str, saves: list[_Save]) -> None:
+        for save in saves:
+            error = save.future.exception()
+            if error is not None:
+                log.info("vllm.save.failed", request_id=req_id, error=str(error))
+
+    def block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def shutdown(self) -> None:
+        """Let saves in flight finish (bounded), then unregister."""
+        pending = [s.future for saves in self._saves.values() for s in saves]
+        pending.extend(future for _, future in self._loads.values())
+        if pending:
+            wait_futures(pending, timeout=self._config.timeout_s)
+        if self.link is not None:
+            self.link.close()
+
