@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import uuid
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -95,7 +96,7 @@ class SchedulerSide:
             "hash_algo": hash_algo,
             "hash_seed": os.environ.get("PYTHONHASHSEED"),
             "block_hasher": vllm_block_hasher(hash_algo),
-            "engine_id": f"vllm-scheduler-{os.getpid()}",
+            "engine_id": f"vllm-scheduler-{os.getpid()}-{uuid.uuid4().hex[:8]}",
         })
         if load:
             self.link.client()  # start connecting now, not at the first request

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
@@ -116,7 +117,7 @@ class WorkerSide:
             "hash_algo": self._hash_algo,
             "hash_seed": os.environ.get("PYTHONHASHSEED"),
             "block_hasher": vllm_block_hasher(self._hash_algo),
-            "engine_id": f"vllm-worker-{os.getpid()}",
+            "engine_id": f"vllm-worker-{os.getpid()}-{uuid.uuid4().hex[:8]}",
         })
         if self.link.wait_connected(self._config.connect_timeout_s) is None:
             log.warning("vllm.register.sidecar_not_ready", endpoint=self._config.endpoint)

