@@ -150,7 +150,7 @@ def test_vllm_hash_block_size_wins() -> None:
 def test_cross_attention_and_encoder_only_groups_are_refused(spec: kvi.KVCacheSpec) -> None:
     config = config_of(group("full", kvi.FullAttentionSpec(block_size=32, **ATTN)),
                        group("enc", spec))
-    with pytest.raises(LayoutError, match="group 1: .*cannot be stored by prefix"):
+    with pytest.raises(LayoutError, match=r"group 1: .*cannot be stored by prefix"):
         layout_from_vllm(config, model="m")
 
 

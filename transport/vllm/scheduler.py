@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import uuid
 import time
+import uuid
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
