@@ -115,7 +115,8 @@ def main() -> None:
           f"{args.prompts} prompts of {args.tokens} tokens")
     print(f"time to first token, recomputed (median): {1000 * miss:8.1f} ms")
     print(f"time to first token, loaded     (median): {1000 * hit:8.1f} ms "
-          f"({int(median(cached))} tokens, {loaded_bytes / 2**20:.1f} MiB from the sidecar)")
+          f"({int(median(cached))} tokens, {loaded_bytes / 2**20:.1f} MiB from the sidecar; "
+          f"cached tokens per run {cached})")
     print(f"ratio hit / recompute: {hit / miss:.2f}  (speed-up {miss / hit:.1f}x)")
     if seconds:
         print(f"sidecar load latency (mean of {int(loads)}): {1000 * seconds / loads:.1f} ms, "

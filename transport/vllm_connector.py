@@ -114,6 +114,9 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched.update_connector_output(connector_output)
 
+    def has_pending_block_frees(self) -> bool:
+        return self._sched.has_pending_block_frees()
+
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:

@@ -296,7 +296,9 @@ def test_a_prompt_saved_by_one_engine_loads_byte_exactly_into_another(
         plan, _ = a.step({"a-1": prompt_tokens})
         assert [s.request_id for s in plan.saves] == ["a-1"]
         assert a.scheduler.request_finished_all_groups(req_a, a.block_ids["a-1"]) == (True, None)
+        assert a.scheduler.has_pending_block_frees()  # held for the save, freed soon
         a.until("finished_sending", "a-1", finished={"a-1"})
+        assert not a.scheduler.has_pending_block_frees()
 
         req_b = request("b-1", prompt, hbs, algo)
         hit, is_async = b.lookup(req_b)

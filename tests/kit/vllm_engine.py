@@ -53,6 +53,16 @@ def write_model(directory: Path, kind: str, layers: int | None = None, hidden: i
     model.save_pretrained(directory)
 
 
+def reset_local_cache(llm: object, timeout_s: float = 30.0) -> None:
+    """Empty vLLM's own prefix cache. It refuses while a finished request's blocks are
+    still held for its save; the engine frees them as soon as the save is reported."""
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():  # type: ignore[attr-defined]
+        if time.monotonic() > deadline:
+            raise RuntimeError("vLLM's prefix cache could not be reset")
+        time.sleep(0.01)
+
+
 def generate(model: Path, prompts_file: Path, out: Path, endpoint: str | None,
              again: bool, max_tokens: int) -> None:
     from vllm import LLM, SamplingParams
@@ -75,7 +85,7 @@ def generate(model: Path, prompts_file: Path, out: Path, endpoint: str | None,
     results = []
     for prompt in json.loads(prompts_file.read_text()):
         for _ in range(2 if again else 1):
-            llm.reset_prefix_cache()  # only the sidecar may supply a prefix
+            reset_local_cache(llm)  # only the sidecar may supply a prefix
             started = time.perf_counter()
             output = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
                                   use_tqdm=False)[0]

@@ -88,6 +88,8 @@ class SchedulerSide:
         """Request -> the engine's own hit its lookup was answered for."""
         self._planned_loads: list[LoadPlan] = []
         self._loading: set[str] = set()
+        self._delayed: set[str] = set()
+        """Finished requests whose blocks wait for the worker's word."""
         self._block_ids: Any = None  # the KV cache manager's get_block_ids, once bound
         self.link = SidecarLink(config, "scheduler", lambda: {
             "layout": layout,
@@ -222,6 +224,14 @@ class SchedulerSide:
     def update_connector_output(self, connector_output: Any) -> None:
         for req_id in connector_output.finished_recving or ():
             self._loading.discard(req_id)
+            self._delayed.discard(req_id)
+        for req_id in connector_output.finished_sending or ():
+            self._delayed.discard(req_id)
+
+    def has_pending_block_frees(self) -> bool:
+        """Finished requests' blocks the worker will free soon (vLLM may wait for them
+        rather than preempt)."""
+        return bool(self._delayed)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
@@ -231,6 +241,8 @@ class SchedulerSide:
         if lookup is not None:
             lookup.future.cancel()
         delay = req_id in self._loading or (tracked is not None and tracked.has_saves)
+        if delay:
+            self._delayed.add(req_id)
         return delay, None
 
     def shutdown(self) -> None:
