@@ -17,6 +17,8 @@ import pytest
 import torch
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1 import kv_cache_interface as kvi
@@ -263,11 +265,42 @@ class Engine:
         self.scheduler.shutdown()
 
 
-def request(req_id: str, prompt: list[int], hash_block_size: int, algo: str) -> Request:
+def request(req_id: str, prompt: list[int], hash_block_size: int, algo: str,
+            **extra: Any) -> Request:
     hash_fn = get_hash_fn_by_name(algo)
     init_none_hash(hash_fn)
     return Request(req_id, prompt, SamplingParams(max_tokens=1), None,
-                   block_hasher=get_request_block_hasher(hash_block_size, hash_fn))
+                   block_hasher=get_request_block_hasher(hash_block_size, hash_fn), **extra)
+
+
+def test_lora_salt_and_multimodal_keys_reach_the_store_as_vllm_hashed_them(
+    sidecar: SidecarProcess,
+) -> None:
+    """With sha256_cbor the sidecar checks vLLM's first hash against the tokens and the
+    request's keys: they must arrive as vLLM put them into it. Other keys, other blocks."""
+    init_none_hash(get_hash_fn_by_name("sha256_cbor"))
+    config = CONFIGS["dense"]
+    prompt = random_tokens(200, seed=8)
+    features = [MultiModalFeatureSpec(data=None, modality="image", identifier="img-1",
+                                      mm_position=PlaceholderRange(offset=40, length=30))]
+    keyed = {"lora_request": LoRARequest("sql", 1, "/adapters/sql"), "cache_salt": "tenant-a",
+             "mm_features": features}
+    a = Engine(sidecar.endpoint, config, "sha256_cbor")
+    b = Engine(sidecar.endpoint, config, "sha256_cbor")
+    try:
+        req = request("k-1", prompt, 32, "sha256_cbor", **keyed)
+        assert a.lookup(req) == (0, False)
+        a.scheduler.update_state_after_alloc(req, a.allocate("k-1", 200), 0)
+        a.step({"k-1": 200})
+        a.scheduler.request_finished_all_groups(req, a.block_ids["k-1"])
+        a.until("finished_sending", "k-1", finished={"k-1"})
+        assert b.lookup(request("k-2", prompt, 32, "sha256_cbor", **keyed)) == (192, True)
+        assert b.lookup(request("k-3", prompt, 32, "sha256_cbor")) == (0, False)
+        salted = {**keyed, "cache_salt": "tenant-b"}
+        assert b.lookup(request("k-4", prompt, 32, "sha256_cbor", **salted)) == (0, False)
+    finally:
+        a.close()
+        b.close()
 
 
 @pytest.mark.parametrize(("name", "algo", "prompt_tokens"), [

@@ -31,6 +31,7 @@ class SidecarLink:
         self._config = config
         self._name = name
         self._connect_kwargs = connect_kwargs
+        self._curve = config.curve()  # unreadable key files stop the engine now, not later
         self._lock = threading.Lock()
         self._client: BlockingEngineClient | None = None
         self._thread: threading.Thread | None = None
@@ -66,7 +67,7 @@ class SidecarLink:
                 heartbeat_interval_s=self._config.heartbeat_interval_s,
                 timeout_s=self._config.connect_timeout_s,
                 **self._connect_kwargs(),
-                **self._config.curve(),
+                **self._curve,
             )
         except (KVSidecarError, OSError) as exc:
             with self._lock:

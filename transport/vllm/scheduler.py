@@ -26,7 +26,7 @@ from typing import Any
 
 import structlog
 
-from pipeline.core.errors import KVSidecarError
+from pipeline.core.errors import RequestRejected, TransportError
 from pipeline.core.layout import GroupKind, KVCacheLayout
 from transport.vllm.config import ConnectorConfig
 from transport.vllm.layout import request_keys, vllm_block_hasher
@@ -131,8 +131,11 @@ class SchedulerSide:
             hit = pending.future.result(timeout=self._config.lookup_wait_ms / 1000)
         except FutureTimeout:
             return None, False  # not answered yet: vLLM asks again next step
-        except KVSidecarError as exc:
+        except TransportError as exc:
             self.link.failed(exc)
+            hit = 0
+        except RequestRejected as exc:
+            log.warning("vllm.lookup.refused", request_id=req_id, error=str(exc))
             hit = 0
         finally:
             if pending.future.done():

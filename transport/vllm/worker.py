@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 import torch
 
-from pipeline.core.errors import LayoutError
+from pipeline.core.errors import LayoutError, TransportError
 from pipeline.core.layout import KVCacheLayout
 from transport.client import KVCacheShape, LoadResult
 from transport.tensors import tensor_handle
@@ -190,7 +190,7 @@ class WorkerSide:
         """Whether the load gave everything it planned; a failed one is recomputed."""
         error = future.exception()
         if error is not None:
-            if self.link is not None and not isinstance(error, ConnectionError):
+            if self.link is not None and isinstance(error, TransportError):
                 self.link.failed(error)
             log.warning("vllm.load.failed", request_id=load.request_id, error=str(error))
             invalid = self._planned_block_ids(load)
