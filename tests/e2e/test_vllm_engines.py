@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.testing import run_sidecar_process
 
@@ -96,6 +99,25 @@ def engines(request: pytest.FixtureRequest, vllm_python: Path, models: dict[str,
     yield runner, baseline
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def failed_loads(port: int, reason: str) -> float:
+    """Blocks the sidecar reported failed to load for ``reason`` (from its metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "kvsidecar_blocks_total" and sample.labels.get("path") == "load"
+        and sample.labels.get("status") == "failed" and sample.labels.get("reason") == reason
+    )
+
+
 def max_logprob_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     return max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True))
 
@@ -113,6 +135,9 @@ def test_a_second_engine_loads_the_prefix_and_matches_an_engine_without_it(
     with run_sidecar_process() as sidecar:
         (first,) = runner.run(sidecar.endpoint)
         (second,) = runner.run(sidecar.endpoint)
+        log = sidecar.log()
+    # Each engine's scheduler and worker registered, and unregistered when it shut down.
+    assert log.count('"session.registered"') == log.count('"session.unregistered"') == 4
     assert first["num_cached_tokens"] == 0
     assert second["num_cached_tokens"] == (PROMPT_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert same_output(first, baseline), (first, baseline)
@@ -135,3 +160,20 @@ def test_the_comparison_catches_wrong_kv(engines: tuple[Engines, dict[str, Any]]
     assert not same_output(loaded, baseline), "wrong KV went unnoticed"
     print(f"\n{runner.model.name} negative control: tokens {loaded['tokens']} vs "
           f"{baseline['tokens']}, max logprob difference {max_logprob_diff(loaded, baseline):.2e}")
+
+
+def test_loads_that_fail_their_checksum_are_recomputed_never_used(
+    engines: tuple[Engines, dict[str, Any]],
+) -> None:
+    """Every stored value is corrupted but checksums are on (the default): each load is
+    reported failed, vLLM recomputes, and the output equals the baseline."""
+    runner, baseline = engines
+    port = free_port()
+    corrupting = {"faults": {"points": {"store.put": {"corrupt_rate": 1.0}}},
+                  "metrics": {"port": port}}
+    with run_sidecar_process(corrupting) as sidecar:
+        computed, recomputed = runner.run(sidecar.endpoint, again=True)
+        refused = failed_loads(port, "checksum_mismatch")
+    assert refused > 0, "no load was refused"
+    assert same_output(computed, baseline)
+    assert same_output(recomputed, baseline), (recomputed, baseline)
