@@ -49,3 +49,11 @@ def test_every_package_folder_is_declared() -> None:
         for init in (REPO / name).rglob("__init__.py")
     }
     assert on_disk == declared
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """CI runs exactly the set-up and test command the README gives a user."""
+    readme = (REPO / "README.md").read_text()
+    commands = [line for line in readme.splitlines() if line.startswith("apt-get update")]
+    assert len(commands) == 1
+    assert commands[0] in (REPO / ".ci" / "run").read_text().splitlines()
