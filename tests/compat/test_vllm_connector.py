@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from types import SimpleNamespace
 from typing import Any
 
@@ -233,8 +234,9 @@ class Engine:
                 return tokens, is_async
             assert time.monotonic() < deadline, "the lookup never came back"
 
-    def step(self, scheduled: dict[str, int], finished: set[str] = frozenset()) -> Any:  # type: ignore[assignment]
-        output = SimpleNamespace(num_scheduled_tokens=scheduled, preempted_req_ids=set(),
+    def step(self, scheduled: dict[str, int], finished: AbstractSet[str] = frozenset(),
+             preempted: AbstractSet[str] = frozenset()) -> Any:
+        output = SimpleNamespace(num_scheduled_tokens=scheduled, preempted_req_ids=preempted,
                                  scheduled_spec_decode_tokens={}, finished_req_ids=finished)
         plan = self.scheduler.build_connector_meta(output)
         assert isinstance(plan, StepPlan)
@@ -248,7 +250,7 @@ class Engine:
             finished_recving=results.finished_recving, finished_sending=results.finished_sending))
         return plan, results
 
-    def until(self, field: str, req_id: str, finished: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    def until(self, field: str, req_id: str, finished: AbstractSet[str] = frozenset()) -> None:
         deadline = time.monotonic() + 10
         while req_id not in getattr(self.step({}, finished)[1], field):
             assert time.monotonic() < deadline, f"{req_id} never in {field}"
@@ -402,3 +404,26 @@ def test_a_sidecar_restart_under_running_engines_fails_softly_then_serves_again(
     finally:
         a.close()
         b.close()
+
+
+def test_a_preempted_requests_saves_finish_before_the_next_forward(
+    sidecar: SidecarProcess,
+) -> None:
+    """vLLM frees a preempted request's blocks at once: the next step's
+    handle_preemptions waits for its saves, and its finish later needs no delay."""
+    init_none_hash(get_hash_fn_by_name("sha256"))
+    engine = Engine(sidecar.endpoint, CONFIGS["dense"], "sha256")
+    try:
+        req = request("p-1", random_tokens(200, seed=12), 32, "sha256")
+        assert engine.lookup(req) == (0, False)
+        engine.scheduler.update_state_after_alloc(req, engine.allocate("p-1", 200), 0)
+        plan, _ = engine.step({"p-1": 200})
+        (save,) = plan.saves
+        assert not save.fence  # full attention: the running request keeps its blocks
+        saves = engine.worker._work._saves["p-1"]
+        plan, _ = engine.step({}, preempted={"p-1"})
+        assert plan.preempted == ["p-1"]
+        assert all(s.future.done() for s in saves)  # waited for before the forward
+        assert engine.scheduler.request_finished_all_groups(req, ([],)) == (False, None)
+    finally:
+        engine.close()
