@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 import uuid
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -64,12 +63,6 @@ class _Tracked:
     word before they are freed)."""
 
 
-@dataclasses.dataclass(slots=True)
-class _Lookup:
-    future: Future[int]
-    started: float
-
-
 class SchedulerSide:
     def __init__(
         self, config: ConnectorConfig, layout: KVCacheLayout, *, hash_algo: str,
@@ -83,7 +76,7 @@ class SchedulerSide:
         self._fenced = [g.kind in FENCED_KINDS for g in layout.groups]
         self._stored = set(layout.prefix_cacheable_group_ids)
         self._requests: dict[str, _Tracked] = {}
-        self._lookups: dict[str, _Lookup] = {}
+        self._lookups: dict[str, Future[int]] = {}
         self._matched: dict[str, int] = {}
         """Request -> the engine's own hit its lookup was answered for."""
         self._planned_loads: list[LoadPlan] = []
@@ -121,14 +114,12 @@ class SchedulerSide:
             if client is None:
                 return 0, False
             tokens, hashes = prefix(request, request.num_tokens, self._hbs)
-            pending = self._lookups[req_id] = _Lookup(
-                client.start_lookup(tokens, block_hashes=hashes, request_id=req_id,
-                                    timeout_s=self._config.lookup_timeout_s,
-                                    **request_keys(request)),
-                time.monotonic(),
+            pending = self._lookups[req_id] = client.start_lookup(
+                tokens, block_hashes=hashes, request_id=req_id,
+                timeout_s=self._config.lookup_timeout_s, **request_keys(request),
             )
         try:
-            hit = pending.future.result(timeout=self._config.lookup_wait_ms / 1000)
+            hit = pending.result(timeout=self._config.lookup_wait_ms / 1000)
         except FutureTimeout:
             return None, False  # not answered yet: vLLM asks again next step
         except TransportError as exc:
@@ -138,7 +129,7 @@ class SchedulerSide:
             log.warning("vllm.lookup.refused", request_id=req_id, error=str(exc))
             hit = 0
         finally:
-            if pending.future.done():
+            if pending.done():
                 del self._lookups[req_id]
         extra = hit - num_computed_tokens
         if extra <= 0 or extra < self._config.min_load_tokens:
@@ -242,7 +233,7 @@ class SchedulerSide:
         self._matched.pop(req_id, None)
         lookup = self._lookups.pop(req_id, None)
         if lookup is not None:
-            lookup.future.cancel()
+            lookup.cancel()
         delay = req_id in self._loading or (tracked is not None and tracked.has_saves)
         if delay:
             self._delayed.add(req_id)

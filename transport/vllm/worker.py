@@ -99,12 +99,13 @@ class WorkerSide:
         if missing:
             raise LayoutError(f"vLLM registered no KV tensor for layers {sorted(missing)}")
         shape = kv_cache_shape(tensors.values(), self._num_blocks)
-        on_cpu = all(t.device.type == "cpu" for t in tensors.values())
-        if not on_cpu:
-            # CUDA IPC registration is not built yet: serve nothing rather than guess.
-            log.error("vllm.register.unsupported_device",
-                      devices=sorted({str(t.device) for t in tensors.values()}))
-            return
+        devices = sorted({str(t.device) for t in tensors.values()} - {"cpu"})
+        if devices:
+            # Fail at start-up rather than recompute every load in silence.
+            raise TransportError(
+                f"KVSidecarConnector shares CPU KV caches only; vLLM's are on {devices} "
+                "(CUDA IPC registration is not built yet)"
+            )
         # Move the memory into shared memory now, before any forward runs: views vLLM
         # holds follow the move, and the bytes are kept.
         for layer, tensor in tensors.items():
