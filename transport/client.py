@@ -29,6 +29,7 @@ from pipeline.core.errors import ConfigError, ProtocolError, RequestRejected, Tr
 from pipeline.core.hashing import MMItem, block_hashes
 from pipeline.core.layout import KVCacheLayout
 from pipeline.core.messages import (
+    SIDECAR_HASH_ALGO,
     BlockReport,
     EngineMessage,
     ErrorCode,
@@ -131,7 +132,7 @@ class EngineClient(AsyncResource):
         kv_cache_shape: KVCacheShape | None = None,
         hash_seed: str | None = None,
         block_hasher: BlockHasher | None = None,
-        hash_algo: str = "sha256_cbor",
+        hash_algo: str = SIDECAR_HASH_ALGO,
         lookup_only: bool = False,
         share_in_place: bool = False,
         timeout_s: float = 30.0,

@@ -19,6 +19,7 @@ from pipeline.core.outcomes import BlockStatus
 __all__ = [
     "HASH_ALGOS",
     "PROTOCOL_VERSION",
+    "SIDECAR_HASH_ALGO",
     "BlockReport",
     "EngineMessage",
     "ErrorCode",
@@ -137,8 +138,10 @@ class RequestKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_
     mm_items: tuple[tuple[str, NonNegative, NonNegative], ...] = ()
 
 
-HASH_ALGOS = ("sha256_cbor", "sha256", "xxhash", "xxhash_cbor")
-"""vLLM's ``prefix_caching_hash_algo`` names; the sidecar computes only the first itself."""
+SIDECAR_HASH_ALGO = "sha256_cbor"
+"""The one block-hash algorithm the sidecar computes (and so can check) itself."""
+HASH_ALGOS = (SIDECAR_HASH_ALGO, "sha256", "xxhash", "xxhash_cbor")
+"""vLLM's ``prefix_caching_hash_algo`` names an engine may register with."""
 
 
 class Register(_Wire, frozen=True, tag="register"):

@@ -17,6 +17,7 @@ from pipeline.core.layout import KVCacheLayout
 from pipeline.core.messages import (
     HASH_ALGOS,
     PROTOCOL_VERSION,
+    SIDECAR_HASH_ALGO,
     ErrorCode,
     Register,
     Registered,
@@ -24,10 +25,7 @@ from pipeline.core.messages import (
 )
 from pipeline.state.sessions import EngineSession
 
-__all__ = ["SIDECAR_HASH_ALGO", "LayerTensors", "MapTensors", "SessionRegistry"]
-
-SIDECAR_HASH_ALGO = "sha256_cbor"
-"""The one block-hash algorithm the sidecar computes (and so can check) itself."""
+__all__ = ["LayerTensors", "MapTensors", "SessionRegistry"]
 
 LayerTensors = dict[str, tuple[torch.Tensor, int]]
 MapTensors = Callable[[Sequence[TensorHandle]], tuple[LayerTensors, Callable[[], None]]]
