@@ -18,55 +18,36 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import ROOT, median, write_results
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the test kit's engine
+from harness import median, write_results
 
 from pipeline.testing import run_sidecar_process
-
-ENGINE = ROOT / "tests" / "kit" / "vllm_engine.py"
-VLLM_PYTHON = Path(os.environ.get("KVSIDECAR_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_HOST_IP": "127.0.0.1"}
+from tests.kit.vllm_engine import EngineFailed, run_kit
 
 
 def kit(*args: str, log: Path) -> None:
-    with log.open("wb") as out:
-        done = subprocess.run([str(VLLM_PYTHON), str(ENGINE), *args], stdout=out,
-                              stderr=subprocess.STDOUT, env={**os.environ, **ENGINE_ENV},
-                              check=False)
-    if done.returncode:
-        sys.exit(f"{ENGINE.name} {args[0]} failed:\n{log.read_text(errors='replace')[-3000:]}")
+    try:
+        run_kit(*args, log=log)
+    except EngineFailed as exc:
+        sys.exit(str(exc))
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def load_seconds(port: int) -> tuple[float, float]:
+def load_seconds(samples: Any) -> tuple[float, float]:
     """(sum, count) of the sidecar's load latency histogram."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
     total = count = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.labels.get("kind") == "load":
-                if sample.name == "kvsidecar_request_seconds_sum":
-                    total += sample.value
-                elif sample.name == "kvsidecar_request_seconds_count":
-                    count += sample.value
+    for sample in samples:
+        if sample.labels.get("kind") == "load":
+            if sample.name == "kvsidecar_request_seconds_sum":
+                total += sample.value
+            elif sample.name == "kvsidecar_request_seconds_count":
+                count += sample.value
     return total, count
 
 
@@ -77,8 +58,6 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     args = parser.parse_args()
-    if not VLLM_PYTHON.exists():
-        sys.exit(f"{VLLM_PYTHON} is missing (see the README's test command)")
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         work = Path(tmp)
         model = work / "model"
@@ -91,12 +70,11 @@ def main() -> None:
         prompts = [[rng.randrange(1, 512) for _ in range(args.tokens)]
                    for _ in range(args.prompts)]
         (work / "prompts.json").write_text(json.dumps(prompts))
-        port = free_port()
-        with run_sidecar_process({"metrics": {"port": port}}) as sidecar:
+        with run_sidecar_process(metrics=True) as sidecar:
             kit("generate", str(model), str(work / "prompts.json"), str(work / "out.json"),
                 "--endpoint", sidecar.endpoint, "--again", "--max-tokens", "1",
                 log=work / "engine.log")
-            seconds, loads = load_seconds(port)
+            seconds, loads = load_seconds(sidecar.metrics())
         runs: list[dict[str, Any]] = json.loads((work / "out.json").read_text())
     computed, loaded = runs[0::2], runs[1::2]
     assert all(r["num_cached_tokens"] == 0 for r in computed)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from prometheus_client.samples import Sample
 
+from pipeline.app.status import read_metrics
 from pipeline.core.config import Config
 
 __all__ = ["SidecarProcess", "run_sidecar_process"]
@@ -25,10 +28,19 @@ __all__ = ["SidecarProcess", "run_sidecar_process"]
 class SidecarProcess:
     """A ``kvsidecar serve`` child process on a private ipc:// endpoint."""
 
-    def __init__(self, process: subprocess.Popen[bytes], endpoint: str, log_path: Path) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], endpoint: str, log_path: Path,
+                 metrics_url: str | None = None) -> None:
         self.process = process
         self.endpoint = endpoint
         self.log_path = log_path
+        self.metrics_url = metrics_url
+        """Its Prometheus endpoint, when started with ``metrics=True``."""
+
+    def metrics(self) -> list[Sample]:
+        """Every metric sample the sidecar serves now (it must run with ``metrics=True``)."""
+        if self.metrics_url is None:
+            raise RuntimeError("this sidecar was started without metrics (metrics=True)")
+        return read_metrics(self.metrics_url)
 
     @property
     def pid(self) -> int:
@@ -49,6 +61,13 @@ class SidecarProcess:
             raise
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
 def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in override.items():
         if isinstance(value, Mapping) and isinstance(base.get(key), dict):
@@ -67,13 +86,21 @@ def run_sidecar_process(
     env: Mapping[str, str] | None = None,
     startup_timeout_s: float = 30.0,
     stop_timeout_s: float = 15.0,
+    metrics: bool = False,
 ) -> Iterator[SidecarProcess]:
     """Start a sidecar with ``config`` (a YAML file; default: the built-in defaults) plus
     ``overrides`` (a nested dict), on a fresh ipc:// endpoint.
 
     ``python_args`` go before ``-m`` (``["-m", "cProfile", "-o", FILE]`` profiles it).
+    ``metrics``: serve Prometheus metrics on a free loopback port (``metrics_url``).
     The sidecar is stopped (SIGTERM, then SIGKILL) when the block exits.
     """
+    metrics_url = None
+    if metrics:
+        port = _free_port()
+        overrides = _merge({"metrics": {"host": "127.0.0.1", "port": port}},
+                           overrides or {})
+        metrics_url = f"http://127.0.0.1:{port}/metrics"
     with tempfile.TemporaryDirectory(prefix="kvsidecar-") as tmp:
         socket_path = Path(tmp) / "sidecar.sock"
         base: dict[str, Any] = (
@@ -95,7 +122,7 @@ def run_sidecar_process(
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(env or {})},
             )
-        sidecar = SidecarProcess(process, merged["server"]["endpoint"], log_path)
+        sidecar = SidecarProcess(process, merged["server"]["endpoint"], log_path, metrics_url)
         try:
             deadline = time.monotonic() + startup_timeout_s
             while b"sidecar.ready" not in log_path.read_bytes():

@@ -39,17 +39,12 @@ def test_serve_refuses_insecure_tcp_beyond_loopback() -> None:
 
 def test_status_shows_a_running_sidecars_metrics() -> None:
     """`kvsidecar status` prints a table of a running sidecar's metrics."""
-    import socket
-
     from pipeline.testing import run_sidecar_process
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with run_sidecar_process({"metrics": {"port": port}}):
-        result = subprocess.run(
-            [*KVSIDECAR, "status", "--metrics-url", f"http://127.0.0.1:{port}/metrics"],
-            capture_output=True, text=True, timeout=60)
+    with run_sidecar_process(metrics=True) as sidecar:
+        assert sidecar.metrics_url is not None
+        result = subprocess.run([*KVSIDECAR, "status", "--metrics-url", sidecar.metrics_url],
+                                capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "sessions" in result.stdout and "open_jobs" in result.stdout
     assert "staging_withheld_slots" in result.stdout

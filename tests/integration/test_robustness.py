@@ -250,15 +250,13 @@ async def test_engine_sent_block_hashes_are_used_and_checked(sidecar: SidecarPro
 async def test_prometheus_metrics_count_requests_outcomes_and_rejections() -> None:
     """With metrics.port set, /metrics reports requests, block outcomes, refusals and
     latencies as they happen."""
-    import socket
     import urllib.request
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     engine = KVEngine(hybrid_layout())
     tokens = random_tokens(2 * 16 + 1, seed=81)
-    with run_sidecar_process({"metrics": {"port": port}}) as sidecar:
+    with run_sidecar_process(metrics=True) as sidecar:
+        url = sidecar.metrics_url
+        assert url is not None
         with anyio.fail_after(TIMEOUT):
             async with await engine.connect(sidecar.endpoint) as client:
                 await client.save("m", tokens, [[1, 2, 3], [4], [1, 2, 3]])
@@ -267,7 +265,7 @@ async def test_prometheus_metrics_count_requests_outcomes_and_rejections() -> No
                     await client.load("bad", tokens, [[1, 2, 3], [4], [1, 2, 3]], 31)
 
         def scrape() -> str:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            with urllib.request.urlopen(url, timeout=10) as r:
                 return str(r.read().decode())
 
         text = await anyio.to_thread.run_sync(scrape)

