@@ -1,8 +1,11 @@
-"""Commit: make a batch's values stored and settle each block's outcome."""
+"""Commit: make a batch's values stored, settle each block's outcome, and tell the KV
+event log which blocks were stored."""
 
 from __future__ import annotations
 
+from pipeline.core.outcomes import BlockStatus
 from pipeline.core.seams import BatchMemory
+from pipeline.state.events import KVEventLog
 from pipeline.state.jobs import JobTracker, StagedBatch, StorePressure
 
 __all__ = ["CommitStage"]
@@ -10,13 +13,17 @@ __all__ = ["CommitStage"]
 
 class CommitStage:
     def __init__(
-        self, memory: BatchMemory, tracker: JobTracker, pressure: StorePressure
+        self, memory: BatchMemory, tracker: JobTracker, pressure: StorePressure,
+        events: KVEventLog,
     ) -> None:
         self._memory = memory
         self._tracker = tracker
         self._pressure = pressure
+        self._events = events
 
     async def process(self, batch: StagedBatch) -> None:
         outcomes = await self._memory.store(batch.values)
         self._pressure.record(batch.tasks, outcomes)
+        self._events.stored([task for task, outcome in zip(batch.tasks, outcomes, strict=True)
+                             if outcome.status is BlockStatus.STORED])
         await self._tracker.settle_each(batch.tasks, outcomes)

@@ -1,10 +1,14 @@
-"""Dedup: blocks already in the store are reported present and never copied again."""
+"""Dedup: blocks already in the store are reported present and never copied again.
+
+A key holding a value this engine cannot read (another size, or no checksum where one
+is required) is skipped with that reason: never overwritten, never counted present.
+"""
 
 from __future__ import annotations
 
 from pipeline.core.errors import StoreError
-from pipeline.core.outcomes import PRESENT
-from pipeline.core.store import KVStore
+from pipeline.core.outcomes import PRESENT, BlockStatus, KeyOutcome
+from pipeline.core.store import KVStore, Presence
 from pipeline.state.jobs import JobTracker, TaskBatch
 
 __all__ = ["DedupStage"]
@@ -18,12 +22,27 @@ class DedupStage:
     async def process(self, tasks: TaskBatch) -> TaskBatch | None:
         """``tasks`` are one job's named blocks; returns those the store lacks."""
         try:
-            exists = await self._store.exists([task.key for task in tasks])
+            found = await self._store.exists(
+                [task.key for task in tasks], [task.geometry.stored_bytes for task in tasks]
+            )
         except StoreError as exc:
             await tasks.fail(exc, self._tracker)
             return None
-        present = [task for task, hit in zip(tasks, exists, strict=True) if hit]
-        missing = TaskBatch(task for task, hit in zip(tasks, exists, strict=True) if not hit)
-        if present:
-            await self._tracker.settle_all(present, PRESENT)
+        missing = TaskBatch()
+        settled, outcomes = [], []
+        for task, presence in zip(tasks, found, strict=True):
+            if presence is Presence.ABSENT:
+                missing.append(task)
+            else:
+                settled.append(task)
+                outcomes.append(_OUTCOMES[presence])
+        if settled:
+            await self._tracker.settle_each(settled, outcomes)
         return missing or None
+
+
+_OUTCOMES = {
+    Presence.PRESENT: PRESENT,
+    Presence.FOREIGN: KeyOutcome(BlockStatus.SKIPPED, Presence.FOREIGN.value),
+    Presence.UNVERIFIED: KeyOutcome(BlockStatus.SKIPPED, Presence.UNVERIFIED.value),
+}

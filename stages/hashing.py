@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import anyio
 
+from pipeline.core.keys import keys_for
 from pipeline.core.outcomes import BlockStatus, KeyOutcome
 from pipeline.state.jobs import Job, JobTracker, TaskBatch
 
@@ -35,12 +36,16 @@ class HashingStage:
                 session.fine_hashes, message.token_ids, message.keys, message.request_id,
                 limiter=self._limiter,
             )
-        keys = [session.group_keys(g, fine) for g in range(len(session.store_groups))]
+        hashes = [session.group_hashes(g, fine) for g in range(len(session.store_groups))]
+        keys = [keys_for(geometry.key_prefix, group_hashes)
+                for geometry, group_hashes in zip(session.store_groups, hashes, strict=True)]
         named, unnamed = TaskBatch(), []
         for task in job.planned:
-            group_keys = keys[task.store_group]
-            if task.block_index < len(group_keys):
-                task.key = group_keys[task.block_index]
+            j = task.block_index
+            if j < len(keys[task.store_group]):
+                task.key = keys[task.store_group][j]
+                task.block_hash = hashes[task.store_group][j]
+                task.parent_hash = hashes[task.store_group][j - 1] if j else None
                 named.append(task)
             else:
                 unnamed.append(task)

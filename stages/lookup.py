@@ -8,7 +8,7 @@ the engine sends its own block hashes there is nothing to hash: one query checks
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import anyio.lowlevel
 
@@ -18,7 +18,7 @@ from pipeline.core.hitrule import longest_hit, max_hit_tokens
 from pipeline.core.keys import keys_for
 from pipeline.core.layout import GroupKind
 from pipeline.core.messages import Lookup, LookupReply
-from pipeline.core.store import KVStore
+from pipeline.core.store import KVStore, Presence
 from pipeline.state.jobs import LookupRequest, Reply
 from pipeline.state.sessions import EngineSession
 
@@ -31,8 +31,11 @@ _NEEDS_PREFIX = (GroupKind.FULL_ATTENTION, GroupKind.MLA_ATTENTION,
 
 
 class LookupStage:
-    def __init__(self, store: KVStore) -> None:
+    def __init__(self, store: KVStore, value_sizes: Mapping[str, int]) -> None:
+        """``value_sizes``: the stored bytes of a value under each key prefix, as the
+        engines registered them; a key under a prefix of unknown size is a miss."""
         self._store = store
+        self._value_sizes = value_sizes
 
     async def hit_tokens(self, session: EngineSession, message: Lookup) -> int:
         bound = max_hit_tokens(session.layout, len(message.token_ids))
@@ -69,22 +72,29 @@ class LookupStage:
             else:
                 fine = message.block_hashes  # type: ignore[assignment]
             # Blocks of each store group that end inside the new chunk of fine blocks.
+            # Every rank namespace must hold a block (each rank loads its own shard).
             keys: list[str] = []
+            sizes: list[int] = []
             counts: list[int] = []
             for geometry in groups:
                 size = geometry.group.block_size
                 k = size // hbs
                 new = group_block_hashes(fine[done // k * k : end // k * k], hbs, size)
-                keys.extend(keys_for(geometry.key_prefix, new))
+                for prefix in geometry.keys.lookup:
+                    keys.extend(keys_for(prefix, new))
+                    sizes.extend([self._value_sizes.get(prefix, 0)] * len(new))
                 counts.append(len(new))
             try:
-                exists = await self._store.exists(keys)
+                exists = await self._store.exists(keys, sizes)
             except StoreError:
                 return 0  # a store that cannot answer is a miss, never a wait
             start = 0
             for geometry, blocks, count in zip(groups, present, counts, strict=True):
-                found = exists[start : start + count]
-                start += count
+                shards = [exists[start + i * count : start + (i + 1) * count]
+                          for i in range(len(geometry.keys.lookup))]
+                found = [all(shard[b] is Presence.PRESENT for shard in shards)
+                         for b in range(count)]
+                start += count * len(shards)
                 if geometry.group.kind in _NEEDS_PREFIX and not all(found):
                     first_miss = len(blocks) + found.index(False)
                     bound = min(bound, first_miss * geometry.group.block_size)

@@ -13,6 +13,7 @@ from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import LOADED, BlockStatus, KeyOutcome
 from pipeline.core.seams import CopyEngine
 from pipeline.core.store import KVStore
+from pipeline.state.events import KVEventLog
 from pipeline.state.jobs import JobTracker, StagedBatch
 
 __all__ = ["CHECKSUM_MISMATCH", "ScatterStage"]
@@ -21,10 +22,13 @@ CHECKSUM_MISMATCH = KeyOutcome(BlockStatus.FAILED, "checksum_mismatch")
 
 
 class ScatterStage:
-    def __init__(self, store: KVStore, copy: CopyEngine, tracker: JobTracker) -> None:
+    def __init__(
+        self, store: KVStore, copy: CopyEngine, tracker: JobTracker, events: KVEventLog
+    ) -> None:
         self._store = store
         self._copy = copy
         self._tracker = tracker
+        self._events = events
 
     async def process(self, batch: StagedBatch) -> None:
         try:
@@ -33,8 +37,10 @@ class ScatterStage:
             batch.values.release()
         corrupt = [task for task, ok in zip(batch.tasks, intact, strict=True) if not ok]
         if corrupt:
+            keys = [task.key for task in corrupt]
             with contextlib.suppress(StoreError):  # the next load finds it and tries again
-                await self._store.remove([task.key for task in corrupt])
+                await self._store.remove(keys)
+                self._events.removed(keys)
             await self._tracker.settle_all(corrupt, CHECKSUM_MISMATCH)
         await self._tracker.settle_all(
             [task for task, ok in zip(batch.tasks, intact, strict=True) if ok], LOADED

@@ -22,7 +22,7 @@ lock that a copy thread holds.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -33,7 +33,7 @@ from anyio.abc import AsyncResource
 from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORE_FULL, STORED, KeyOutcome, failed
-from pipeline.core.store import Extents
+from pipeline.core.store import Extents, Presence
 from transport.arena import ArenaAllocator
 
 __all__ = ["EmbeddedStore", "EmbeddedStoreStats"]
@@ -59,6 +59,12 @@ class _Entry:
     """False while the put that created it is still copying the value in."""
     removed: bool = False
     """Out of the index; the extent is freed when the last pin goes."""
+
+
+def _presence(entry: _Entry | None, size: int) -> Presence:
+    if entry is None or not entry.ready:
+        return Presence.ABSENT
+    return Presence.PRESENT if entry.size == size else Presence.FOREIGN
 
 
 def _check_bytes(tensor: object) -> str | None:
@@ -99,7 +105,9 @@ class EmbeddedStore(AsyncResource):
         config: EmbeddedStoreConfig,
         *,
         copy_limiter: anyio.CapacityLimiter | None = None,
+        on_evicted: Callable[[Sequence[str]], None] = lambda keys: None,
     ) -> None:
+        """``on_evicted`` hears the keys evicted to make room (on the event loop)."""
         try:
             # Touched once now: a page's first write costs a fault, several times the
             # copy itself, and the whole budget is held from the start anyway.
@@ -114,6 +122,7 @@ class EmbeddedStore(AsyncResource):
         self._pinned_bytes = 0
         self._evictions = 0
         self._limiter = copy_limiter or anyio.CapacityLimiter(DEFAULT_COPY_THREADS)
+        self._on_evicted = on_evicted
         self._closed = False
 
     # -- KVStore -----------------------------------------------------------------------
@@ -125,9 +134,11 @@ class EmbeddedStore(AsyncResource):
         if problem is not None:
             raise ValueError(f"a staging buffer must be a contiguous 1-D uint8 tensor: {problem}")
 
-    async def exists(self, keys: Sequence[str]) -> list[bool]:
+    async def exists(self, keys: Sequence[str], sizes: Sequence[int]) -> list[Presence]:
         self._check_open()
-        return [(entry := self._entries.get(key)) is not None and entry.ready for key in keys]
+        return [
+            _presence(self._entries.get(key), size) for key, size in zip(keys, sizes, strict=True)
+        ]
 
     async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
         self._check_open()
@@ -330,12 +341,16 @@ class EmbeddedStore(AsyncResource):
         """Allocate ``size`` bytes, evicting unpinned entries oldest first as needed."""
         if size > self._allocator.capacity - self._pinned_bytes:
             return None
+        evicted: list[str] = []
         while (offset := self._allocator.allocate(size)) is None:
             victim = next((entry for entry in self._entries.values() if entry.pins == 0), None)
             if victim is None:
-                return None
+                break
             self._drop(victim)
-            self._evictions += 1
+            evicted.append(victim.key)
+        if evicted:
+            self._evictions += len(evicted)
+            self._on_evicted(evicted)
         return offset
 
     def _slot(self, entry: _Entry) -> torch.Tensor:

@@ -52,6 +52,7 @@ from anyio.abc import AsyncResource
 from pipeline.core.config import MooncakeStoreConfig
 from pipeline.core.errors import StoreCallAbandoned, StoreError
 from pipeline.core.outcomes import PRESENT, STORED, KeyOutcome, failed
+from pipeline.core.store import Presence
 from transport.mooncake_codes import OK, RPC_ERRORS, get_outcome, put_outcome
 from transport.mooncake_master import EmbeddedMaster
 
@@ -71,6 +72,7 @@ class MooncakeClient(Protocol):
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int: ...
     def batch_is_exist(self, keys: list[str]) -> list[int]: ...
+    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[Any]]: ...
     def batch_put_from(
         self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: Any
     ) -> list[int]: ...
@@ -133,12 +135,26 @@ class MooncakeStore(AsyncResource):
             raise StoreError(f"mooncake register_buffer of {size} bytes failed with code {rc}")
         self._registered.append((start, start + size, buffer))
 
-    async def exists(self, keys: Sequence[str]) -> list[bool]:
+    async def exists(self, keys: Sequence[str], sizes: Sequence[int]) -> list[Presence]:
         if not keys:
             return []
-        codes = await self._call("batch_is_exist", self._client.batch_is_exist, list(keys))
+        return await self._call("batch_is_exist", self._presence, list(keys), list(sizes))
+
+    def _presence(self, keys: list[str], sizes: list[int]) -> list[Presence]:
+        """In a worker thread: which keys exist, then the sizes of those that do (asking
+        only for present keys: the client logs an error for every missing one)."""
+        codes = self._client.batch_is_exist(keys)
         self._raise_if_unreachable("batch_is_exist", codes)
-        return [code == 1 for code in codes]
+        result = [Presence.PRESENT if code == 1 else Presence.ABSENT for code in codes]
+        present = [key for key, code in zip(keys, codes, strict=True) if code == 1]
+        if not present:
+            return result
+        stored = _value_sizes(self._client.batch_get_replica_desc(present))
+        for index, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+            # A key gone between the two calls has no size: absent, as a get would find.
+            if result[index] is Presence.PRESENT and stored.get(key) != size:
+                result[index] = Presence.ABSENT if key not in stored else Presence.FOREIGN
+        return result
 
     async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
         batch = self._prepare(keys, values)
@@ -310,6 +326,20 @@ class MooncakeStore(AsyncResource):
                 if sent != j and outcomes[sent] not in (STORED, PRESENT):
                     outcomes[j] = outcomes[sent]  # a later copy shares its first's fate
         return outcomes
+
+
+def _value_sizes(replicas: dict[str, list[Any]]) -> dict[str, int]:
+    """Each key's value size, from its first replica the client describes."""
+    sizes: dict[str, int] = {}
+    for key, descriptors in replicas.items():
+        for descriptor in descriptors:
+            if descriptor.is_memory_replica():
+                sizes[key] = int(descriptor.get_memory_descriptor().buffer_descriptor.size)
+                break
+            if descriptor.is_disk_replica():
+                sizes[key] = int(descriptor.get_disk_descriptor().object_size)
+                break
+    return sizes
 
 
 @dataclass(slots=True, eq=False)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 
+from pipeline.backends.beside import ChecksumBesideStore
 from pipeline.backends.breaker import CircuitBreakerStore
 from pipeline.backends.cpu_copy import CpuCopyEngine
 from pipeline.backends.faults import Faults, FaultyStore
@@ -17,16 +18,17 @@ from pipeline.backends.staging import StagingPool
 from pipeline.core.config import Config, StoreConfig
 from pipeline.core.seams import BatchMemory, CopyEngine
 from pipeline.core.store import KVStore
+from pipeline.state.events import KVEventLog
 
 __all__ = ["Backends", "open_backends", "open_store"]
 
 
 @contextlib.asynccontextmanager
 async def open_store(
-    config: StoreConfig, faults: Faults | None = None
+    config: StoreConfig, faults: Faults | None = None, events: KVEventLog | None = None
 ) -> AsyncIterator[CircuitBreakerStore]:
     """The configured store backend behind a circuit breaker (and fault points, if any),
-    closed on exit."""
+    closed on exit. ``events`` hears of the embedded store's evictions."""
     store: KVStore
     if config.backend == "mooncake":
         from transport.mooncake_setup import open_mooncake_store
@@ -35,7 +37,9 @@ async def open_store(
     else:
         from transport.embedded_store import EmbeddedStore
 
-        store = EmbeddedStore(config.embedded)
+        store = EmbeddedStore(
+            config.embedded, on_evicted=events.removed if events is not None else lambda k: None
+        )
     if faults is not None and faults.enabled:
         store = FaultyStore(store, faults)
     guarded = CircuitBreakerStore(
@@ -62,17 +66,23 @@ class Backends:
 
 
 @contextlib.asynccontextmanager
-async def open_backends(config: Config, faults: Faults) -> AsyncIterator[Backends]:
+async def open_backends(
+    config: Config, faults: Faults, events: KVEventLog
+) -> AsyncIterator[Backends]:
     staging = config.staging
     pool = StagingPool(staging.pool_bytes, staging.slot_bytes, load_slots=staging.load_slots)
-    async with open_store(config.store, faults) as store:
-        await store.register_buffer(pool.buffer)
+    async with open_store(config.store, faults, events) as guarded:
+        await guarded.register_buffer(pool.buffer)
+        store: KVStore = guarded
         memory: BatchMemory
         if config.store.backend == "embedded":
             # The embedded store lends its memory: values are copied straight into and
-            # out of it, one copy instead of two through staging.
-            memory = LentMemory(store)
+            # out of it, one copy instead of two through staging. Nobody else reads it,
+            # so a vllm-format value keeps its checksum after it in the same extent.
+            memory = LentMemory(guarded)
         else:
+            if config.store.value_format == "vllm" and config.store.checksum:
+                store = ChecksumBesideStore(guarded, require=config.store.verify == "required")
             memory = StagingMemory(
                 pool, store, skip_when_full=config.stages.transfer.overflow == "skip"
             )

@@ -12,6 +12,7 @@ section; the runner wires them (``pipeline.runner.Graph``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import anyio
 from rich.console import Console
@@ -21,6 +22,7 @@ from pipeline.core.config import Config
 from pipeline.core.seams import BatchMemory, CopyEngine
 from pipeline.core.store import KVStore
 from pipeline.runner import BatchSpec, Graph, PathSpec, StageSpec
+from pipeline.state.events import KVEventLog
 from pipeline.state.jobs import JobTracker, StorePressure
 from stages.batching import BatchingStage
 from stages.commit import CommitStage
@@ -49,6 +51,9 @@ class Resources:
     pressure: StorePressure
     hash_limiter: anyio.CapacityLimiter
     slot_bytes: int
+    events: KVEventLog
+    value_sizes: Mapping[str, int]
+    """Bytes of a stored value under each key prefix of the engines registered."""
 
 
 Spec = StageSpec[Resources]
@@ -69,16 +74,16 @@ SAVE = (
         r.memory, r.save_copy, r.tracker, r.pressure,
         yield_to_loads_s=r.config.stages.transfer.yield_to_loads_ms / 1000,
     ), "transfer"),
-    Spec("commit", lambda r: CommitStage(r.memory, r.tracker, r.pressure), "commit"),
+    Spec("commit", lambda r: CommitStage(r.memory, r.tracker, r.pressure, r.events), "commit"),
 )
 LOAD = (
     GROUP_FILTER,
     HASHING,
     BATCHING,
     Spec("fetch", lambda r: FetchStage(r.memory, r.tracker), "fetch"),
-    Spec("scatter", lambda r: ScatterStage(r.store, r.load_copy, r.tracker), "scatter"),
+    Spec("scatter", lambda r: ScatterStage(r.store, r.load_copy, r.tracker, r.events), "scatter"),
 )
-LOOKUP = (Spec("lookup", lambda r: LookupStage(r.store), "lookup"),)
+LOOKUP = (Spec("lookup", lambda r: LookupStage(r.store, r.value_sizes), "lookup"),)
 
 COMPLETION_PATHS = ("save.completion", "load.completion")
 """Finished jobs' lanes: a load's reply never queues behind a backlog of save replies."""
@@ -122,7 +127,7 @@ def show_graph(config: Config) -> None:
                    f"a save finding none: {config.stages.transfer.overflow}")
     console.print(f"store: {store.backend} behind a circuit breaker "
                   f"(call timeout {store.breaker.call_timeout_s:g} s), "
-                  f"checksums {'on' if store.checksum else 'off'}")
+                  f"{store.value_format} values, checksums {'on' if store.checksum else 'off'}")
     console.print(f"batch memory: {memory}")
     console.print(f"copy engine: cpu, {config.stages.transfer.threads} threads for saves "
                   f"and {config.stages.transfer.threads} for loads")

@@ -25,10 +25,13 @@ from pipeline.app.metrics import Metrics
 from pipeline.backends.faults import Faults
 from pipeline.core.config import Config
 from pipeline.core.errors import StoreError
+from pipeline.core.keys import ValueFormat
 from pipeline.core.messages import TensorHandle
+from pipeline.state.events import KVEventLog
 from pipeline.state.jobs import Failable, JobTracker, Reply, StorePressure
 from pipeline.state.registry import LayerTensors, SessionRegistry
 from stages.completion import CompletionStage
+from transport.events import EventPublisher
 from transport.server import SidecarSocket, open_server_socket
 from transport.tensors import MappedTensors
 
@@ -57,15 +60,19 @@ class Sidecar:
     """One running sidecar: sessions, the receiver and the stage graph."""
 
     def __init__(
-        self, config: Config, backends: Backends, socket: SidecarSocket, faults: Faults
+        self, config: Config, backends: Backends, socket: SidecarSocket, faults: Faults,
+        events: KVEventLog,
     ) -> None:
         self.config = config
         self.faults = faults
         self.backends = backends
+        self.events = events
+        self.publisher = EventPublisher(config.events, events) if events.enabled else None
         pool = backends.pool
         self.registry = SessionRegistry(
             map_shared_tensors,
             checksum=config.store.checksum,
+            value_format=ValueFormat(config.store.value_format),
             max_value_bytes=pool.slot_bytes,
             save_capacity_blocks=lambda value_bytes: (
                 (pool.slots - pool.load_slots) * (pool.slot_bytes // value_bytes)
@@ -93,6 +100,8 @@ class Sidecar:
             pressure=StorePressure(),
             hash_limiter=anyio.CapacityLimiter(self.config.stages.hashing.workers),
             slot_bytes=backends.pool.slot_bytes,
+            events=self.events,
+            value_sizes=self.registry.value_sizes,
         )
 
     async def _fail_item(self, item: Failable, error: StoreError) -> Reply | None:
@@ -127,6 +136,10 @@ class Sidecar:
         """Serve until ``stop`` is set, then drain and return."""
         receiver = self.receiver
         async with anyio.create_task_group() as root:
+            if self.publisher is not None:
+                await root.start(self.publisher.run, name="events")
+                if self.config.store.backend == "embedded":
+                    self.events.cleared()  # the store starts empty
             root.start_soon(receiver.run, name="receive")
             root.start_soon(self._reap_loop, name="reap")
             drained = anyio.Event()
@@ -183,7 +196,8 @@ async def run_sidecar(
     # cpu_copy.CopyThreads); an OpenMP team inside every copy call would only add wake-ups.
     torch.set_num_threads(1)
     faults = Faults(config.faults)
-    async with open_backends(config, faults) as backends:
+    events = KVEventLog(config.events)
+    async with open_backends(config, faults, events) as backends:
         with open_server_socket(config.server) as socket:
-            sidecar = Sidecar(config, backends, socket, faults)
+            sidecar = Sidecar(config, backends, socket, faults, events)
             await sidecar.run(stop, task_status=task_status)

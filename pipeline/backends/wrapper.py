@@ -9,7 +9,7 @@ from typing import TypeVar
 import torch
 
 from pipeline.core.outcomes import KeyOutcome
-from pipeline.core.store import DirectKVStore, Extents, KVStore
+from pipeline.core.store import DirectKVStore, Extents, KVStore, Presence
 
 __all__ = ["StoreWrapper"]
 
@@ -29,8 +29,8 @@ class StoreWrapper:
     async def register_buffer(self, buffer: torch.Tensor) -> None:
         await self.inner.register_buffer(buffer)
 
-    async def exists(self, keys: Sequence[str]) -> list[bool]:
-        return await self._around("exists", lambda: self.inner.exists(keys))
+    async def exists(self, keys: Sequence[str], sizes: Sequence[int]) -> list[Presence]:
+        return await self._around("exists", lambda: self.inner.exists(keys, sizes))
 
     async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
         return await self._around("put", lambda: self.inner.put(keys, values))

@@ -197,9 +197,16 @@ class BreakerConfig(_Section, frozen=True):
 
 class StoreConfig(_Section, frozen=True):
     backend: Literal["embedded", "mooncake"] = "embedded"
+    value_format: Literal["native", "vllm"] = "native"
+    """native: kvsidecar's values, checksum inside, in a namespace vLLM never reads.
+    vllm: values and keys byte-identical to vLLM's MooncakeStoreConnector, so both share
+    one cluster; the checksum is kept beside each value (key + "@xxh3")."""
     checksum: bool = True
-    """Seal every stored block with an xxh3 checksum (seeded by the layout fingerprint)
-    and verify it on load; a mismatch fails the block. Off: values are the raw pages."""
+    """Seal every stored block with an xxh3 checksum and verify it on load; a mismatch
+    fails the block. Off: values are the raw pages."""
+    verify: Literal["required", "if_present"] = "required"
+    """A vllm-format value without its checksum (as vLLM writes it): required: not a hit,
+    never loaded; if_present: loaded as it is."""
     breaker: BreakerConfig = BreakerConfig()
     embedded: EmbeddedStoreConfig = EmbeddedStoreConfig()
     mooncake: MooncakeStoreConfig = MooncakeStoreConfig()
@@ -237,6 +244,26 @@ class FaultsConfig(_Section, frozen=True):
             )
 
 
+class EventsConfig(_Section, frozen=True):
+    """KV events for routers, wire-identical to vLLM's ``ZmqEventPublisher``."""
+
+    endpoint: str = ""
+    """The PUB socket the sidecar binds (e.g. tcp://127.0.0.1:5557); empty: no events."""
+    replay_endpoint: str = ""
+    """The ROUTER answering replay requests for missed batches; empty: no replay."""
+    topic: str = "kvsidecar"
+    include_token_ids: bool = False
+    """Send each stored block's token ids (prompt content) when the engine sent them."""
+    replay_buffer: Annotated[int, msgspec.Meta(ge=1)] = 10000
+    """Batches kept for replay."""
+    hash_format: Literal["int", "bytes"] = "int"
+    """int: the low 64 bits, big-endian, as vLLM sends by default; bytes: the digest."""
+    medium: str = "cpu"
+    """The tier named in every event (vLLM's Mooncake store connector says "cpu")."""
+    max_pending: Annotated[int, msgspec.Meta(ge=1)] = 100000
+    """Events waiting to be published; past it events are dropped (and counted)."""
+
+
 class MetricsConfig(_Section, frozen=True):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
@@ -255,6 +282,7 @@ class Config(_Section, frozen=True):
     staging: StagingConfig = StagingConfig()
     store: StoreConfig = StoreConfig()
     faults: FaultsConfig = FaultsConfig()
+    events: EventsConfig = EventsConfig()
     metrics: MetricsConfig = MetricsConfig()
     logging: LoggingConfig = LoggingConfig()
 

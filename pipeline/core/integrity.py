@@ -8,17 +8,24 @@ and the block is reported failed instead.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import xxhash
 
 __all__ = [
     "CHECKSUM_BYTES",
+    "VLLM_FORMAT_SEED",
+    "checksum",
     "fingerprint_seed",
     "seal_rows",
     "verify_rows",
 ]
 
 CHECKSUM_BYTES = 8
+VLLM_FORMAT_SEED = 0
+"""Seed of the checksums kept beside vLLM-format values (their keys name the engine;
+a store seals a value that arrived without one with this seed too)."""
 
 
 def fingerprint_seed(fingerprint: str) -> int:
@@ -29,6 +36,11 @@ def fingerprint_seed(fingerprint: str) -> int:
 def _digest(payload: torch.Tensor, seed: int) -> int:
     digest: int = xxhash.xxh3_64_intdigest(payload.numpy().data, seed)
     return digest
+
+
+def checksum(payload: torch.Tensor, seed: int) -> bytes:
+    """The 8 checksum bytes of one payload, as sealed after it."""
+    return _digest(payload, seed).to_bytes(CHECKSUM_BYTES, sys.byteorder)
 
 
 def seal_rows(rows: torch.Tensor, payload_bytes: int, seed: int) -> None:

@@ -1,15 +1,43 @@
-"""Store keys in the vLLM MooncakeStoreConnector format, so both can share one store.
+"""Store keys in the vLLM MooncakeStoreConnector format.
 
-``[{cache_prefix}@]{model}@tp_rank:{tp}@pcp{pcp}@dcp{dcp}@pp_rank:{pp}@group:{store_index}@{hex}``
+``[{cache_prefix}@]{model}{namespace}@tp_rank:{tp}@pcp{pcp}@dcp{dcp}@pp_rank:{pp}@group:{store_index}@{hex}``
+
+Two value formats (``store.value_format``) decide the namespace and the ranks in a key:
+
+- ``vllm``: the keys vLLM 0.33's worker writes for the same engine, so both share one
+  cluster. ``namespace`` is vLLM's ``store_namespace``; ``tp`` is the rank divided by the
+  group's replication factor (ranks holding byte-identical KV share one key).
+- ``native``: kvsidecar's own values (with their checksum inside) under a namespace
+  vLLM never reads, naming the layout's geometry: engines that store differently never
+  meet under one key.
+
+A block is a hit only if every tp-shard x pcp x pp namespace holds it, as vLLM's lookup
+requires: each rank loads its own shard.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from collections.abc import Iterable
 
-from pipeline.core.layout import KVCacheLayout
+from pipeline.core.layout import GroupKind, KVCacheGroup, KVCacheLayout
 
-__all__ = ["key_prefix", "keys_for", "layout_key_prefixes", "store_key"]
+__all__ = [
+    "GroupKeys",
+    "ValueFormat",
+    "key_prefix",
+    "keys_for",
+    "layout_keys",
+    "parse_key",
+    "replication_factor",
+    "store_key",
+]
+
+
+class ValueFormat(enum.StrEnum):
+    NATIVE = "native"
+    VLLM = "vllm"
 
 
 def key_prefix(
@@ -21,11 +49,12 @@ def key_prefix(
     dcp_rank: int = 0,
     pp_rank: int = 0,
     cache_prefix: str = "",
+    namespace: str = "",
 ) -> str:
     """Everything of a key but the block hash (constant per engine and store group)."""
-    namespace = f"{cache_prefix}@" if cache_prefix else ""
+    prefix = f"{cache_prefix}@" if cache_prefix else ""
     return (
-        f"{namespace}{model}@tp_rank:{tp_rank}@pcp{pcp_rank}@dcp{dcp_rank}"
+        f"{prefix}{model}{namespace}@tp_rank:{tp_rank}@pcp{pcp_rank}@dcp{dcp_rank}"
         f"@pp_rank:{pp_rank}@group:{store_group}"
     )
 
@@ -40,10 +69,11 @@ def store_key(
     dcp_rank: int = 0,
     pp_rank: int = 0,
     cache_prefix: str = "",
+    namespace: str = "",
 ) -> str:
     prefix = key_prefix(
         model, store_group=store_group, tp_rank=tp_rank, pcp_rank=pcp_rank,
-        dcp_rank=dcp_rank, pp_rank=pp_rank, cache_prefix=cache_prefix,
+        dcp_rank=dcp_rank, pp_rank=pp_rank, cache_prefix=cache_prefix, namespace=namespace,
     )
     return keys_for(prefix, (block_hash,))[0]
 
@@ -53,12 +83,59 @@ def keys_for(prefix: str, block_hashes: Iterable[bytes]) -> list[str]:
     return [f"{prefix}@{block_hash.hex()}" for block_hash in block_hashes]
 
 
-def layout_key_prefixes(layout: KVCacheLayout) -> tuple[str, ...]:
-    """Key prefix of each store group of a layout, indexed by store-group index."""
-    return tuple(
-        key_prefix(
-            layout.model, store_group=index, tp_rank=layout.tp_rank, pcp_rank=layout.pcp_rank,
-            dcp_rank=layout.dcp_rank, pp_rank=layout.pp_rank, cache_prefix=layout.cache_prefix,
-        )
-        for index in range(len(layout.prefix_cacheable_group_ids))
-    )
+def parse_key(key: str) -> tuple[int, bytes] | None:
+    """(store group index, block hash) of a key, or None if it is not one."""
+    rest, _, digest = key.rpartition("@")
+    _, _, group = rest.rpartition("@group:")
+    try:
+        return int(group), bytes.fromhex(digest)
+    except ValueError:
+        return None
+
+
+def replication_factor(layout: KVCacheLayout, group: KVCacheGroup) -> int:
+    """TP ranks holding byte-identical KV of a group, as vLLM's worker counts them:
+    1 with DCP or Mamba state, every rank for MLA, ``tp_size // num_kv_heads`` for GQA."""
+    if layout.dcp_size > 1 or group.kind is GroupKind.MAMBA:
+        return 1
+    if group.kind is GroupKind.MLA_ATTENTION or group.mla:
+        return layout.tp_size
+    if not layout.num_kv_heads:
+        return 1
+    return max(1, layout.tp_size // layout.num_kv_heads)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GroupKeys:
+    own: str
+    """The prefix this engine saves and loads the group's blocks under."""
+    lookup: tuple[str, ...]
+    """The prefixes of every rank namespace: a block is a hit when all hold it."""
+
+
+def layout_keys(layout: KVCacheLayout, value_format: ValueFormat) -> tuple[GroupKeys, ...]:
+    """Key prefixes of each store group of a layout, indexed by store-group index."""
+    if value_format is ValueFormat.VLLM:
+        namespace = layout.store_namespace
+    else:
+        namespace = f"@store_format:kvsidecar_native_{layout.geometry_fingerprint}"
+    result = []
+    for index, group in enumerate(layout.store_groups):
+        factor = replication_factor(layout, group) if value_format is ValueFormat.VLLM else 1
+
+        def prefix(tp: int, pcp: int, dcp: int, pp: int, *, store_group: int = index) -> str:
+            return key_prefix(
+                layout.model, store_group=store_group, tp_rank=tp, pcp_rank=pcp, dcp_rank=dcp,
+                pp_rank=pp, cache_prefix=layout.cache_prefix, namespace=namespace,
+            )
+
+        if layout.dcp_size > 1:  # DCP subdivides TP: dcp_rank == tp_rank % dcp_size
+            ranks = [(tp, pcp, tp % layout.dcp_size, pp) for pcp in range(layout.pcp_world_size)
+                     for tp in range(layout.tp_size) for pp in range(layout.pp_size)]
+        else:
+            ranks = [(shard, pcp, 0, pp) for pcp in range(layout.pcp_world_size)
+                     for shard in range(layout.tp_size // factor)
+                     for pp in range(layout.pp_size)]
+        own = prefix(layout.tp_rank // factor, layout.pcp_rank, layout.dcp_rank, layout.pp_rank)
+        result.append(GroupKeys(own, tuple(prefix(*r) for r in ranks)))
+    return tuple(result)

@@ -76,6 +76,8 @@ class KVCacheGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: str = "bfloat16"
     page_bytes: int = 0
     """Bytes of one block of one layer (0: not declared; the registered tensors decide)."""
+    mla: bool = False
+    """Latent attention (MLA, sliding-window MLA): every TP rank holds the same KV."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -113,6 +115,13 @@ class KVCacheLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, dic
     pp_rank: int = 0
     pcp_world_size: int = 1
     """Prefill context-parallel size; stores refuse hybrid layouts when it exceeds 1."""
+    tp_size: int = 1
+    pp_size: int = 1
+    dcp_size: int = 1
+    num_kv_heads: int = 0
+    """The model's KV heads over all TP ranks (0: unknown): ranks share a head's key."""
+    store_namespace: str = ""
+    """vLLM's ``store_namespace`` (``store.value_format: vllm`` keys only)."""
     cache_prefix: str = ""
     prefix_match_unit: int | None = None
     block_size: int | None = None
@@ -128,8 +137,15 @@ class KVCacheLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, dic
         for rank in ("tp_rank", "pcp_rank", "dcp_rank", "pp_rank"):
             if getattr(self, rank) < 0:
                 raise ValueError(f"{rank} must not be negative")
-        if self.pcp_world_size <= 0:
-            raise ValueError(f"pcp_world_size must be positive, got {self.pcp_world_size}")
+        for rank, size in (("tp_rank", "tp_size"), ("pcp_rank", "pcp_world_size"),
+                           ("pp_rank", "pp_size"), ("dcp_rank", "dcp_size")):
+            if getattr(self, size) <= 0:
+                raise ValueError(f"{size} must be positive, got {getattr(self, size)}")
+            if getattr(self, rank) >= getattr(self, size):
+                raise ValueError(f"{rank} {getattr(self, rank)} must be below {size} "
+                                 f"{getattr(self, size)}")
+        if self.num_kv_heads < 0:
+            raise ValueError(f"num_kv_heads must not be negative, got {self.num_kv_heads}")
         if self.prefix_match_unit is not None and self.prefix_match_unit <= 0:
             raise ValueError(f"prefix_match_unit must be positive, got {self.prefix_match_unit}")
         owners: dict[str, int] = {}
@@ -253,9 +269,17 @@ class KVCacheLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, dic
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """Identifies the stored geometry; incompatible engines never share bytes."""
-        parts = [self.model, f"tp{self.tp_rank}", f"pcp{self.pcp_rank}",
-                 f"dcp{self.dcp_rank}", f"pp{self.pp_rank}", f"h{self.hash_block_size}"]
+        """Identifies the stored geometry and this engine's ranks: incompatible engines
+        never share bytes."""
+        parts = [self.geometry_fingerprint, f"tp{self.tp_rank}", f"pcp{self.pcp_rank}",
+                 f"dcp{self.dcp_rank}", f"pp{self.pp_rank}"]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+    @functools.cached_property
+    def geometry_fingerprint(self) -> str:
+        """Identifies the stored geometry alone, alike on every rank of one engine."""
+        parts = [self.model, f"h{self.hash_block_size}",
+                 f"tp{self.tp_size}:{self.pcp_world_size}:{self.dcp_size}:{self.pp_size}"]
         for g in self.store_groups:
             parts.append(f"{g.kind}:{g.block_size}:{g.dtype}:{g.page_bytes}:{len(g.layers)}:"
                          f"{g.sliding_window}:{g.mamba_cache_mode}")

@@ -9,6 +9,7 @@ the store as a whole is unusable (down, closed), never for a single key.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -16,7 +17,20 @@ import torch
 
 from pipeline.core.outcomes import KeyOutcome
 
-__all__ = ["DirectKVStore", "Extents", "KVStore"]
+__all__ = ["DirectKVStore", "Extents", "KVStore", "Presence"]
+
+
+class Presence(enum.Enum):
+    """What the store holds under a key, as one engine would read it."""
+
+    ABSENT = "absent"
+    PRESENT = "present"
+    """Stored with the expected size: a hit, and not written again."""
+    FOREIGN = "foreign_value"
+    """Stored, but not as this engine reads it (another size): never a hit, never
+    overwritten (the store keeps the first value), so the block is skipped."""
+    UNVERIFIED = "unverified_value"
+    """Stored without the checksum kept beside it, and ``store.verify`` requires one."""
 
 
 @runtime_checkable
@@ -26,8 +40,8 @@ class KVStore(Protocol):
     async def register_buffer(self, buffer: torch.Tensor) -> None:
         """Register a staging buffer (1-D uint8, contiguous) that values will live in."""
 
-    async def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is stored and readable."""
+    async def exists(self, keys: Sequence[str], sizes: Sequence[int]) -> list[Presence]:
+        """Whether each key is stored and readable as a value of its size in ``sizes``."""
 
     async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
         """Store each value (a 1-D uint8 slice of a registered buffer) under its key.

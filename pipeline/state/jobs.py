@@ -64,6 +64,9 @@ class BlockTask:
     block_index: int
     block_id: int
     key: str = ""
+    block_hash: bytes = b""
+    parent_hash: bytes | None = None
+    """The hash of the group's previous block (None for block 0): named with the key."""
 
     @property
     def geometry(self) -> StoreGroupGeometry:

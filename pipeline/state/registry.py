@@ -13,6 +13,7 @@ import torch
 from pipeline.core.errors import LayoutError, RequestRejected, TransportError
 from pipeline.core.geometry import StoreGroupGeometry, build_lookup_groups, build_store_groups
 from pipeline.core.hashing import block_hashes
+from pipeline.core.keys import ValueFormat
 from pipeline.core.layout import KVCacheLayout
 from pipeline.core.messages import (
     HASH_ALGOS,
@@ -38,14 +39,19 @@ class SessionRegistry:
         map_tensors: MapTensors,
         *,
         checksum: bool = True,
+        value_format: ValueFormat = ValueFormat.NATIVE,
         max_value_bytes: int,
         save_capacity_blocks: Callable[[int], int],
     ) -> None:
         self._map_tensors = map_tensors
         self._checksum = checksum
+        self._value_format = value_format
         self._max_value_bytes = max_value_bytes
         self._save_capacity_blocks = save_capacity_blocks
         self.sessions: dict[bytes, EngineSession] = {}
+        self.value_sizes: dict[str, int] = {}
+        """Stored bytes of a value under each key prefix an engine registered tensors
+        for: what a lookup of that prefix expects (a lookup-only engine has no tensors)."""
 
     def get(self, identity: bytes) -> EngineSession | None:
         return self.sessions.get(identity)
@@ -110,7 +116,7 @@ class SessionRegistry:
             raise RequestRejected(
                 ErrorCode.BAD_TENSORS, "a lookup-only registration must not share tensors"
             )
-        return build_lookup_groups(layout), lambda: None
+        return build_lookup_groups(layout, self._value_format), lambda: None
 
     def _mapped_groups(
         self, layout: KVCacheLayout, message: Register
@@ -123,7 +129,9 @@ class SessionRegistry:
         except TransportError as exc:
             raise RequestRejected(ErrorCode.BAD_TENSORS, str(exc)) from exc
         try:
-            store_groups = build_store_groups(layout, tensors, checksum=self._checksum)
+            store_groups = build_store_groups(
+                layout, tensors, checksum=self._checksum, value_format=self._value_format
+            )
             for geometry in store_groups:
                 if geometry.stored_bytes > self._max_value_bytes:
                     raise LayoutError(
@@ -134,6 +142,7 @@ class SessionRegistry:
         except LayoutError as exc:
             release()
             raise RequestRejected(ErrorCode.BAD_TENSORS, str(exc)) from exc
+        self.value_sizes.update((g.key_prefix, g.stored_bytes) for g in store_groups)
         return store_groups, release
 
     def _self_test(self, layout: KVCacheLayout, message: Register) -> None:

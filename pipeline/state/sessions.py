@@ -125,11 +125,15 @@ class EngineSession:
             seed=self.hash_seed,
         )
 
+    def group_hashes(self, store_group: int, fine: Sequence[bytes]) -> list[bytes]:
+        """Block hashes of a store group's blocks 0..n-1 for the given fine hashes."""
+        size = self.store_groups[store_group].group.block_size
+        return group_block_hashes(fine, self.layout.hash_block_size, size)
+
     def group_keys(self, store_group: int, fine: Sequence[bytes]) -> list[str]:
         """Store keys of a store group's blocks 0..n-1 for the given fine hashes."""
-        geometry = self.store_groups[store_group]
-        coarse = group_block_hashes(fine, self.layout.hash_block_size, geometry.group.block_size)
-        return keys_for(geometry.key_prefix, coarse)
+        return keys_for(self.store_groups[store_group].key_prefix,
+                        self.group_hashes(store_group, fine))
 
     def check_block_ids(self, block_ids: Sequence[Sequence[int]]) -> tuple[list[int], ...]:
         """Project per-kv-group block ids to store groups, checking every id is in range."""

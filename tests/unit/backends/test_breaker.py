@@ -12,6 +12,7 @@ from pipeline.backends.breaker import BreakerState, CircuitBreakerStore
 from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.errors import StoreError, StoreUnavailable
 from pipeline.core.outcomes import STORE_UNAVAILABLE, BlockStatus, KeyOutcome, store_error_outcome
+from pipeline.core.store import Presence
 from transport.embedded_store import EmbeddedStore
 
 
@@ -24,13 +25,13 @@ class FlakyStore(EmbeddedStore):
         self.slow = False
         self.calls = 0
 
-    async def exists(self, keys: Sequence[str]) -> list[bool]:
+    async def exists(self, keys: Sequence[str], sizes: Sequence[int]) -> list[Presence]:
         self.calls += 1
         if self.down:
             raise StoreError("connection refused")
         if self.slow:
             await anyio.sleep(10)
-        return await super().exists(keys)
+        return await super().exists(keys, sizes)
 
     async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
         self.calls += 1
@@ -46,11 +47,11 @@ async def test_circuit_opens_after_threshold_and_then_fails_without_calling() ->
     inner.down = True
     for _ in range(2):
         with pytest.raises(StoreError):
-            await store.exists(["k"])
+            await store.exists(["k"], [1])
     assert store.state is BreakerState.OPEN
     calls = inner.calls
     with pytest.raises(StoreUnavailable):
-        await store.exists(["k"])
+        await store.exists(["k"], [1])
     assert inner.calls == calls
 
 
@@ -60,7 +61,7 @@ async def test_timeouts_count_as_failures() -> None:
     store = CircuitBreakerStore(inner, call_timeout_s=0.05, failure_threshold=1, reset_after_s=60)
     inner.slow = True
     with anyio.fail_after(5), pytest.raises(StoreError, match="timed out"):
-        await store.exists(["k"])
+        await store.exists(["k"], [1])
     assert store.state is BreakerState.OPEN
 
 
@@ -70,13 +71,13 @@ async def test_circuit_closes_after_a_successful_probe() -> None:
     store = CircuitBreakerStore(inner, call_timeout_s=1, failure_threshold=1, reset_after_s=0.05)
     inner.down = True
     with pytest.raises(StoreError):
-        await store.exists(["k"])
+        await store.exists(["k"], [1])
     inner.down = False
     await anyio.sleep(0.06)
     value = torch.ones(16, dtype=torch.uint8)
     assert (await store.put(["k"], [value]))[0].status is BlockStatus.STORED
     assert store.state is BreakerState.CLOSED
-    assert await store.exists(["k"]) == [True]
+    assert await store.exists(["k"], [16]) == [Presence.PRESENT]
 
 
 async def test_a_failed_probe_reopens_the_circuit() -> None:
@@ -85,12 +86,12 @@ async def test_a_failed_probe_reopens_the_circuit() -> None:
     store = CircuitBreakerStore(inner, call_timeout_s=1, failure_threshold=1, reset_after_s=0.05)
     inner.down = True
     with pytest.raises(StoreError):
-        await store.exists(["k"])
+        await store.exists(["k"], [1])
     await anyio.sleep(0.06)
     with pytest.raises(StoreError):
-        await store.exists(["k"])  # the probe
+        await store.exists(["k"], [1])  # the probe
     with pytest.raises(StoreUnavailable):
-        await store.exists(["k"])
+        await store.exists(["k"], [1])
 
 
 def test_saves_are_skipped_and_loads_failed_while_unavailable() -> None:

@@ -7,7 +7,7 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.core.keys import key_prefix, layout_key_prefixes, store_key
+from pipeline.core.keys import ValueFormat, key_prefix, layout_keys, parse_key, store_key
 from pipeline.core.layout import KVCacheLayout
 
 HASH = bytes(range(32))
@@ -49,21 +49,58 @@ def test_store_key_is_prefix_at_hex(
     assert re.fullmatch(r"[0-9a-f]{64}", fields[-1])
 
 
-def test_layout_key_prefixes_use_store_indices() -> None:
-    """A layout's key prefixes are numbered by store-group index; the ring gets none."""
+QSA = [
+    {"kind": "full_attention", "block_size": 800},
+    {"kind": "circular_buffer", "block_size": 8},
+    {"kind": "mamba", "block_size": 800, "mamba_cache_mode": "align"},
+]
+
+
+def test_vllm_format_key_prefixes_use_store_indices() -> None:
+    """vllm-format prefixes are numbered by store-group index; the ring gets none."""
     lay = KVCacheLayout.from_dict({
-        "model": "qwen3-next", "tp_rank": 1, "cache_prefix": "ns",
-        "groups": [
-            {"kind": "full_attention", "block_size": 800},
-            {"kind": "circular_buffer", "block_size": 8},
-            {"kind": "mamba", "block_size": 800, "mamba_cache_mode": "align"},
-        ],
+        "model": "qwen3-next", "tp_rank": 1, "tp_size": 2, "cache_prefix": "ns", "groups": QSA,
     })
-    assert layout_key_prefixes(lay) == (
+    own = tuple(g.own for g in layout_keys(lay, ValueFormat.VLLM))
+    assert own == (
         "ns@qwen3-next@tp_rank:1@pcp0@dcp0@pp_rank:0@group:0",
         "ns@qwen3-next@tp_rank:1@pcp0@dcp0@pp_rank:0@group:1",
     )
-    assert layout_key_prefixes(lay)[1] + "@" + HASH.hex() == store_key(
+    assert own[1] + "@" + HASH.hex() == store_key(
         "qwen3-next", HASH, store_group=lay.store_group_index(2) or 0, tp_rank=1,
         cache_prefix="ns",
     )
+
+
+def test_vllm_format_divides_the_tp_rank_by_the_replication_factor() -> None:
+    """GQA with fewer KV heads than ranks shares keys between ranks of one head; a Mamba
+    group never does; a lookup requires each distinct shard, for every pp rank."""
+    lay = KVCacheLayout.from_dict({
+        "model": "m", "tp_rank": 3, "tp_size": 4, "pp_size": 2, "num_kv_heads": 2,
+        "store_namespace": "@store_pp:2@store_format:x", "groups": QSA,
+    })
+    full, mamba = layout_keys(lay, ValueFormat.VLLM)
+    assert full.own == "m@store_pp:2@store_format:x@tp_rank:1@pcp0@dcp0@pp_rank:0@group:0"
+    assert mamba.own == "m@store_pp:2@store_format:x@tp_rank:3@pcp0@dcp0@pp_rank:0@group:1"
+    assert sorted(p.split("@", 3)[3] for p in full.lookup) == [
+        f"tp_rank:{tp}@pcp0@dcp0@pp_rank:{pp}@group:0" for tp in (0, 1) for pp in (0, 1)
+    ]
+    assert len(mamba.lookup) == 8
+
+
+def test_native_format_keys_live_in_a_namespace_vllm_never_reads() -> None:
+    """Native keys carry kvsidecar's namespace with the geometry, alike on every rank."""
+    rank0, rank1 = (KVCacheLayout.from_dict({"model": "m", "tp_rank": r, "tp_size": 2,
+                                             "groups": QSA}) for r in (0, 1))
+    native0, native1 = layout_keys(rank0, ValueFormat.NATIVE)[0], layout_keys(
+        rank1, ValueFormat.NATIVE)[0]
+    assert native0.own.startswith("m@store_format:kvsidecar_native_")
+    assert native0.own != layout_keys(rank0, ValueFormat.VLLM)[0].own
+    assert native0.lookup == native1.lookup and native1.own in native0.lookup
+
+
+def test_parse_key_reads_the_group_and_hash_back() -> None:
+    """parse_key inverts the last two parts of any key; other strings give None."""
+    key = store_key("m", HASH, store_group=3, namespace="@store_format:x", tp_rank=1)
+    assert parse_key(key) == (3, HASH)
+    assert parse_key("not-a-key") is None

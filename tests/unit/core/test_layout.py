@@ -246,7 +246,7 @@ def test_lookup_alignment_with_large_align_mamba_is_hash_block_size() -> None:
          "group 0: prefix_match_unit 8 must equal the single group's block_size 16"),
         ([full(16), full(32)], {"pcp_world_size": 2},
          r"groups \[0, 1\]: hybrid layouts cannot be stored with PCP > 1 \(pcp=2\)"),
-        ([full(16), full(32)], {"pcp_rank": 1},
+        ([full(16), full(32)], {"pcp_rank": 1, "pcp_world_size": 2},
          r"groups \[0, 1\]: hybrid layouts cannot be stored with PCP > 1 \(pcp=2\)"),
     ],
 )
@@ -329,7 +329,7 @@ def test_fingerprint_changes_with_stored_geometry_only() -> None:
     """The fingerprint changes with stored geometry and ranks, not with the ring's capacity."""
     base = qwen3_next(ring_capacity=4)
     assert base.fingerprint == qwen3_next(ring_capacity=8).fingerprint
-    assert base.fingerprint != qwen3_next(ring_capacity=4, tp_rank=1).fingerprint
+    assert base.fingerprint != qwen3_next(ring_capacity=4, tp_rank=1, tp_size=2).fingerprint
     assert base.fingerprint != layout(
         full(800, layers=["model.layers.3.self_attn.attn"], dtype="float8_e4m3fn"),
         ring(4, layers=["model.layers.3.self_attn.qsa_ring"]),

@@ -20,7 +20,7 @@ from pipeline.backends.cpu_copy import (
 from pipeline.backends.memory import LentMemory, StagingMemory
 from pipeline.backends.staging import StagingPool
 from pipeline.backends.wrapper import StoreWrapper
-from pipeline.core.config import EmbeddedStoreConfig
+from pipeline.core.config import EmbeddedStoreConfig, EventsConfig
 from pipeline.core.errors import StoreCallAbandoned, StoreError
 from pipeline.core.geometry import build_store_groups
 from pipeline.core.hashing import block_hashes
@@ -39,6 +39,7 @@ from pipeline.core.messages import (
 from pipeline.core.outcomes import STORE_FULL, STORED, BlockStatus
 from pipeline.core.seams import BatchMemory
 from pipeline.core.store import KVStore
+from pipeline.state.events import KVEventLog
 from pipeline.state.jobs import (
     BlockTask,
     Job,
@@ -59,6 +60,7 @@ from stages.scatter import ScatterStage
 from stages.transfer import TransferStage
 from transport.embedded_store import EmbeddedStore
 
+NO_EVENTS = KVEventLog(EventsConfig())
 TIMEOUT_S = 10
 NUM_BLOCKS = 16
 
@@ -210,7 +212,7 @@ async def run_save(h: Harness, message: Save) -> Job:
     job = h.job(message)
     pressure = StorePressure()
     transfer = TransferStage(h.memory, h.copy, h.tracker, pressure)
-    commit = CommitStage(h.memory, h.tracker, pressure)
+    commit = CommitStage(h.memory, h.tracker, pressure, NO_EVENTS)
     if await GroupFilterStage(h.tracker).process(job) is None:
         return job
     named = await HashingStage(h.tracker, h.limiter).process(job)
@@ -226,7 +228,7 @@ async def run_load(h: Harness, message: Load) -> Job:
     """group_filter -> hashing -> fetch -> scatter, one batch per store group."""
     job = h.job(message)
     fetch = FetchStage(h.memory, h.tracker)
-    scatter = ScatterStage(h.store, h.copy, h.tracker)
+    scatter = ScatterStage(h.store, h.copy, h.tracker, NO_EVENTS)
     if await GroupFilterStage(h.tracker).process(job) is None:
         return job
     named = await HashingStage(h.tracker, h.limiter).process(job)
@@ -310,7 +312,8 @@ async def test_saves_yield_to_loads_for_at_most_the_limit(hybrid: Harness) -> No
 async def test_hashing_names_blocks_with_their_store_keys() -> None:
     """Block j of a group k fine blocks wide is keyed by fine hash (j+1)*k - 1, per store group."""
     h = harness(
-        [full(8, "attn.0"), ring(4, "ring.0"), mamba(4, "ssm.0")], cache_prefix="ns", tp_rank=1
+        [full(8, "attn.0"), ring(4, "ring.0"), mamba(4, "ssm.0")], cache_prefix="ns", tp_rank=1,
+        tp_size=2,
     )
     token_ids = tokens(16)
     job = h.job(save(token_ids, [1, 2], [9], [0, 0, 0, 3]))
@@ -320,13 +323,14 @@ async def test_hashing_names_blocks_with_their_store_keys() -> None:
     fine = block_hashes(token_ids, 4)
     assert named is not None
     keys = {(t.store_group, t.block_index): t.key for t in named}
-    common = {"cache_prefix": "ns", "tp_rank": 1}
+    namespace = f"@store_format:kvsidecar_native_{h.session.layout.geometry_fingerprint}"
+    common = {"cache_prefix": "ns", "tp_rank": 1, "namespace": namespace}
     assert keys == {
         (0, 0): store_key("m", fine[1], store_group=0, **common),
         (0, 1): store_key("m", fine[3], store_group=0, **common),
         (1, 3): store_key("m", fine[3], store_group=1, **common),
     }
-    assert keys[(1, 3)] == f"ns@m@tp_rank:1@pcp0@dcp0@pp_rank:0@group:1@{fine[3].hex()}"
+    assert keys[(1, 3)] == f"ns@m{namespace}@tp_rank:1@pcp0@dcp0@pp_rank:0@group:1@{fine[3].hex()}"
 
 
 async def test_hashing_skips_the_incomplete_tail(hybrid: Harness) -> None:
@@ -488,7 +492,7 @@ async def test_a_middle_block_missing_loads_the_others_into_the_right_blocks() -
         staged = await fetch.process(named or [])
         assert isinstance(staged, StagedBatch)
         assert [t.block_id for t in staged.tasks] == [5, 7]
-        await ScatterStage(h.store, h.copy, h.tracker).process(staged)
+        await ScatterStage(h.store, h.copy, h.tracker, NO_EVENTS).process(staged)
     assert torch.equal(h.block("attn.0", 5), h.block("attn.0", 1))
     assert torch.equal(h.block("attn.0", 7), h.block("attn.0", 3))
     assert not torch.equal(h.block("attn.0", 6), h.block("attn.0", 2))
@@ -536,7 +540,7 @@ async def test_commit_fails_blocks_and_frees_the_slot_when_the_store_is_down(
     with anyio.fail_after(TIMEOUT_S):
         job, staged = await staged_save(hybrid)
         await hybrid.store.aclose()
-        await CommitStage(hybrid.memory, hybrid.tracker, StorePressure()).process(staged)
+        await CommitStage(hybrid.memory, hybrid.tracker, StorePressure(), NO_EVENTS).process(staged)
     assert hybrid.pool.free_slots("save") == 6
     assert {s for s, _ in statuses(job).values()} == {BlockStatus.FAILED}
     assert hybrid.finished() == [job]
@@ -567,7 +571,7 @@ async def test_commit_withholds_the_slot_of_an_abandoned_put(hybrid: Harness) ->
     with anyio.fail_after(TIMEOUT_S):
         job, staged = await staged_save(hybrid)
         memory = StagingMemory(hybrid.pool, store, skip_when_full=False)
-        await CommitStage(memory, hybrid.tracker, StorePressure()).process(staged)
+        await CommitStage(memory, hybrid.tracker, StorePressure(), NO_EVENTS).process(staged)
     assert hybrid.pool.free_slots("save") == 5
     assert hybrid.pool.withheld == 1
     assert {s for s, _ in statuses(job).values()} == {BlockStatus.FAILED}
@@ -700,7 +704,9 @@ async def test_completion_stage_replies_and_forgets_the_job(hybrid: Harness) -> 
 
 async def test_lookup_reports_the_hybrid_hit_and_keeps_the_last_token(hybrid: Harness) -> None:
     """After saving attention 0-2 and mamba state 2, only a hit at 12 is possible."""
-    lookup = LookupStage(hybrid.store)
+    lookup = LookupStage(
+        hybrid.store, {g.key_prefix: g.stored_bytes for g in hybrid.session.store_groups}
+    )
     token_ids = tokens(16)
     with anyio.fail_after(TIMEOUT_S):
         await run_save(hybrid, save(token_ids, [1, 2, 3, 0], [9], [0, 0, 4, 0]))

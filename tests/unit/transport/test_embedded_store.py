@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORE_FULL, STORED, BlockStatus, failed
-from pipeline.core.store import KVStore
+from pipeline.core.store import KVStore, Presence
 from transport.arena import ArenaAllocator
 from transport.embedded_store import EmbeddedStore
 
@@ -36,6 +36,11 @@ async def read(store: EmbeddedStore, key: str, size: int) -> torch.Tensor | None
     buffer = torch.zeros(size, dtype=torch.uint8)
     [outcome] = await store.get_into([key], [buffer])
     return buffer if outcome == LOADED else None
+
+
+async def stored(store: EmbeddedStore, keys: list[str]) -> list[bool]:
+    """Whether each key holds a readable value, of whatever size."""
+    return [p is not Presence.ABSENT for p in await store.exists(keys, [1] * len(keys))]
 
 
 async def wait_for_waiters(limiter: anyio.CapacityLimiter, count: int) -> None:
@@ -87,7 +92,7 @@ async def test_put_then_get_round_trips_bytes() -> None:
     with anyio.fail_after(WAIT_S):
         async with make_store(1024) as store:
             assert await store.put(["a", "b"], [value(100, 1), value(50, 2)]) == [STORED] * 2
-            assert await store.exists(["a", "b", "c"]) == [True, True, False]
+            assert await stored(store, ["a", "b", "c"]) == [True, True, False]
             loaded = await read(store, "a", 100)
             assert loaded is not None and torch.equal(loaded, value(100, 1))
 
@@ -109,6 +114,26 @@ async def test_duplicate_key_in_one_batch_is_stored_once() -> None:
             outcomes = await store.put(["a", "a"], [value(16, 1), value(16, 2)])
             assert outcomes == [STORED, PRESENT]
             assert store.stats().used_bytes == 16
+
+
+async def test_exists_tells_a_value_of_another_size_from_a_missing_one() -> None:
+    """exists() is PRESENT only at the size asked for; another size is FOREIGN."""
+    async with make_store(4096) as store:
+        await store.put(["a"], [value(100, 1)])
+        assert await store.exists(["a", "a", "b"], [100, 64, 100]) == [
+            Presence.PRESENT, Presence.FOREIGN, Presence.ABSENT,
+        ]
+
+
+async def test_eviction_is_reported_with_the_evicted_keys() -> None:
+    """on_evicted hears exactly the keys evicted to make room."""
+    heard: list[str] = []
+    async with EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=256),
+                             on_evicted=heard.extend) as store:
+        await store.put(["a", "b"], [value(128, 1), value(128, 2)])
+        await store.put(["c"], [value(128, 3)])
+        assert heard == ["a"]
+        assert await stored(store, ["a", "b", "c"]) == [False, True, True]
 
 
 async def test_get_of_absent_key_is_missing() -> None:
@@ -133,7 +158,7 @@ async def test_value_larger_than_arena_is_store_full_without_evicting() -> None:
         async with make_store(64) as store:
             await store.put(["a"], [value(32, 1)])
             assert await store.put(["big"], [value(65, 2)]) == [STORE_FULL]
-            assert await store.exists(["a"]) == [True]
+            assert await stored(store, ["a"]) == [True]
             assert store.stats().evictions == 0
 
 
@@ -170,7 +195,7 @@ async def test_least_recently_used_is_evicted_first() -> None:
             await store.put(["a", "b", "c"], [value(16, i) for i in range(3)])
             assert await read(store, "a", 16) is not None
             assert await store.put(["d"], [value(16, 3)]) == [STORED]
-            assert await store.exists(["a", "b", "c", "d"]) == [True, False, True, True]
+            assert await stored(store, ["a", "b", "c", "d"]) == [True, False, True, True]
             assert store.stats().evictions == 1
 
 
@@ -181,7 +206,7 @@ async def test_present_put_refreshes_recency() -> None:
             await store.put(["a", "b", "c"], [value(16, i) for i in range(3)])
             assert await store.put(["a"], [value(16, 9)]) == [PRESENT]
             await store.put(["d"], [value(16, 3)])
-            assert await store.exists(["a", "b"]) == [True, False]
+            assert await stored(store, ["a", "b"]) == [True, False]
 
 
 async def test_eviction_of_small_neighbours_makes_room_for_a_large_value() -> None:
@@ -190,7 +215,7 @@ async def test_eviction_of_small_neighbours_makes_room_for_a_large_value() -> No
         async with make_store(64) as store:
             await store.put([f"s{i}" for i in range(8)], [value(8, i) for i in range(8)])
             assert await store.put(["big"], [value(40, 9)]) == [STORED]
-            assert await store.exists([f"s{i}" for i in range(8)]) == [False] * 5 + [True] * 3
+            assert await stored(store, [f"s{i}" for i in range(8)]) == [False] * 5 + [True] * 3
             loaded = await read(store, "big", 40)
             assert loaded is not None and torch.equal(loaded, value(40, 9))
 
@@ -223,7 +248,7 @@ async def test_closed_store_refuses_calls_and_closes_once() -> None:
     await store.aclose()
     await store.aclose()
     with pytest.raises(StoreError, match="closed"):
-        await store.exists(["a"])
+        await stored(store, ["a"])
 
 
 async def test_register_buffer_rejects_non_byte_tensors() -> None:
@@ -257,7 +282,7 @@ async def test_entry_being_read_is_not_evicted_or_overwritten() -> None:
                 await wait_for_waiters(limiter, 2)
                 # a and c are pinned: nothing is left to evict for another value.
                 assert await store.put(["d"], [value(16, 4)]) == [STORE_FULL]
-                assert await store.exists(["a", "b", "c"]) == [True, False, False]
+                assert await stored(store, ["a", "b", "c"]) == [True, False, False]
                 limiter.release()
             assert results == {"get": [LOADED], "put": [STORED]}
             assert torch.equal(buffer, value(16, 1))
@@ -293,11 +318,11 @@ async def test_cancelled_put_releases_its_reservation() -> None:
                 tg.start_soon(store.put, ["a"], [value(16, 1)])
                 await wait_for_waiters(limiter, 1)
                 assert await store.put(["a"], [value(16, 2)]) == [PRESENT]
-                assert await store.exists(["a"]) == [False]
+                assert await stored(store, ["a"]) == [False]
                 tg.cancel_scope.cancel()
             limiter.release()
             assert store.stats().used_bytes == 0
-            assert await store.exists(["a"]) == [False]
+            assert await stored(store, ["a"]) == [False]
 
 
 async def test_concurrent_puts_and_gets_load_only_exact_bytes() -> None:
@@ -329,7 +354,7 @@ async def test_concurrent_puts_and_gets_load_only_exact_bytes() -> None:
             async with anyio.create_task_group() as tg:
                 for seed in range(8):
                     tg.start_soon(worker, store, seed)
-            present = await store.exists([str(k) for k in range(30)])
+            present = await stored(store, [str(k) for k in range(30)])
             assert store.stats().used_bytes == sum(
                 expected(k).numel() for k in range(30) if present[k]
             )
@@ -392,7 +417,7 @@ def test_any_sequence_stays_in_budget_and_loads_exact_bytes(
                         model.pop(key, None)
                 stats = store.stats()
                 assert stats.used_bytes <= stats.capacity_bytes
-                present = await store.exists(list(model))
+                present = await stored(store, list(model))
                 assert stats.used_bytes == sum(
                     data.numel() for data, here in zip(model.values(), present, strict=True)
                     if here
@@ -417,9 +442,9 @@ async def test_reserved_extents_are_invisible_until_committed_and_then_loadable(
     for index, view in enumerate(extents.views):
         assert view is not None
         view.copy_(value(64, index))
-    assert await store.exists(["a", "b"]) == [False, False]
+    assert await stored(store, ["a", "b"]) == [False, False]
     assert store.commit(extents, written=True) == [STORED, STORED]
-    assert await store.exists(["a", "b"]) == [True, True]
+    assert await stored(store, ["a", "b"]) == [True, True]
     assert torch.equal(await read(store, "b", 64), value(64, 1))  # type: ignore[arg-type]
 
 
@@ -441,7 +466,7 @@ async def test_reserve_reports_present_and_full_and_an_abandoned_reservation_fre
     assert extents.outcomes[1] == STORED
     outcomes = store.commit(extents, written=False)
     assert outcomes[1].status is BlockStatus.FAILED
-    assert await store.exists(["new"]) == [False]
+    assert await stored(store, ["new"]) == [False]
     assert store.stats().used_bytes == 64
     too_big = await store.reserve(["x"], 1024)
     assert too_big.outcomes == [STORE_FULL]
@@ -458,7 +483,7 @@ async def test_leased_values_are_never_evicted_until_released() -> None:
     assert await store.put(["b"], [value(128, 4)]) == [STORE_FULL]
     store.release(lease)
     assert await store.put(["b"], [value(128, 4)]) == [STORED]
-    assert await store.exists(["a"]) == [False]
+    assert await stored(store, ["a"]) == [False]
 
 
 async def test_a_lease_of_the_wrong_size_fails_naming_both_sizes() -> None:
