@@ -367,10 +367,26 @@ async def test_dedup_reports_present_blocks_and_passes_the_rest(hybrid: Harness)
         named = await HashingStage(hybrid.tracker, hybrid.limiter).process(job)
         assert named is not None
         first = next(t for t in named if (t.store_group, t.block_index) == (0, 0))
-        await hybrid.store.put([first.key], [torch.ones(8, dtype=torch.uint8)])
+        size = first.geometry.stored_bytes
+        await hybrid.store.put([first.key], [torch.ones(size, dtype=torch.uint8)])
         missing = await DedupStage(hybrid.store, hybrid.tracker).process(named)
     assert missing is not None and first not in missing and len(missing) == 2
     assert statuses(job) == {(0, 0): (BlockStatus.PRESENT, "")}
+
+
+async def test_dedup_skips_a_key_holding_a_value_of_another_size(hybrid: Harness) -> None:
+    """A key whose value this engine cannot read is neither present nor written again:
+    the block is skipped as foreign_value."""
+    job = hybrid.job(save(tokens(8), [1, 2], [9], [0, 3]))
+    with anyio.fail_after(TIMEOUT_S):
+        await GroupFilterStage(hybrid.tracker).process(job)
+        named = await HashingStage(hybrid.tracker, hybrid.limiter).process(job)
+        assert named is not None
+        first = next(t for t in named if (t.store_group, t.block_index) == (0, 0))
+        await hybrid.store.put([first.key], [torch.ones(8, dtype=torch.uint8)])
+        missing = await DedupStage(hybrid.store, hybrid.tracker).process(named)
+    assert missing is not None and first not in missing
+    assert statuses(job) == {(0, 0): (BlockStatus.SKIPPED, "foreign_value")}
 
 
 async def test_dedup_of_an_all_present_job_completes_it(hybrid: Harness) -> None:
