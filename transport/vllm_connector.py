@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from transport.vllm.config import ConnectorConfig
-from transport.vllm.layout import layout_from_vllm
+from transport.vllm.layout import layout_from_vllm, store_namespace
 from transport.vllm.plan import StepPlan
 from transport.vllm.scheduler import SchedulerSide
 from transport.vllm.worker import WorkerSide
@@ -40,13 +40,13 @@ __all__ = ["KVSidecarConnector"]
 log = structlog.get_logger("kvsidecar.vllm")
 
 
-def _ranks(role: KVConnectorRole) -> dict[str, int]:
+def _ranks(role: KVConnectorRole) -> dict[str, Any]:
     """This worker's ranks; the scheduler looks up as rank 0 of every kind."""
     if role is not KVConnectorRole.WORKER:
         return {}
     from vllm.distributed import parallel_state
 
-    ranks = {}
+    ranks: dict[str, Any] = {}
     for name, group in (("tp_rank", "get_tp_group"), ("pp_rank", "get_pp_group"),
                         ("dcp_rank", "get_dcp_group"), ("pcp_rank", "get_pcp_group")):
         getter = getattr(parallel_state, group, None)
@@ -55,6 +55,35 @@ def _ranks(role: KVConnectorRole) -> dict[str, int]:
         except (AssertionError, AttributeError):
             ranks[name] = 0  # that parallel group is not set up: rank 0
     return ranks
+
+
+def _sizes(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig) -> dict[str, Any]:
+    """The engine's parallel sizes and KV heads, and vLLM's store namespace: what vLLM's
+    Mooncake store worker builds its keys from."""
+    parallel = vllm_config.parallel_config
+    sizes: dict[str, Any] = {
+        "tp_size": int(parallel.tensor_parallel_size),
+        "pp_size": int(parallel.pipeline_parallel_size),
+        "dcp_size": int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
+        "pcp_world_size": int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
+        "num_kv_heads": int(vllm_config.model_config.get_total_num_kv_heads()),
+    }
+    if config.store_tp_size is not None:
+        resolve = getattr(vllm_config.cache_config, "get_resolved_kv_cache_layout", None)
+        if resolve is None:
+            raise ValueError("store_tp_size needs vLLM >= 0.33 (its resolved KV cache layout)")
+        cache_layout = resolve()
+        groups = kv_cache_config.kv_cache_groups
+        sizes["store_namespace"] = store_namespace(
+            config.store_tp_size, tp_size=sizes["tp_size"], pp_size=sizes["pp_size"],
+            num_kv_heads=sizes["num_kv_heads"], cache_layout=cache_layout.name,
+            tp_sharded=(
+                sizes["pcp_world_size"] == 1 and sizes["dcp_size"] == 1 and len(groups) == 1
+                and type(groups[0].kv_cache_spec).__name__ == "FullAttentionSpec"
+                and cache_layout.name in ("LBHNC", "LBNHC")
+            ),
+        )
+    return sizes
 
 
 class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
@@ -69,7 +98,8 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         cache = vllm_config.cache_config
         layout = layout_from_vllm(
             kv_cache_config, model=vllm_config.model_config.model,
-            cache_prefix=config.cache_prefix, block_size=cache.block_size, **_ranks(role),
+            cache_prefix=config.cache_prefix, block_size=cache.block_size,
+            **_sizes(vllm_config, kv_cache_config, config), **_ranks(role),
         )
         hash_algo = str(cache.prefix_caching_hash_algo)
         self._scheduler: SchedulerSide | None = None

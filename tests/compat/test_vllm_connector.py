@@ -90,14 +90,18 @@ def engine_tensors(config: kvi.KVCacheConfig) -> dict[str, torch.Tensor]:
 
 
 def vllm_config(endpoint: str, *, hash_algo: str = "sha256", block_size: int = 32,
-                **extra: Any) -> Any:
+                tp_size: int = 1, num_kv_heads: int = 4, **extra: Any) -> Any:
     return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=1,
+                                        decode_context_parallel_size=1,
+                                        prefill_context_parallel_size=1),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVSidecarConnector", kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"endpoint": endpoint, "lookup_wait_ms": 50, **extra},
         ),
-        model_config=SimpleNamespace(model="/models/tiny-hybrid"),
+        model_config=SimpleNamespace(model="/models/tiny-hybrid",
+                                     get_total_num_kv_heads=lambda: num_kv_heads),
         cache_config=SimpleNamespace(block_size=block_size, prefix_caching_hash_algo=hash_algo),
     )
 

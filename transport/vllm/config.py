@@ -33,6 +33,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     heartbeat_interval_s: Positive = 5.0
     cache_prefix: str = ""
     """A namespace of this deployment's keys (tenants apart, or a model revision)."""
+    store_tp_size: Annotated[int, msgspec.Meta(gt=0)] | None = None
+    """As vLLM's MooncakeStoreConnector takes it: its keys then carry vLLM's
+    ``store_namespace`` (sidecar ``store.value_format: vllm``)."""
     min_load_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Load policy: a hit of fewer tokens than this (beyond the engine's own prefix
     cache) is recomputed instead of loaded."""

@@ -17,7 +17,13 @@ import msgspec
 from pipeline.core.errors import LayoutError
 from pipeline.core.layout import GroupKind, KVCacheGroup, KVCacheLayout, MambaCacheMode
 
-__all__ = ["layout_from_vllm", "model_name", "request_keys", "vllm_block_hasher"]
+__all__ = [
+    "layout_from_vllm",
+    "model_name",
+    "request_keys",
+    "store_namespace",
+    "vllm_block_hasher",
+]
 
 _KINDS = {
     "FullAttentionSpec": GroupKind.FULL_ATTENTION,
@@ -80,6 +86,7 @@ def _group(group_id: int, group: Any) -> KVCacheGroup:
         sliding_window=int(spec.sliding_window) if kind is GroupKind.SLIDING_WINDOW else None,
         dtype=_dtype(spec),
         page_bytes=page_bytes,
+        mla=spec_name in ("MLAAttentionSpec", "SlidingWindowMLASpec"),
     )
 
 
@@ -92,6 +99,11 @@ def layout_from_vllm(
     dcp_rank: int = 0,
     pp_rank: int = 0,
     pcp_world_size: int = 1,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    dcp_size: int = 1,
+    num_kv_heads: int = 0,
+    store_namespace: str = "",
     cache_prefix: str = "",
     block_size: int | None = None,
 ) -> KVCacheLayout:
@@ -105,7 +117,8 @@ def layout_from_vllm(
         layout = KVCacheLayout(
             groups=groups, model=model_name(model), tp_rank=tp_rank, pcp_rank=pcp_rank,
             dcp_rank=dcp_rank, pp_rank=pp_rank, pcp_world_size=pcp_world_size,
-            cache_prefix=cache_prefix, block_size=block_size,
+            tp_size=tp_size, pp_size=pp_size, dcp_size=dcp_size, num_kv_heads=num_kv_heads,
+            store_namespace=store_namespace, cache_prefix=cache_prefix, block_size=block_size,
         )
     except ValueError as exc:
         raise LayoutError(f"invalid KV-cache layout: {exc}") from exc
@@ -121,6 +134,26 @@ def layout_from_vllm(
             )
     layout.validate_for_store()
     return layout
+
+
+def store_namespace(
+    store_tp_size: int | None, *, tp_size: int, pp_size: int, num_kv_heads: int,
+    cache_layout: str, tp_sharded: bool,
+) -> str:
+    """vLLM 0.33's ``store_namespace`` for a ``store_tp_size``, as its Mooncake store
+    worker picks it. ``tp_sharded``: vLLM could shard this layout across TP ranks (one
+    full-attention group, no PCP/DCP, a head-major or token-major cache layout)."""
+    if store_tp_size is None:
+        return ""
+    if store_tp_size >= tp_size and store_tp_size % tp_size == 0 and tp_sharded:
+        if num_kv_heads % store_tp_size == 0:
+            raise LayoutError(
+                f"store_tp_size {store_tp_size}: vLLM stores this layout TP-sharded "
+                "(store_format tp_shared_*); kvsidecar stores rank-local values only"
+            )
+        if num_kv_heads == 1:
+            return f"@store_pp:{pp_size}@store_format:tp_shared_mqa"
+    return f"@store_pp:{pp_size}@store_format:rank_local_tp{tp_size}_layout_{cache_layout}"
 
 
 def request_keys(request: Any) -> dict[str, Any]:
