@@ -34,7 +34,8 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 
 
 class BlockStored(KVCacheEvent):
-    # The order and the defaults of vLLM's fields: they decide the encoded bytes.
+    # vLLM's fields, their order and their defaults, even those kvsidecar never sets:
+    # they decide the encoded bytes (msgspec sizes the map header by the field count).
     block_hashes: list[ExternalHash]
     parent_block_hash: ExternalHash | None
     token_ids: list[int]
@@ -46,12 +47,18 @@ class BlockStored(KVCacheEvent):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[ExternalHash]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
