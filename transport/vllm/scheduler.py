@@ -112,7 +112,9 @@ class SchedulerSide:
         if pending is None:
             client = self.link.client()
             if client is None:
-                return 0, False
+                # Just started: ask again next step rather than miss the first requests
+                # (bounded by connect_timeout_s; a sidecar that fails is skipped at once).
+                return (None, False) if self.link.starting else (0, False)
             tokens, hashes = prefix(request, request.num_tokens, self._hbs)
             pending = self._lookups[req_id] = client.start_lookup(
                 tokens, block_hashes=hashes, request_id=req_id,

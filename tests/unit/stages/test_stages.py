@@ -47,6 +47,7 @@ from pipeline.state.jobs import (
     LookupRequest,
     StagedBatch,
     StorePressure,
+    TaskBatch,
 )
 from pipeline.state.sessions import EngineSession
 from stages.commit import CommitStage
@@ -359,17 +360,25 @@ async def test_hashing_a_request_without_one_full_block_completes_it(hybrid: Har
 # -- dedup -----------------------------------------------------------------------------------
 
 
-async def test_dedup_reports_present_blocks_and_passes_the_rest(hybrid: Harness) -> None:
-    """Blocks already stored are settled present; only the missing ones go on."""
+async def dedup_with_first_block_stored(
+    hybrid: Harness, size: int | None
+) -> tuple[Job, BlockTask, TaskBatch | None]:
+    """Dedup a 3-block save after storing ``size`` bytes (None: a value's own size)
+    under its first block's key."""
     job = hybrid.job(save(tokens(8), [1, 2], [9], [0, 3]))
     with anyio.fail_after(TIMEOUT_S):
         await GroupFilterStage(hybrid.tracker).process(job)
         named = await HashingStage(hybrid.tracker, hybrid.limiter).process(job)
         assert named is not None
         first = next(t for t in named if (t.store_group, t.block_index) == (0, 0))
-        size = first.geometry.stored_bytes
-        await hybrid.store.put([first.key], [torch.ones(size, dtype=torch.uint8)])
-        missing = await DedupStage(hybrid.store, hybrid.tracker).process(named)
+        value = torch.ones(size or first.geometry.stored_bytes, dtype=torch.uint8)
+        await hybrid.store.put([first.key], [value])
+        return job, first, await DedupStage(hybrid.store, hybrid.tracker).process(named)
+
+
+async def test_dedup_reports_present_blocks_and_passes_the_rest(hybrid: Harness) -> None:
+    """Blocks already stored are settled present; only the missing ones go on."""
+    job, first, missing = await dedup_with_first_block_stored(hybrid, None)
     assert missing is not None and first not in missing and len(missing) == 2
     assert statuses(job) == {(0, 0): (BlockStatus.PRESENT, "")}
 
@@ -377,15 +386,8 @@ async def test_dedup_reports_present_blocks_and_passes_the_rest(hybrid: Harness)
 async def test_dedup_skips_a_key_holding_a_value_of_another_size(hybrid: Harness) -> None:
     """A key whose value this engine cannot read is neither present nor written again:
     the block is skipped as foreign_value."""
-    job = hybrid.job(save(tokens(8), [1, 2], [9], [0, 3]))
-    with anyio.fail_after(TIMEOUT_S):
-        await GroupFilterStage(hybrid.tracker).process(job)
-        named = await HashingStage(hybrid.tracker, hybrid.limiter).process(job)
-        assert named is not None
-        first = next(t for t in named if (t.store_group, t.block_index) == (0, 0))
-        await hybrid.store.put([first.key], [torch.ones(8, dtype=torch.uint8)])
-        missing = await DedupStage(hybrid.store, hybrid.tracker).process(named)
-    assert missing is not None and first not in missing
+    job, first, missing = await dedup_with_first_block_stored(hybrid, 8)
+    assert missing is not None and first not in missing and len(missing) == 2
     assert statuses(job) == {(0, 0): (BlockStatus.SKIPPED, "foreign_value")}
 
 
