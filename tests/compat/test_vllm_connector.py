@@ -431,3 +431,26 @@ def test_a_preempted_requests_saves_finish_before_the_next_forward(
         assert engine.scheduler.request_finished_all_groups(req, ([],)) == (False, None)
     finally:
         engine.close()
+
+
+def test_a_scheduler_just_started_defers_its_first_lookups_then_misses_without_a_sidecar(
+    tmp_path: Any,
+) -> None:
+    """While the first connection is being made, a lookup is deferred (vLLM asks again)
+    instead of missing; once that connection has failed, lookups miss at once."""
+    endpoint = f"ipc://{tmp_path}/nobody.sock"
+    scheduler = KVSidecarConnector(vllm_config(endpoint, connect_timeout_s=1),
+                                   KVConnectorRole.SCHEDULER, CONFIGS["dense"])
+    try:
+        req = request("r", random_tokens(100, seed=5), 32, "sha256")
+        started = time.monotonic()
+        answers = []
+        while (answer := scheduler.get_num_new_matched_tokens(req, 0)) == (None, False):
+            answers.append(answer)
+            assert time.monotonic() - started < 5, "deferred past connect_timeout_s"
+            time.sleep(0.05)
+        assert answers, "the first lookup should wait for the link"
+        assert answer == (0, False)
+        assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    finally:
+        scheduler.shutdown()

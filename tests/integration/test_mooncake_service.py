@@ -216,7 +216,8 @@ async def test_a_block_removed_between_lookup_and_load_is_reported_failed() -> N
     import msgspec
 
     from pipeline.core.hashing import block_hashes
-    from pipeline.core.keys import store_key
+    from pipeline.core.keys import ValueFormat, keys_for, layout_keys
+    from pipeline.core.layout import KVCacheLayout
     from transport.mooncake_setup import open_mooncake_store
 
     quick_leases = MooncakeStoreConfig(kv_lease_ttl_ms=100)
@@ -224,7 +225,8 @@ async def test_a_block_removed_between_lookup_and_load_is_reported_failed() -> N
         layout = hybrid_layout(page_bytes=8192)
         writer, reader = KVEngine(layout), KVEngine(layout)
         tokens = random_tokens(3 * 16 + 1, seed=60)
-        victim = store_key("test-model", block_hashes(tokens, 16)[1], store_group=0)
+        prefix = layout_keys(KVCacheLayout.from_dict(layout), ValueFormat.NATIVE)[0].own
+        [victim] = keys_for(prefix, [block_hashes(tokens, 16)[1]])
         other = await open_mooncake_store(msgspec.structs.replace(
             quick_leases, master=master.endpoints.master_address,
             metadata_server=master.endpoints.metadata_server,

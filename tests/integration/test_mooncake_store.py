@@ -31,7 +31,7 @@ from pipeline.core.outcomes import (
     KeyOutcome,
     failed,
 )
-from pipeline.core.store import KVStore
+from pipeline.core.store import KVStore, Presence
 from tests.kit import stall_proxy
 from transport.mooncake_codes import get_outcome, put_outcome
 from transport.mooncake_master import EmbeddedMaster, open_embedded_master
@@ -172,7 +172,9 @@ async def test_put_then_exists_then_get_is_byte_exact(
     outs = [staging[MIB + i * 64 * 1024 : MIB + (i + 1) * 64 * 1024] for i in range(4)]
     with anyio.fail_after(10):
         assert await store.put(keys, values) == [STORED] * 4
-        assert await store.exists([*keys, f"{request.node.name}-absent"]) == [True] * 4 + [False]
+        assert await store.exists(
+            [*keys, keys[0], f"{request.node.name}-absent"], [64 * 1024] * 4 + [100, 64 * 1024]
+        ) == [Presence.PRESENT] * 4 + [Presence.FOREIGN, Presence.ABSENT]
         assert await store.get_into(keys, outs) == [LOADED] * 4
     for value, out in zip(values, outs, strict=True):
         assert torch.equal(value, out)
@@ -219,12 +221,12 @@ async def test_key_removed_between_exists_and_get_is_missing(
     fill_random(staging[:4096], 7)
     with anyio.fail_after(10):
         assert await store.put([key], [staging[:4096]]) == [STORED]
-        assert await store.exists([key]) == [True]
+        assert await store.exists([key], [4096]) == [Presence.PRESENT]
         # The put's lease (kv_lease_ttl_ms) protects the object for a moment.
         await poll_until(lambda: store.remove([key]))
         staging[8192:12288].fill_(0)
         assert await store.get_into([key], [staging[8192:12288]]) == [MISSING]
-        assert await store.exists([key]) == [False]
+        assert await store.exists([key], [4096]) == [Presence.ABSENT]
 
 
 async def test_a_buffer_of_the_wrong_size_fails(
@@ -268,7 +270,7 @@ async def test_two_clients_see_each_others_keys(
             key_one, key_two = f"{request.node.name}-one", f"{request.node.name}-two"
             assert await one.put([key_one], [buffers[0][:65536]]) == [STORED]
             assert await two.put([key_two], [buffers[1][:65536]]) == [STORED]
-            assert await two.exists([key_one]) == [True]
+            assert await two.exists([key_one], [65536]) == [Presence.PRESENT]
             assert await one.get_into([key_two], [buffers[0][MIB // 2 : MIB // 2 + 65536]]) == [
                 LOADED
             ]
@@ -306,7 +308,7 @@ async def test_a_full_store_skips_puts_and_keeps_serving() -> None:
                 return await store.put(["full-after"], [staging[:MIB]]) == [STORED]
 
             await poll_until(put_after)
-            assert await store.exists(["full-after"]) == [True]
+            assert await store.exists(["full-after"], [MIB]) == [Presence.PRESENT]
 
 
 async def test_closing_an_embedded_store_leaves_no_master_and_no_port() -> None:
@@ -322,7 +324,7 @@ async def test_closing_an_embedded_store_leaves_no_master_and_no_port() -> None:
         assert not psutil.pid_exists(embedded.pid)
         assert not any(listening(port) for port in ports)
         with pytest.raises(StoreError):
-            await store.exists(["after-close"])
+            await store.exists(["after-close"], [1])
 
 
 CHILD = """
@@ -396,10 +398,10 @@ async def test_calls_after_the_master_died_raise_store_error() -> None:
         store = await open_mooncake_store(SMALL)
         try:
             assert store.master is not None
-            assert await store.exists(["before"]) == [False]
+            assert await store.exists(["before"], [1]) == [Presence.ABSENT]
             psutil.Process(store.master.pid).kill()
             with pytest.raises(StoreError, match="unreachable"):
-                await store.exists(["after"])
+                await store.exists(["after"], [1])
         finally:
             await store.aclose()
 
@@ -418,15 +420,15 @@ async def test_a_hung_master_times_out_and_the_store_serves_again_once_the_call_
         async with stall_proxy(master.endpoints.master_address) as (proxy, address):
             config = replace(client_config(master, call_timeout_s=1.0), master=address)
             async with await open_mooncake_store(config) as store:
-                assert await store.exists(["before"]) == [False]
+                assert await store.exists(["before"], [1]) == [Presence.ABSENT]
                 assert await proxy.command("stall") == "stalled"
                 with pytest.raises(StoreCallAbandoned, match="call_timeout_s") as abandoned:
-                    await store.exists(["while-hung"])
+                    await store.exists(["while-hung"], [1])
                 returned = anyio.Event()
                 abandoned.value.when_returned(returned.set)
                 with anyio.fail_after(0.5), pytest.raises(StoreError, match="refuses calls"):
-                    await store.exists(["refused-at-once"])
+                    await store.exists(["refused-at-once"], [1])
                 assert not returned.is_set()
                 assert await proxy.command("resume") == "resumed"
                 await returned.wait()
-                assert await store.exists(["after-resume"]) == [False]
+                assert await store.exists(["after-resume"], [1]) == [Presence.ABSENT]
