@@ -138,3 +138,24 @@ def test_loads_that_fail_their_checksum_are_recomputed_never_used(
     assert refused > 0, "no load was refused"
     assert same_output(computed, baseline)
     assert same_output(recomputed, baseline), (recomputed, baseline)
+
+
+@pytest.mark.mooncake
+def test_vllm_format_values_on_mooncake_serve_the_engine(
+    engines: tuple[Engines, dict[str, Any]],
+) -> None:
+    """With store.value_format vllm on a Mooncake cluster (values laid out from vLLM's
+    own KV tensors as its MooncakeStoreConnector lays them, checksums kept beside), the
+    engine loads its prefix and generates exactly as without the connector."""
+    runner, baseline = engines
+    mib = 1 << 20
+    on_mooncake = {
+        "store": {"backend": "mooncake", "value_format": "vllm",
+                  "mooncake": {"global_segment_bytes": 256 * mib, "local_buffer_bytes": 0}},
+        "staging": {"pool_bytes": 64 * mib, "slot_bytes": 8 * mib, "load_slots": 2},
+    }
+    with run_sidecar_process(on_mooncake) as sidecar:
+        computed, loaded = runner.run(sidecar.endpoint, again=True)
+    assert computed["num_cached_tokens"] == 0 and same_output(computed, baseline)
+    assert loaded["num_cached_tokens"] == (PROMPT_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert same_output(loaded, baseline), (max_logprob_diff(loaded, baseline), loaded, baseline)
