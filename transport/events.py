@@ -47,7 +47,6 @@ class EventPublisher:
         )
         self._seq = itertools.count()
         self._encoder = msgspec.msgpack.Encoder()
-        self.endpoints: tuple[str, str] = ("", "")
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Bind, then publish every event the log receives, until cancelled."""
@@ -68,11 +67,8 @@ class EventPublisher:
                 raise ConfigError(
                     f"events: cannot bind {exc} (events.endpoint / events.replay_endpoint)"
                 ) from exc
-            self.endpoints = (
-                pub.getsockopt_string(zmq.LAST_ENDPOINT),
-                "" if replay is None else replay.getsockopt_string(zmq.LAST_ENDPOINT),
-            )
-            log.info("events.publishing", endpoint=self.endpoints[0], replay=self.endpoints[1])
+            log.info("events.publishing", endpoint=self._config.endpoint,
+                     replay=self._config.replay_endpoint)
             async with anyio.create_task_group() as tg:
                 if replay is not None:
                     tg.start_soon(self._serve_replay, replay)

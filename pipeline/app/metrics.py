@@ -53,6 +53,11 @@ class Metrics:
             "Staging slots kept out of use while an abandoned store call may still touch them",
             registry=self.registry,
         )
+        self.events_dropped = Gauge(
+            "kvsidecar_kv_events_dropped",
+            "KV events dropped because more than events.max_pending were waiting",
+            registry=self.registry,
+        )
 
     def replied(self, message: SidecarMessage, received_at: float) -> None:
         """Count a completion's blocks and how long its engine waited."""

@@ -83,6 +83,7 @@ class Sidecar:
         self.metrics = Metrics()
         self.metrics.open_jobs.set_function(lambda: self.tracker.open_jobs)
         self.metrics.withheld_slots.set_function(lambda: pool.withheld)
+        self.metrics.events_dropped.set_function(lambda: events.dropped)
         self.receiver = Receiver(
             config, socket, self.registry, self.tracker, self.metrics, self.graph.entrance
         )

@@ -57,7 +57,9 @@ class StoreGroupGeometry:
 
     @property
     def stored_bytes(self) -> int:
-        """Bytes of one stored value: the payload plus its checksum, if any."""
+        """Bytes of one value in flight (a staging row, an embedded-store extent): the
+        payload plus its checksum, if any. A vllm-format store holds the checksum beside
+        the payload instead (``pipeline.backends.beside``)."""
         return self.value_bytes + (0 if self.checksum_seed is None else CHECKSUM_BYTES)
 
 

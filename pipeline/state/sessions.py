@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 from pipeline.core.errors import ProtocolError
 from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.hashing import RequestHasher, group_block_hashes
-from pipeline.core.keys import keys_for
 from pipeline.core.layout import NULL_BLOCK_ID, KVCacheLayout
 from pipeline.core.messages import RequestKeys
 
@@ -129,11 +128,6 @@ class EngineSession:
         """Block hashes of a store group's blocks 0..n-1 for the given fine hashes."""
         size = self.store_groups[store_group].group.block_size
         return group_block_hashes(fine, self.layout.hash_block_size, size)
-
-    def group_keys(self, store_group: int, fine: Sequence[bytes]) -> list[str]:
-        """Store keys of a store group's blocks 0..n-1 for the given fine hashes."""
-        return keys_for(self.store_groups[store_group].key_prefix,
-                        self.group_hashes(store_group, fine))
 
     def check_block_ids(self, block_ids: Sequence[Sequence[int]]) -> tuple[list[int], ...]:
         """Project per-kv-group block ids to store groups, checking every id is in range."""

@@ -31,7 +31,7 @@ from pipeline.core.errors import LayoutError
 from pipeline.core.layout import GroupKind
 from pipeline.testing import SidecarProcess, run_sidecar_process
 from tests.kit import random_tokens
-from transport.vllm.layout import layout_from_vllm
+from transport.vllm.layout import layout_from_vllm, store_namespace
 from transport.vllm.plan import StepPlan
 from transport.vllm_connector import KVSidecarConnector
 
@@ -454,3 +454,26 @@ def test_a_scheduler_just_started_defers_its_first_lookups_then_misses_without_a
         assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
     finally:
         scheduler.shutdown()
+
+
+@pytest.mark.parametrize(("store_tp", "heads", "sharded", "expected"), [
+    (None, 8, True, ""),
+    (4, 8, False, "@store_pp:1@store_format:rank_local_tp2_layout_LBHNC"),
+    (4, 1, True, "@store_pp:1@store_format:tp_shared_mqa"),
+    (1, 8, True, "@store_pp:1@store_format:rank_local_tp2_layout_LBHNC"),
+])
+def test_store_tp_size_gives_vllms_store_namespace(
+    store_tp: int | None, heads: int, sharded: bool, expected: str
+) -> None:
+    """store_tp_size names the namespace vLLM's Mooncake store worker picks: none when
+    unset, the MQA one for one KV head, else the rank-local one for the cache layout."""
+    assert store_namespace(store_tp, tp_size=2, pp_size=1, num_kv_heads=heads,
+                           cache_layout="LBHNC", tp_sharded=sharded) == expected
+
+
+def test_a_store_tp_size_vllm_would_shard_is_refused() -> None:
+    """Where vLLM would store TP-sharded values, kvsidecar refuses instead of writing
+    rank-local ones under keys vLLM reads otherwise."""
+    with pytest.raises(LayoutError, match="TP-sharded"):
+        store_namespace(4, tp_size=2, pp_size=1, num_kv_heads=8, cache_layout="LBHNC",
+                        tp_sharded=True)
