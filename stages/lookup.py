@@ -90,11 +90,12 @@ class LookupStage:
                 return 0  # a store that cannot answer is a miss, never a wait
             start = 0
             for geometry, blocks, count in zip(groups, present, counts, strict=True):
-                shards = [exists[start + i * count : start + (i + 1) * count]
-                          for i in range(len(geometry.keys.lookup))]
-                found = [all(shard[b] is Presence.PRESENT for shard in shards)
-                         for b in range(count)]
-                start += count * len(shards)
+                shards = len(geometry.keys.lookup)
+                found = [p is Presence.PRESENT for p in exists[start : start + count]]
+                for shard in range(1, shards):
+                    other = exists[start + shard * count : start + (shard + 1) * count]
+                    found = [a and b is Presence.PRESENT for a, b in zip(found, other, strict=True)]
+                start += count * shards
                 if geometry.group.kind in _NEEDS_PREFIX and not all(found):
                     first_miss = len(blocks) + found.index(False)
                     bound = min(bound, first_miss * geometry.group.block_size)

@@ -61,12 +61,6 @@ class _Entry:
     """Out of the index; the extent is freed when the last pin goes."""
 
 
-def _presence(entry: _Entry | None, size: int) -> Presence:
-    if entry is None or not entry.ready:
-        return Presence.ABSENT
-    return Presence.PRESENT if entry.size == size else Presence.FOREIGN
-
-
 def _check_bytes(tensor: object) -> str | None:
     if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
         described = (
@@ -136,8 +130,12 @@ class EmbeddedStore(AsyncResource):
 
     async def exists(self, keys: Sequence[str], sizes: Sequence[int]) -> list[Presence]:
         self._check_open()
+        entries = self._entries
+        absent, present, foreign = Presence.ABSENT, Presence.PRESENT, Presence.FOREIGN
         return [
-            _presence(self._entries.get(key), size) for key, size in zip(keys, sizes, strict=True)
+            absent if (entry := entries.get(key)) is None or not entry.ready
+            else present if entry.size == size else foreign
+            for key, size in zip(keys, sizes, strict=True)
         ]
 
     async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
