@@ -13,6 +13,11 @@ Two value formats (``store.value_format``) decide the namespace and the ranks in
 
 A block is a hit only if every tp-shard x pcp x pp namespace holds it, as vLLM's lookup
 requires: each rank loads its own shard.
+
+Not built: vLLM's sub-block keys (a prompt's partial tail keyed by the hash at the
+prompt's Mamba checkpoint, and Mamba states handed off at non-block-aligned boundaries;
+vLLM 0.33 writes them only with partial hash hits). kvsidecar keys every block by the
+hash at its end, so those keys are misses for it, never misread.
 """
 
 from __future__ import annotations
