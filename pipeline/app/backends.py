@@ -25,7 +25,7 @@ __all__ = ["Backends", "open_backends", "open_store"]
 
 @contextlib.asynccontextmanager
 async def open_store(
-    config: StoreConfig, faults: Faults | None = None, events: KVEventLog | None = None
+    config: StoreConfig, faults: Faults | None, events: KVEventLog
 ) -> AsyncIterator[CircuitBreakerStore]:
     """The configured store backend behind a circuit breaker (and fault points, if any),
     closed on exit. ``events`` hears of the embedded store's evictions."""
@@ -37,9 +37,7 @@ async def open_store(
     else:
         from transport.embedded_store import EmbeddedStore
 
-        store = EmbeddedStore(
-            config.embedded, on_evicted=events.removed if events is not None else lambda k: None
-        )
+        store = EmbeddedStore(config.embedded, on_evicted=events.removed)
     if faults is not None and faults.enabled:
         store = FaultyStore(store, faults)
     guarded = CircuitBreakerStore(

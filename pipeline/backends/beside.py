@@ -49,9 +49,9 @@ class ChecksumBesideStore:
         values, sums = found[: len(keys)], found[len(keys) :]
         return [
             Presence.UNVERIFIED
-            if value is Presence.PRESENT and total is not Presence.PRESENT and self._require
+            if value is Presence.PRESENT and sealed is not Presence.PRESENT and self._require
             else value
-            for value, total in zip(values, sums, strict=True)
+            for value, sealed in zip(values, sums, strict=True)
         ]
 
     async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
@@ -66,10 +66,10 @@ class ChecksumBesideStore:
         payloads, sums = _split(buffers)
         outcomes = await self.inner.get_into([*keys, *_beside(keys)], [*payloads, *sums])
         result = outcomes[: len(keys)]
-        for index, total in enumerate(outcomes[len(keys) :]):
-            if result[index] != LOADED or total == LOADED:
+        for index, sealed in enumerate(outcomes[len(keys) :]):
+            if result[index] != LOADED or sealed == LOADED:
                 continue
-            if total != MISSING or self._require:
+            if sealed != MISSING or self._require:
                 result[index] = UNVERIFIED
             else:  # loaded as it is: sealed here so that the scatter's check passes
                 sums[index].copy_(torch.frombuffer(
