@@ -437,9 +437,10 @@ def test_a_scheduler_just_started_defers_its_first_lookups_then_misses_without_a
     tmp_path: Any,
 ) -> None:
     """While the first connection is being made, a lookup is deferred (vLLM asks again)
-    instead of missing; once that connection has failed, lookups miss at once."""
+    instead of missing; once that connection has failed, lookups miss at once, also
+    while a later attempt is under way."""
     endpoint = f"ipc://{tmp_path}/nobody.sock"
-    scheduler = KVSidecarConnector(vllm_config(endpoint, connect_timeout_s=1),
+    scheduler = KVSidecarConnector(vllm_config(endpoint, connect_timeout_s=1, retry_after_s=0.2),
                                    KVConnectorRole.SCHEDULER, CONFIGS["dense"])
     try:
         req = request("r", random_tokens(100, seed=5), 32, "sha256")
@@ -451,6 +452,9 @@ def test_a_scheduler_just_started_defers_its_first_lookups_then_misses_without_a
             time.sleep(0.05)
         assert answers, "the first lookup should wait for the link"
         assert answer == (0, False)
+        assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+        time.sleep(0.3)  # past retry_after_s: the next call starts another attempt
+        assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
         assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
     finally:
         scheduler.shutdown()

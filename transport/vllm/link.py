@@ -37,7 +37,6 @@ class SidecarLink:
         self._thread: threading.Thread | None = None
         self._down_until = 0.0
         self._closed = False
-        self._ever_connected = False
 
     def client(self) -> BlockingEngineClient | None:
         """The connected client, or None (then a connection is being made, or the
@@ -56,8 +55,8 @@ class SidecarLink:
     def starting(self) -> bool:
         """The first connection is still being made (nothing has failed yet)."""
         with self._lock:
-            return (not self._ever_connected and self._thread is not None
-                    and time.monotonic() >= self._down_until)
+            # _down_until stays 0 until a first failure; a connected link has its client.
+            return self._client is None and self._thread is not None and not self._down_until
 
     def failed(self, error: BaseException) -> None:
         """A call failed: leave the sidecar alone for a while."""
@@ -88,7 +87,6 @@ class SidecarLink:
                 closing: BlockingEngineClient | None = client
             else:
                 self._client, closing = client, None
-                self._ever_connected = True
         if closing is not None:
             closing.close()
             return
