@@ -1,15 +1,18 @@
 """The CPU copy engine: engine KV blocks to and from stored values, in worker threads.
 
-Saves gather engine blocks into the values; loads scatter values into engine blocks.
-Copies run in worker threads (torch releases the GIL), one ``index_select`` /
-``index_copy_`` per segment for each run of adjacent values, a batch's segments split
-across threads (``CopyThreads``). Both sides are seen as the widest integer words the
-geometry allows: torch moves uint8 rows element by element, several times slower than
-words."""
+Saves gather engine blocks into the values and seal each value's checksum; loads verify
+each value, then scatter the intact ones into engine blocks. A batch is cut into parts
+of adjacent values, one worker thread each (``CopyThreads``): a thread checksums exactly
+the values it copied, so a batch costs one hand-off per part, and a small batch none (it
+is copied on the event loop, quicker than a hand-off). Per run of adjacent values, one
+``index_select`` / ``index_copy_`` per segment moves every block, both sides seen as the
+widest integer words the geometry allows (torch moves uint8 rows element by element,
+several times slower than words)."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 
 import anyio
@@ -21,6 +24,7 @@ from pipeline.core.integrity import seal_rows, verify_rows
 __all__ = [
     "CopyThreads",
     "CpuCopyEngine",
+    "Piece",
     "gather_and_seal",
     "gather_blocks",
     "runs",
@@ -28,12 +32,15 @@ __all__ = [
     "verify_and_scatter",
 ]
 
+Piece = tuple[int, torch.Tensor]
+"""Adjacent values as one matrix: (index of the first, a ``[count, size]`` view)."""
+
 
 def _index(block_ids: Sequence[int]) -> torch.Tensor:
     return torch.tensor(block_ids, dtype=torch.int64)
 
 
-def runs(views: Sequence[torch.Tensor], size: int) -> list[tuple[int, torch.Tensor]]:
+def runs(views: Sequence[torch.Tensor], size: int) -> list[Piece]:
     """Adjacent values as matrices: (index of the first, a [count, size] view)."""
     result = []
     start = 0
@@ -45,16 +52,17 @@ def runs(views: Sequence[torch.Tensor], size: int) -> list[tuple[int, torch.Tens
     return result
 
 
-_WORDS = (torch.int64, torch.int32, torch.int16)
+_WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
 
 
-def _as_words(blocks: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both byte matrices as the widest integer type whose view fits both (same bytes)."""
-    for dtype in _WORDS:
-        try:
+def _words(blocks: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both byte matrices as the widest integer type whose view fits both (same bytes):
+    the word must divide the page, both row strides and both start offsets."""
+    sizes = (blocks.shape[1], blocks.stride(0), blocks.storage_offset(),
+             columns.stride(0), columns.storage_offset())
+    for dtype, width in _WORDS:
+        if all(size % width == 0 for size in sizes):
             return blocks.view(dtype), columns.view(dtype)
-        except RuntimeError:
-            continue  # a size, stride or offset not a multiple of the word
     return blocks, columns
 
 
@@ -63,7 +71,7 @@ def gather_blocks(
 ) -> None:
     """rows[i] = the pages of engine block block_ids[i] in these segments."""
     for segment in segments:
-        blocks, out = _as_words(
+        blocks, out = _words(
             segment.blocks, rows[:, segment.offset : segment.offset + segment.page_bytes]
         )
         torch.index_select(blocks, 0, block_ids, out=out)
@@ -74,7 +82,7 @@ def scatter_blocks(
 ) -> None:
     """Engine block block_ids[i] = rows[i] in these segments (the inverse of gather)."""
     for segment in segments:
-        blocks, source = _as_words(
+        blocks, source = _words(
             segment.blocks, rows[:, segment.offset : segment.offset + segment.page_bytes]
         )
         blocks.index_copy_(0, block_ids, source)
@@ -83,77 +91,78 @@ def scatter_blocks(
 SPLIT_BYTES = 8 << 20
 """Batches smaller than this are copied by one thread: a split costs thread hand-offs
 (~0.1 ms each on a small machine) that a small copy does not earn back."""
+INLINE_BYTES = 512 << 10
+"""Batches up to this size are copied on the event loop: the copy takes less time than
+the hand-off to a worker thread would."""
 
-Step = Callable[[int, int], None]
-"""One phase of a copy: ``step(part, parts)`` does its share."""
+Work = Callable[[Sequence[Piece]], None]
+"""Copies some runs of a batch's values (a part), in whatever thread calls it."""
 
 
 class CopyThreads:
-    """Runs one batch's copy split across worker threads.
+    """Runs one batch's copy: small ones inline, others in parts, one worker thread each.
 
-    Torch runs single-threaded in the sidecar (see ``service``): a batch is copied one
-    segment (layer) at a time, and an OpenMP team per call costs a wake-up per layer. Split
-    here instead — segments for copies, rows for checksums — the threads stay busy for
-    the whole batch, and they are bounded by one limiter per direction.
+    Torch runs single-threaded in the sidecar (see ``service``): an OpenMP team per call
+    would cost a wake-up per segment. A part is a range of adjacent values, so each
+    thread checksums exactly the values it copied (no barrier between the copy and the
+    checksums), and the threads are bounded by one limiter per direction.
     """
 
-    def __init__(self, limiter: anyio.CapacityLimiter, split_bytes: int = SPLIT_BYTES) -> None:
+    def __init__(
+        self, limiter: anyio.CapacityLimiter, split_bytes: int = SPLIT_BYTES,
+        inline_bytes: int = INLINE_BYTES,
+    ) -> None:
         self._limiter = limiter
         self._parts = max(1, int(limiter.total_tokens))
         self._split_bytes = split_bytes
+        self._inline_bytes = inline_bytes
 
-    async def run(self, nbytes: int, *steps: Step) -> None:
-        """Each step in every part, the steps one after another; a batch below
-        ``split_bytes`` runs all of them in one thread."""
-        parts = self._parts if nbytes >= self._split_bytes else 1
-        if parts == 1:
-            await anyio.to_thread.run_sync(_in_order, steps, limiter=self._limiter)
+    async def run(self, views: Sequence[torch.Tensor], size: int, work: Work) -> None:
+        """``work`` over every value (each ``size`` bytes), in parts."""
+        nbytes = len(views) * size
+        if nbytes <= self._inline_bytes:
+            work(self._pieces(views, size))
             return
-        for step in steps:
-            async with anyio.create_task_group() as tg:
-                for part in range(parts):
-                    tg.start_soon(functools.partial(
-                        anyio.to_thread.run_sync, step, part, parts, limiter=self._limiter
-                    ))
+        parts = min(self._parts, len(views)) if nbytes >= self._split_bytes else 1
+        if parts == 1:
+            await anyio.to_thread.run_sync(work, self._pieces(views, size),
+                                           limiter=self._limiter)
+            return
+        bounds = [len(views) * part // parts for part in range(parts + 1)]
+        async with anyio.create_task_group() as tg:
+            for start, stop in itertools.pairwise(bounds):
+                tg.start_soon(functools.partial(
+                    anyio.to_thread.run_sync, work, self._pieces(views, size, start, stop),
+                    limiter=self._limiter,
+                ))
+
+    def _pieces(self, views: Sequence[torch.Tensor], size: int, start: int = 0,
+                stop: int | None = None) -> list[Piece]:
+        """Values ``start:stop`` as runs of adjacent values."""
+        return [(start + first, rows) for first, rows in runs(views[start:stop], size)]
 
 
-def _in_order(steps: Sequence[Step]) -> None:
-    for step in steps:
-        step(0, 1)
+def _gather_and_seal(geometry: StoreGroupGeometry, block_ids: torch.Tensor,
+                     pieces: Sequence[Piece]) -> None:
+    seed = geometry.checksum_seed
+    for start, rows in pieces:
+        gather_blocks(geometry.segments, block_ids[start : start + rows.shape[0]], rows)
+        if seed is not None:
+            seal_rows(rows, geometry.value_bytes, seed)
 
 
-def _gather_part(geometry: StoreGroupGeometry, block_ids: torch.Tensor,
-                 views: Sequence[torch.Tensor], part: int, parts: int) -> None:
-    for start, rows in runs(views, geometry.stored_bytes):
+def _verify_and_scatter(geometry: StoreGroupGeometry, block_ids: torch.Tensor,
+                        intact: list[bool], pieces: Sequence[Piece]) -> None:
+    seed = geometry.checksum_seed
+    for start, rows in pieces:
         ids = block_ids[start : start + rows.shape[0]]
-        gather_blocks(geometry.segments[part::parts], ids, rows)
-
-
-def _seal_part(geometry: StoreGroupGeometry, views: Sequence[torch.Tensor],
-               part: int, parts: int) -> None:
-    assert geometry.checksum_seed is not None
-    for _, rows in runs(views, geometry.stored_bytes):
-        seal_rows(rows[part::parts], geometry.value_bytes, geometry.checksum_seed)
-
-
-def _verify_part(geometry: StoreGroupGeometry, views: Sequence[torch.Tensor],
-                 intact: list[bool], part: int, parts: int) -> None:
-    assert geometry.checksum_seed is not None
-    for start, rows in runs(views, geometry.stored_bytes):
-        checked = verify_rows(rows[part::parts], geometry.value_bytes, geometry.checksum_seed)
-        intact[start + part : start + rows.shape[0] : parts] = checked
-
-
-def _scatter_part(geometry: StoreGroupGeometry, block_ids: torch.Tensor,
-                  views: Sequence[torch.Tensor], intact: list[bool],
-                  part: int, parts: int) -> None:
-    """Copy the intact values into their engine blocks (this part's segments)."""
-    keep = [index for index, ok in enumerate(intact) if ok]
-    kept_ids = block_ids[keep] if len(keep) < len(views) else block_ids
-    kept_views = [views[index] for index in keep]
-    for start, rows in runs(kept_views, geometry.stored_bytes):
-        ids = kept_ids[start : start + rows.shape[0]]
-        scatter_blocks(geometry.segments[part::parts], ids, rows)
+        if seed is not None:
+            checked = verify_rows(rows, geometry.value_bytes, seed)
+            intact[start : start + len(checked)] = checked
+            if not all(checked):
+                keep = torch.tensor([i for i, ok in enumerate(checked) if ok], dtype=torch.int64)
+                ids, rows = ids[keep], rows[keep]  # rows[keep] copies only the intact values
+        scatter_blocks(geometry.segments, ids, rows)
 
 
 async def gather_and_seal(
@@ -161,10 +170,8 @@ async def gather_and_seal(
     views: Sequence[torch.Tensor],
 ) -> None:
     """Fill each value from its engine block, then seal its checksum."""
-    steps: list[Step] = [functools.partial(_gather_part, geometry, block_ids, views)]
-    if geometry.checksum_seed is not None:
-        steps.append(functools.partial(_seal_part, geometry, views))
-    await copy.run(len(views) * geometry.stored_bytes, *steps)
+    await copy.run(views, geometry.stored_bytes,
+                   functools.partial(_gather_and_seal, geometry, block_ids))
 
 
 async def verify_and_scatter(
@@ -175,11 +182,8 @@ async def verify_and_scatter(
     their engine blocks: the engine never receives a corrupted byte. Whether each is intact.
     """
     intact = [True] * len(views)
-    steps: list[Step] = []
-    if geometry.checksum_seed is not None:
-        steps.append(functools.partial(_verify_part, geometry, views, intact))
-    steps.append(functools.partial(_scatter_part, geometry, block_ids, views, intact))
-    await copy.run(len(views) * geometry.stored_bytes, *steps)
+    await copy.run(views, geometry.stored_bytes,
+                   functools.partial(_verify_and_scatter, geometry, block_ids, intact))
     return intact
 
 

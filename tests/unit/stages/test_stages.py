@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -14,6 +15,7 @@ from anyio.abc import ObjectReceiveStream
 from pipeline.backends.cpu_copy import (
     CopyThreads,
     CpuCopyEngine,
+    Piece,
     gather_and_seal,
     verify_and_scatter,
 )
@@ -460,12 +462,15 @@ def test_shared_tensors_are_stored_once_per_value() -> None:
     assert groups[0].value_bytes == 2 * 4 * 2 * 4
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-async def test_split_copies_round_trip_and_verify_each_row(hybrid: Harness, threads: int) -> None:
-    """A batch's copy split across threads moves every byte, and the checksums checked
-    row by row in parts fail exactly the corrupted value, which never reaches the engine."""
+@pytest.mark.parametrize(("threads", "inline_bytes"), [(1, 0), (2, 0), (3, 0), (2, 1 << 20)])
+async def test_split_copies_round_trip_and_verify_each_row(
+    hybrid: Harness, threads: int, inline_bytes: int
+) -> None:
+    """A batch's copy, split across threads or done inline, moves every byte, and the
+    checksums checked row by row in parts fail exactly the corrupted value, which never
+    reaches the engine."""
     geometry = hybrid.session.store_groups[0]  # two K/V-first layers: four segments
-    copy = CopyThreads(anyio.CapacityLimiter(threads), split_bytes=0)
+    copy = CopyThreads(anyio.CapacityLimiter(threads), split_bytes=0, inline_bytes=inline_bytes)
     values = torch.zeros(5, geometry.stored_bytes, dtype=torch.uint8)
     before = hybrid.snapshot()
     with anyio.fail_after(TIMEOUT_S):
@@ -480,6 +485,39 @@ async def test_split_copies_round_trip_and_verify_each_row(hybrid: Harness, thre
             assert torch.equal(hybrid.block(layer, target), before[layer][:, source])
     for layer in ("attn.0", "attn.1"):
         assert torch.equal(hybrid.block(layer, 14), before[layer][:, 14])
+
+
+@pytest.mark.parametrize(("threads", "split_bytes", "inline_bytes", "parts"), [
+    (3, 0, 0, 3),          # split: one part per thread, each in a worker thread
+    (3, 1 << 30, 0, 1),    # below split_bytes: one part, in a worker thread
+    (3, 0, 1 << 30, 1),    # up to inline_bytes: one part, on the event loop
+])
+async def test_copy_parts_cover_every_value_once_in_adjacent_runs(
+    threads: int, split_bytes: int, inline_bytes: int, parts: int
+) -> None:
+    """A batch is cut into ``parts`` ranges of adjacent values that cover each value
+    once, with runs broken where values are not adjacent in memory; worker threads copy
+    them unless the batch is small enough to copy inline."""
+    memory = torch.zeros(8 * 16, dtype=torch.uint8)
+    views = [memory[i * 16 : (i + 1) * 16] for i in (0, 1, 2, 4, 5, 6, 7)]  # a gap at 3
+    calls: list[tuple[int, list[tuple[int, int]]]] = []
+
+    def work(pieces: Sequence[Piece]) -> None:
+        calls.append((threading.get_ident(),
+                      [(start, int(rows.shape[0])) for start, rows in pieces]))
+
+    copy = CopyThreads(anyio.CapacityLimiter(threads), split_bytes=split_bytes,
+                       inline_bytes=inline_bytes)
+    with anyio.fail_after(TIMEOUT_S):
+        await copy.run(views, 16, work)
+    assert len(calls) == parts
+    covered = sorted(index for _, pieces in calls for start, count in pieces
+                     for index in range(start, start + count))
+    assert covered == list(range(len(views)))
+    inline = inline_bytes >= len(views) * 16
+    assert all((ident == threading.get_ident()) == inline for ident, _ in calls)
+    if parts == 1:
+        assert calls[0][1] == [(0, 3), (3, 4)]
 
 
 async def test_a_missing_key_fails_the_block_and_never_scatters(hybrid: Harness) -> None:
