@@ -30,6 +30,13 @@ _NEEDS_PREFIX = (GroupKind.FULL_ATTENTION, GroupKind.MLA_ATTENTION,
                  GroupKind.CHUNKED_LOCAL_ATTENTION)
 
 
+def _leading_present(presence: Sequence[Presence]) -> int:
+    """How many of these blocks, from the first, are present."""
+    if presence.count(Presence.PRESENT) == len(presence):  # the usual case, in one C loop
+        return len(presence)
+    return next(b for b, p in enumerate(presence) if p is not Presence.PRESENT)
+
+
 class LookupStage:
     def __init__(self, store: KVStore, value_sizes: Mapping[str, int]) -> None:
         """``value_sizes``: the stored bytes of a value under each key prefix, as the
@@ -59,7 +66,11 @@ class LookupStage:
         layout = session.layout
         hbs = layout.hash_block_size
         groups = session.store_groups
+        # When every group needs an unbroken prefix (dense models), the first misses bound
+        # the hit and nothing else matters: no per-block presence is kept.
+        prefix_only = all(geometry.group.kind in _NEEDS_PREFIX for geometry in groups)
         present: list[list[bool]] = [[] for _ in groups]  # of store group g, blocks 0..n-1
+        checked = [0] * len(groups)  # blocks of each store group looked at so far
         done = 0  # fine blocks hashed and checked
         # Chunks pay off only when hashing is the cost: hashes already known (the engine's,
         # or a repeated request's) are checked in one query.
@@ -89,21 +100,31 @@ class LookupStage:
             except StoreError:
                 return 0  # a store that cannot answer is a miss, never a wait
             start = 0
-            for geometry, blocks, count in zip(groups, present, counts, strict=True):
-                shards = len(geometry.keys.lookup)
-                found = [p is Presence.PRESENT for p in exists[start : start + count]]
-                for shard in range(1, shards):
-                    other = exists[start + shard * count : start + (shard + 1) * count]
-                    found = [a and b is Presence.PRESENT for a, b in zip(found, other, strict=True)]
-                start += count * shards
-                if geometry.group.kind in _NEEDS_PREFIX and not all(found):
-                    first_miss = len(blocks) + found.index(False)
-                    bound = min(bound, first_miss * geometry.group.block_size)
-                blocks.extend(found)
+            for g, (geometry, count) in enumerate(zip(groups, counts, strict=True)):
+                shards = [exists[start + shard * count : start + (shard + 1) * count]
+                          for shard in range(len(geometry.keys.lookup))]
+                start += count * len(shards)
+                run = count  # of these blocks, how many from the first are present
+                if prefix_only:
+                    run = min(_leading_present(shard) for shard in shards)
+                else:
+                    found = [p is Presence.PRESENT for p in shards[0]]
+                    for other in shards[1:]:  # every rank namespace must hold the block
+                        found = [a and p is Presence.PRESENT
+                                 for a, p in zip(found, other, strict=True)]
+                    present[g].extend(found)
+                    if geometry.group.kind in _NEEDS_PREFIX and not all(found):
+                        run = found.index(False)
+                if run < count:
+                    bound = min(bound, (checked[g] + run) * geometry.group.block_size)
+                checked[g] += count
             done = end
             chunk *= 8
             if hasher is not None:
                 await anyio.lowlevel.checkpoint()  # let others run between hashing chunks
+        if prefix_only:
+            align = layout.lookup_alignment
+            return bound // align * align
         return longest_hit(
             layout, bound, lambda g, b: b < len(present[g]) and present[g][b]
         )

@@ -30,6 +30,7 @@ async def open_store(
     """The configured store backend behind a circuit breaker (and fault points, if any),
     closed on exit. ``events`` hears of the embedded store's evictions."""
     store: KVStore
+    call_timeout_s: float | None = config.breaker.call_timeout_s
     if config.backend == "mooncake":
         from transport.mooncake_setup import open_mooncake_store
 
@@ -38,11 +39,12 @@ async def open_store(
         from transport.embedded_store import EmbeddedStore
 
         store = EmbeddedStore(config.embedded, on_evicted=events.removed)
+        call_timeout_s = None  # in-process: its calls wait on nothing outside the sidecar
     if faults is not None and faults.enabled:
         store = FaultyStore(store, faults)
     guarded = CircuitBreakerStore(
         store,
-        call_timeout_s=config.breaker.call_timeout_s,
+        call_timeout_s=call_timeout_s,
         failure_threshold=config.breaker.failure_threshold,
         reset_after_s=config.breaker.reset_after_s,
     )

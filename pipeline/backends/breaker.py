@@ -32,13 +32,17 @@ class BreakerState(enum.StrEnum):
 
 
 class CircuitBreakerStore(StoreWrapper):
-    """Wraps a ``KVStore``; the same contract, with timeouts and fast failure."""
+    """Wraps a ``KVStore``; the same contract, with timeouts and fast failure.
+
+    ``call_timeout_s`` None: no deadline of the breaker's own, for a store whose calls
+    never wait on anything outside this process (the embedded store), where the cancel
+    scope of a deadline would cost more than the call it guards."""
 
     def __init__(
         self,
         inner: KVStore,
         *,
-        call_timeout_s: float,
+        call_timeout_s: float | None,
         failure_threshold: int = 3,
         reset_after_s: float = 2.0,
     ) -> None:
@@ -59,8 +63,11 @@ class CircuitBreakerStore(StoreWrapper):
         probing = self.state is BreakerState.HALF_OPEN
         self._probing = probing
         try:
-            with anyio.fail_after(self._timeout_s):
+            if self._timeout_s is None:
                 result = await call()
+            else:
+                with anyio.fail_after(self._timeout_s):
+                    result = await call()
         except (StoreError, TimeoutError) as exc:
             self._record_failure(name, exc)
             if isinstance(exc, StoreError):

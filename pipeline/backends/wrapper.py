@@ -22,6 +22,8 @@ class StoreWrapper:
 
     def __init__(self, inner: KVStore) -> None:
         self.inner = inner
+        # Resolved once: a runtime protocol check costs more than the calls it guards.
+        self._lender = inner if isinstance(inner, DirectKVStore) else None
 
     async def _around(self, name: str, call: Callable[[], Awaitable[T]]) -> T:
         return await call()
@@ -59,7 +61,7 @@ class StoreWrapper:
         self._direct().release(extents)
 
     def _direct(self) -> DirectKVStore:
-        if not isinstance(self.inner, DirectKVStore):
+        if self._lender is None:
             raise TypeError(f"{type(self.inner).__name__} does not lend its memory")
-        return self.inner
+        return self._lender
 
