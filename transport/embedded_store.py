@@ -74,6 +74,12 @@ def _check_bytes(tensor: object) -> str | None:
     return None
 
 
+def _follows(entry: _Entry | None, previous: _Entry | None) -> bool:
+    """Whether ``entry`` starts where ``previous`` ends, at the same size."""
+    return (entry is not None and previous is not None and entry.size == previous.size
+            and entry.offset == previous.offset + previous.size)
+
+
 def _copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[str | None]:
     """Copy each (source, destination) pair; runs in a worker thread."""
     errors: list[str | None] = []
@@ -274,11 +280,28 @@ class EmbeddedStore(AsyncResource):
         extents.handle = []
 
     def _extents(self, lent: list[tuple[_Entry | None, KeyOutcome]]) -> Extents:
+        entries = [entry for entry, _ in lent]
         return Extents(
-            views=[None if entry is None else self._slot(entry) for entry, _ in lent],
+            views=self._views(entries),
             outcomes=[outcome for _, outcome in lent],
-            handle=[entry for entry, _ in lent],
+            handle=entries,
         )
+
+    def _views(self, entries: list[_Entry | None]) -> list[torch.Tensor | None]:
+        """Each entry's bytes; entries back to back in the arena (a batch reserved as one
+        run) are cut from one matrix view in one call, not sliced one by one."""
+        views: list[torch.Tensor | None] = [None] * len(entries)
+        start = 0
+        for end in range(1, len(entries) + 1):
+            first = entries[start]
+            growing = end < len(entries) and _follows(entries[end], entries[end - 1])
+            if first is not None and growing:
+                continue
+            if first is not None:
+                run = self._arena[first.offset : first.offset + (end - start) * first.size]
+                views[start:end] = run.view(end - start, first.size).unbind(0)
+            start = end
+        return views
 
     async def remove(self, keys: Sequence[str]) -> int:
         self._check_open()

@@ -7,7 +7,6 @@ closes them when the inbox ends, so ``EndOfStream`` cascades stage by stage on d
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, Protocol, TypeVar
 
@@ -137,26 +136,28 @@ async def run_batcher(
     new_batch: Callable[[], list[Item]] = list,
 ) -> None:
     """Regroup items into batches of one group each, flushed when full or when the oldest
-    item has waited ``deadline_s``. ``limit_of`` gives the item count that fills a batch.
+    item has waited ``deadline_s``. ``limit_of`` gives the item count that fills a batch
+    (asked of its first item: items of one group share it).
     Items already queued are always taken in before flushing, so with ``deadline_s`` 0
     batches are as large as the backlog allows and an idle pipeline adds no delay.
 
     Input items arrive in lists (one list per upstream job); output is one list per batch.
     """
-    pending: dict[Hashable, list[Item]] = {}
+    pending: dict[Hashable, tuple[list[Item], int]] = {}  # group -> (batch, its limit)
     started: dict[Hashable, float] = {}
     async with inbox, outbox:
         while True:
-            timeout = math.inf
-            if started:
-                timeout = max(0.0, min(started.values()) + deadline_s - anyio.current_time())
             received: list[list[Item]] = []
             ended = False
-            with anyio.move_on_after(timeout):
-                try:
+            try:
+                if started:
+                    timeout = min(started.values()) + deadline_s - anyio.current_time()
+                    with anyio.move_on_after(max(0.0, timeout)):
+                        received.append(await inbox.receive())
+                else:  # nothing waits on a deadline: no cancel scope to pay for
                     received.append(await inbox.receive())
-                except anyio.EndOfStream:
-                    ended = True
+            except anyio.EndOfStream:
+                ended = True
             # Whatever is queued already joins this round: batches fill without waiting.
             while received and not ended and len(received) < MAX_DRAIN:
                 try:
@@ -167,17 +168,18 @@ async def run_batcher(
                     ended = True
             for item in (item for items in received for item in items):
                 key = group_of(item)
-                batch = pending.get(key)
-                if batch is None:
-                    batch = pending[key] = new_batch()
+                entry = pending.get(key)
+                if entry is None:
+                    entry = pending[key] = (new_batch(), limit_of(item))
                     started[key] = anyio.current_time()
+                batch, limit = entry
                 batch.append(item)
-                if len(batch) >= limit_of(item):
+                if len(batch) >= limit:
                     del pending[key], started[key]
                     await outbox.send(batch)
             now = anyio.current_time()
             for key in [k for k, t in started.items() if ended or now - t >= deadline_s]:
-                batch = pending.pop(key)
+                batch, _ = pending.pop(key)
                 del started[key]
                 await outbox.send(batch)
             if ended:
