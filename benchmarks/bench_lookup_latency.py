@@ -12,9 +12,10 @@ must do on each lookup) is shown alongside, for attribution.
     python benchmarks/bench_lookup_latency.py [--tokens 1024 4096 8192] [--calls 100]
         [--repeat 5] [--config configs/default.yaml] [--profile {cprofile,py-spy}]
 
-Ratio is sidecar p50 over bare p50 (goal: <= 3). Each figure is the median over
-``--repeat`` repetitions of that repetition's p50 / p99 over ``--calls`` calls. Results
-are also written to benchmarks/results/bench_lookup_latency.json.
+Goals: with engine hashes, sidecar p50 <= 2x the bare p50; tokens only, sidecar p50 <=
+1.3x (bare p50 + the bare hash p50). Each figure is the median over ``--repeat``
+repetitions of that repetition's p50 / p99 over ``--calls`` calls. Results are also
+written to benchmarks/results/bench_lookup_latency.json.
 """
 
 from __future__ import annotations
@@ -57,7 +58,10 @@ from pipeline.core.messages import Lookup, LookupReply, RequestKeys, encode, pac
 from transport.client import EngineClient
 from transport.tensors import shared_kv_caches
 
-GOAL = 3.0
+GOAL_ENGINE_HASHES = 2.0
+"""Sidecar p50 over the bare round trip, when the engine sends its block hashes."""
+GOAL_TOKENS_ONLY = 1.3
+"""Sidecar p50 over (bare round trip + a bare hash of the same tokens), tokens only."""
 BLOCK_SIZE = 16
 LAYERS = 4
 PAGE_BYTES = 16 * 1024
@@ -188,7 +192,7 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
     for (kind, tokens), samples in results.items():
         us = {name: median(values) * 1e6 for name, values in samples.items()}
         rows.append({"case": kind, "tokens": tokens, "us": us,
-                     "ratio_p50": us["sidecar_p50"] / us["bare_p50"],
+                     "ratio_p50": us["sidecar_p50"] / (us["bare_p50"] + us["hash_p50"]),
                      "ratio_engine_hashes_p50": us["engine_hashes_p50"] / us["bare_hashes_p50"],
                      "ratio_request_id_p50": us["request_id_p50"] / us["bare_p50"],
                      "frame_bytes": len(encode(Lookup(1, pack_tokens(range(tokens))))),
@@ -217,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = anyio.run(measure, args, sidecar, echo)
 
     print(f"{'case':>5} {'tokens':>6} {'frame B':>8} {'bare p50':>9} {'bare p99':>9} "
-          f"{'sidecar p50':>12} {'sidecar p99':>12} {'ratio':>6} {'hash p50':>9} "
+          f"{'sidecar p50':>12} {'sidecar p99':>12} {'hash p50':>9} {'ratio':>6} "
           f"{'w/ engine hashes: bare p50':>27} {'sidecar p50':>12} {'ratio':>6} "
           f"{'repeat w/ request_id p50':>25} {'ratio':>6}   (µs)")
     worst = worst_hashes = worst_request = 0.0
@@ -228,23 +232,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         worst_request = max(worst_request, row["ratio_request_id_p50"])
         print(f"{row['case']:>5} {row['tokens']:>6} {row['frame_bytes']:>8} "
               f"{us['bare_p50']:>9.0f} {us['bare_p99']:>9.0f} {us['sidecar_p50']:>12.0f} "
-              f"{us['sidecar_p99']:>12.0f} {row['ratio_p50']:>6.1f} {us['hash_p50']:>9.0f} "
+              f"{us['sidecar_p99']:>12.0f} {us['hash_p50']:>9.0f} {row['ratio_p50']:>6.2f} "
               f"{us['bare_hashes_p50']:>27.0f} {us['engine_hashes_p50']:>12.0f} "
-              f"{row['ratio_engine_hashes_p50']:>6.1f} {us['request_id_p50']:>25.0f} "
-              f"{row['ratio_request_id_p50']:>6.1f}")
-    for name, ratio in (("tokens only", worst), ("engine hashes", worst_hashes),
-                        ("repeat with request_id", worst_request)):
-        verdict = "meets" if ratio <= GOAL else "misses"
-        print(f"{name}: worst p50 ratio {ratio:.1f} {verdict} the goal of {GOAL}")
+              f"{row['ratio_engine_hashes_p50']:>6.2f} {us['request_id_p50']:>25.0f} "
+              f"{row['ratio_request_id_p50']:>6.2f}")
+    print("ratios: tokens only over (bare + hash); engine hashes and request_id over bare")
+    met = True
+    for name, ratio, goal in (("tokens only", worst, GOAL_TOKENS_ONLY),
+                              ("engine hashes", worst_hashes, GOAL_ENGINE_HASHES)):
+        met = met and ratio <= goal
+        verdict = "meets" if ratio <= goal else "misses"
+        print(f"{name}: worst p50 ratio {ratio:.2f} {verdict} the goal of {goal}")
+    print(f"repeat with request_id: worst p50 ratio {worst_request:.2f} (no goal of its own)")
     path = write_results("bench_lookup_latency", {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "goal": GOAL, "worst_ratio": worst, "worst_ratio_engine_hashes": worst_hashes,
+        "goal_tokens_only": GOAL_TOKENS_ONLY, "goal_engine_hashes": GOAL_ENGINE_HASHES,
+        "worst_ratio": worst, "worst_ratio_engine_hashes": worst_hashes,
         "worst_ratio_request_id": worst_request,
         "rows": rows,
         "profile": str(profile_out.name) if profile_out else None,
     })
     print(f"results: {path.relative_to(ROOT)}")
-    return 0 if worst <= GOAL else 1
+    return 0 if met else 1
 
 
 if __name__ == "__main__":
