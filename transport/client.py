@@ -52,6 +52,7 @@ from pipeline.core.messages import (
     pack_tokens,
 )
 from pipeline.core.outcomes import BlockStatus
+from transport.sockets import FastSocket
 from transport.tensors import tensor_handle
 
 __all__ = ["BlockingEngineClient", "EngineClient", "LoadResult", "SaveResult"]
@@ -106,6 +107,7 @@ class EngineClient(AsyncResource):
     def __init__(self, socket: zmq.asyncio.Socket, context: zmq.asyncio.Context,
                  timeout_s: float, *, curve: bool = False) -> None:
         self._socket = socket
+        self._frames = FastSocket(socket)
         self._curve = curve
         self._context = context
         self._timeout_s = timeout_s
@@ -325,12 +327,13 @@ class EngineClient(AsyncResource):
         try:
             with anyio.fail_after(timeout_s):
                 # Inside the deadline: with no sidecar, a full queue would block the send.
-                await self._socket.send(encode(message))
+                await self._frames.send_multipart([encode(message)])
                 while seq not in self._replies:
                     async with self._recv_lock:
                         if seq in self._replies:
                             break
-                        reply = decode_sidecar_message(await self._socket.recv())
+                        frames = await self._frames.recv_multipart()
+                        reply = decode_sidecar_message(b"".join(frames))
                         reply_seq = getattr(reply, "seq", 0)
                         if reply_seq in self._waiting:  # else: a call that gave up on it
                             self._replies[reply_seq] = reply

@@ -26,6 +26,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from pipeline.core.config import ServerConfig
 from pipeline.core.errors import ConfigError, TransportError
+from transport.sockets import FastSocket
 
 __all__ = ["SidecarSocket", "load_key_pair", "open_server_socket", "read_key_file"]
 
@@ -164,17 +165,18 @@ class SidecarSocket:
             self._close_zmq()
             raise TransportError(f"cannot bind {config.endpoint}: {exc}") from exc
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._frames = FastSocket(self._socket)
 
     async def receive(self) -> tuple[bytes, bytes]:
         # A ROUTER prepends the identity; an engine sends one frame (any extra parts are
         # joined, and the decoder judges the result).
-        identity, *frames = await self._socket.recv_multipart(copy=True)
+        identity, *frames = await self._frames.recv_multipart()
         return identity, frames[0] if len(frames) == 1 else b"".join(frames)
 
     async def send(self, identity: bytes, frame: bytes) -> bool:
         """Send one frame to an engine; False if the engine is gone."""
         try:
-            await self._socket.send_multipart([identity, frame])
+            await self._frames.send_multipart([identity, frame])
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 log.info("server.send.unreachable", identity=identity.hex())
