@@ -7,7 +7,9 @@ is most of what the receive loop does. A frame that can be sent now, or one that
 already arrived, needs none of it: these try the non-blocking call on a synchronous
 shadow of the same socket first, and await the asyncio socket only when it would block
 (a full queue, nothing received yet). A send never overtakes one still waiting, so
-frames leave in the order they were sent. One task receives at a time.
+frames leave in the order they were sent. One task receives at a time. A receive still
+yields to the event loop as the asyncio one does: a receive loop under a flood of
+frames must not starve the tasks that answer them.
 
 ZMQ signals readiness edge-triggered, and any call on the socket may consume the edge
 that a waiting asyncio send or receive needed. So after each call made here the asyncio
@@ -17,6 +19,7 @@ wakes its waiters; it costs one getsockopt when nothing waits.
 
 from __future__ import annotations
 
+import anyio.lowlevel
 import zmq
 import zmq.asyncio
 
@@ -52,4 +55,5 @@ class FastSocket:
         except zmq.Again:
             return await self.socket.recv_multipart()
         self.socket.get(zmq.EVENTS)
+        await anyio.lowlevel.checkpoint()
         return frames

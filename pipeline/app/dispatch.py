@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 
 import anyio
-import anyio.lowlevel
 import msgspec
 import structlog
 from anyio.streams.memory import MemoryObjectSendStream
@@ -110,10 +109,6 @@ class Receiver:
 
     async def run(self) -> None:
         while True:
-            # A frame already queued is read without a trip through the event loop, so
-            # yield here: under a flood of saves, the stages carrying loads still run
-            # between any two frames.
-            await anyio.lowlevel.checkpoint()
             identity, frame = await self._socket.receive()
             self.last_receive = anyio.current_time()
             try:
