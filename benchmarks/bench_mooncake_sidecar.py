@@ -45,7 +45,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 import torch
-from bench_sidecar_throughput import Engine, Workload, make_layout, run_requests
+from bench_sidecar_throughput import Engine, Workload, make_layout, run_requests, sidecar_config
 from harness import RESULTS_DIR, ROOT, median, spawned_sidecar, write_results
 
 from pipeline.core.config import Config, MooncakeStoreConfig, load_config
@@ -265,23 +265,15 @@ async def measure_variant(
     return rows
 
 
-def sidecar_config(
-    base: Config,
-    master: EmbeddedMaster,
-    checksum: bool,
-    directory: Path,
-) -> Path:
-    """``base`` pointed at the benchmark's master, with ``store.checksum`` set."""
+def on_master(base: Config, master: EmbeddedMaster) -> Config:
+    """``base`` pointed at the benchmark's master."""
     mooncake = msgspec.structs.replace(
         base.store.mooncake,
         master=master.endpoints.master_address,
         metadata_server=master.endpoints.metadata_server,
     )
-    store = msgspec.structs.replace(base.store, mooncake=mooncake, checksum=checksum)
-    config = msgspec.structs.replace(base, store=store)
-    path = directory / f"sidecar-checksum-{'on' if checksum else 'off'}.yaml"
-    path.write_bytes(msgspec.yaml.encode(config))
-    return path
+    return msgspec.structs.replace(base, store=msgspec.structs.replace(base.store,
+                                                                       mooncake=mooncake))
 
 
 async def run(args: argparse.Namespace, base: Config) -> dict[str, list[dict[str, Any]]]:
@@ -298,7 +290,7 @@ async def run(args: argparse.Namespace, base: Config) -> dict[str, list[dict[str
                 for variant in args.checksum:
                     checksum = variant == "on"
                     stored_bytes = engine.value_bytes + (CHECKSUM_BYTES if checksum else 0)
-                    config = sidecar_config(base, master, checksum, Path(tmp))
+                    config = sidecar_config(on_master(base, master), checksum, Path(tmp))
                     suffix = {"cprofile": "prof", "py-spy": "txt"}.get(args.profile, "")
                     profile_out = (
                         (RESULTS_DIR / f"bench_mooncake_sidecar.checksum-{variant}.{suffix}")
