@@ -1,23 +1,22 @@
 """CPU KV tensors shared between processes: the engine allocates, the sidecar maps.
 
-Lifetime. The engine owns every segment it allocates with ``shared_kv_tensor``: the
-segment is a file in ``/dev/shm`` mapped into the engine, kept mapped by the tensor's
-storage (and so by every view of it), and unlinked when the last of them is freed or
-when the engine's interpreter exits. The sidecar only maps: ``MappedTensors`` attaches
-segments by name and unmaps them on ``close()``. A mapping outlives the unlinking of
-its name, so the engine may free its tensors while the sidecar still holds a mapping;
-the memory goes back to the system when the last mapping is gone. A process killed
-with SIGKILL cannot unlink, so its names stay in ``/dev/shm`` until removed by hand.
+Nothing has a name. ``shared_kv_tensor`` allocates an anonymous memory file
+(``memfd_create``) and keeps its descriptor open as long as the tensor's storage (and
+so every view of it) lives; memory the engine allocated itself (vLLM's KV cache) is
+moved into an unlinked shared-memory file by torch, in place. Either way a handle names
+the engine's descriptor, ``(pid, fd)``, and the sidecar reopens it through
+``/proc/PID/fd/FD`` (same host, same user). There is nothing in ``/dev/shm`` to leave
+behind: when the engine dies, even by SIGKILL, its memory lives only as long as the
+sidecar's mappings of it, and the sidecar watches the engine's pid (``pidfd``) to drop
+those as soon as it is gone (``MappedTensors.owner_exited``). A restarted sidecar
+reopens the same descriptors when the engine registers again.
 
-Shared in place. Memory an engine allocated itself (vLLM's KV cache) is moved into an
-unlinked shared-memory file by torch, in place, and described by the engine's file
-descriptor of it; the sidecar reopens that through ``/proc/PID/fd/FD`` (same host, same
-user). Nothing has a name, so nothing is left behind when either side dies.
+Segments named in ``/dev/shm`` (``shm_name``), for engines that create their own, are
+still mapped; their names are theirs to unlink.
 
 ``multiprocessing.shared_memory`` is not used: on Python 3.11 every process that
 attaches a ``SharedMemory`` registers it with its resource tracker, which then unlinks
-(or warns about "leaked") segments that process never owned. Plain ``os``/``mmap`` on
-``/dev/shm`` leaves ownership where it belongs. Linux only.
+(or warns about "leaked") segments that process never owned. Linux only.
 
 Zero copy. A tensor is ``torch.frombuffer`` over a ``memoryview`` of the mapping. The
 memoryview is an export of the mmap, so ``mmap.close()`` refuses (``BufferError``)
@@ -31,7 +30,7 @@ import contextlib
 import math
 import mmap
 import os
-import secrets
+import select
 import stat
 import threading
 import weakref
@@ -56,7 +55,8 @@ __all__ = [
 ]
 
 SHM_DIR = Path("/dev/shm")
-_NAME_PREFIX = "kvsidecar-"
+_MEMFD_NAME = "kvsidecar"
+"""What ``/proc/PID/maps`` shows for an engine's shared KV memory: ``/memfd:kvsidecar``."""
 _NAME_MAX = 255
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -74,7 +74,7 @@ _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 @dataclass(frozen=True, eq=False)
 class _OwnedSegment:
-    name: str
+    fd: int
     nbytes: int
 
 
@@ -89,45 +89,39 @@ def _release_owned(base: int, segment: _OwnedSegment) -> None:
         # The address may already belong to a newer segment mapped meanwhile.
         if _owned.get(base) is segment:
             del _owned[base]
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(SHM_DIR / segment.name)
+    os.close(segment.fd)
 
 
 def shared_kv_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled contiguous CPU tensor in a new named shared-memory segment.
+    """A zero-filled contiguous CPU tensor in a new anonymous shared-memory file.
 
-    The calling process owns the segment: its name is unlinked when the tensor and all
-    its views are freed, or at interpreter exit. Describe it with ``tensor_handle``.
+    The file has no name; its descriptor stays open while the tensor or any view of it
+    lives, and closes with the last of them or with the process. Describe it with
+    ``tensor_handle``.
     """
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype {dtype} is not supported for shared KV tensors")
     if any(dim <= 0 for dim in shape):
         raise ValueError(f"a shared KV tensor needs a positive shape, got {tuple(shape)}")
     nbytes = math.prod(shape) * dtype.itemsize
-    name = f"{_NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-    path = SHM_DIR / name
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+        fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
     except OSError as exc:
-        raise TransportError(f"cannot create shared memory segment {name!r}: {exc}") from exc
+        raise TransportError(f"cannot create a shared memory file: {exc}") from exc
     try:
-        # Reserve the pages now: a full /dev/shm would otherwise surface as SIGBUS on a
+        # Reserve the pages now: a full tmpfs would otherwise surface as SIGBUS on a
         # later write instead of an error here.
         os.posix_fallocate(fd, 0, nbytes)
         mapping = mmap.mmap(fd, nbytes)
     except OSError as exc:
-        os.unlink(path)
-        raise TransportError(
-            f"cannot allocate {nbytes} bytes of shared memory in {SHM_DIR}: {exc}"
-        ) from exc
-    finally:
         os.close(fd)
+        raise TransportError(f"cannot allocate {nbytes} bytes of shared memory: {exc}") from exc
     flat = torch.frombuffer(memoryview(mapping), dtype=torch.uint8)
-    segment = _OwnedSegment(name, nbytes)
+    segment = _OwnedSegment(fd, nbytes)
     base = flat.data_ptr()
     with _owned_lock:
         _owned[base] = segment
-    # Only the tensor's storage keeps the mapping alive; when it goes, so does the name.
+    # Only the tensor's storage keeps the mapping alive; when it goes, so does the file.
     weakref.finalize(mapping, _release_owned, base, segment)
     return flat.view(dtype).view(tuple(shape))
 
@@ -147,13 +141,14 @@ def shared_kv_caches(
 def tensor_handle(
     layer: str, tensor: torch.Tensor, *, block_dim: int = 0, share_in_place: bool = False
 ) -> TensorHandle:
-    """Describe ``tensor`` (or a view of one) for another process.
+    """Describe ``tensor`` (or a view of one) for another process, by this process's
+    descriptor of its memory.
 
-    A tensor from ``shared_kv_tensor`` is described by its segment's name. Any other CPU
-    tensor is refused unless ``share_in_place``: its storage is then moved into shared
-    memory in place (torch's file-descriptor sharing; every view of the storage follows,
-    the bytes are kept) and described by this process's descriptor of it. That memory
-    has no name left in ``/dev/shm``, so nothing outlives the engine, even a SIGKILLed one.
+    A tensor from ``shared_kv_tensor`` is described as it is. Any other CPU tensor is
+    refused unless ``share_in_place``: its storage is then moved into shared memory in
+    place (torch's file-descriptor sharing; every view of the storage follows, the bytes
+    are kept). Neither has a name in ``/dev/shm``, so nothing outlives the engine, even
+    a SIGKILLed one.
     """
     if tensor.device.type != "cpu":
         raise TransportError(f"layer {layer!r}: tensor is on {tensor.device}, not on the CPU")
@@ -163,12 +158,10 @@ def tensor_handle(
     storage = tensor.untyped_storage()
     with _owned_lock:
         segment = _owned.get(storage.data_ptr())
-    shm_name, owner_fd = "", None
     if segment is not None:
-        shm_name, segment_bytes = segment.name, segment.nbytes
+        fd, segment_bytes = segment.fd, segment.nbytes
     elif share_in_place:
         fd, segment_bytes = _share_fd(layer, storage)
-        owner_fd = (os.getpid(), fd)
     else:
         raise TransportError(
             f"layer {layer!r}: tensor is not in shared memory (allocate it with "
@@ -176,13 +169,13 @@ def tensor_handle(
         )
     handle = TensorHandle(
         layer=layer,
-        shm_name=shm_name,
+        shm_name="",
         offset=int(tensor.storage_offset()) * tensor.element_size(),
         shape=tuple(tensor.shape),
         strides=tuple(tensor.stride()),
         dtype=dtype_name,
         block_dim=block_dim,
-        owner_fd=owner_fd,
+        owner_fd=(os.getpid(), fd),
     )
     _check_fits(handle, _check_geometry(handle), segment_bytes)
     return handle
@@ -266,10 +259,13 @@ class MappedTensors:
 
     One registry per engine session: ``close()`` unmaps every segment. A tensor still
     alive at ``close()`` stays valid; its segment is unmapped when the tensor is freed.
+    Each process whose descriptors are mapped is watched through a pidfd, so the owner
+    of the session can tell at once when that engine is gone (``owner_exited``).
     """
 
     def __init__(self) -> None:
         self._mappings: dict[str, mmap.mmap] = {}
+        self._pidfds: dict[int, int] = {}
         self._closed = False
 
     def __enter__(self) -> MappedTensors:
@@ -295,12 +291,20 @@ class MappedTensors:
         segment = _segment(handle)
         mapping = self._mappings.get(segment)
         if mapping is None:
-            mapping = self._mappings[segment] = _attach(handle)
+            mapping = self._mappings[segment] = self._attach(handle)
         _check_fits(handle, geometry, len(mapping))
         itemsize = geometry.dtype.itemsize
         flat = torch.frombuffer(memoryview(mapping), dtype=torch.uint8)
         typed = flat[: len(mapping) - len(mapping) % itemsize].view(geometry.dtype)
         return typed.as_strided(handle.shape, handle.strides, handle.offset // itemsize)
+
+    def owner_exited(self) -> bool:
+        """Whether a process whose memory is mapped here has exited (its pidfd is
+        readable): nobody will write that memory again or ask for it back."""
+        if not self._pidfds:
+            return False
+        readable, _, _ = select.select(list(self._pidfds.values()), [], [], 0)
+        return bool(readable)
 
     def close(self) -> None:
         """Unmap every segment; idempotent."""
@@ -310,6 +314,28 @@ class MappedTensors:
             # Live tensors hold an export: the mapping then goes with the last of them.
             with contextlib.suppress(BufferError):
                 mapping.close()
+        pidfds, self._pidfds = self._pidfds, {}
+        for pidfd in pidfds.values():
+            os.close(pidfd)
+
+    def _attach(self, handle: TensorHandle) -> mmap.mmap:
+        if handle.owner_fd is None:
+            return _attach(handle)
+        pid = handle.owner_fd[0]
+        pidfd = self._pidfds.get(pid)
+        if pidfd is None:
+            try:
+                pidfd = self._pidfds[pid] = os.pidfd_open(pid)
+            except OSError as exc:
+                raise _fail(handle, f"engine process {pid} is not running: {exc}") from exc
+        mapping = _attach(handle)
+        # The pidfd was opened first: if its process is still running now, the
+        # descriptor just opened through /proc/PID was that process's, not one of a
+        # later process given the same pid.
+        if select.select([pidfd], [], [], 0)[0]:
+            mapping.close()
+            raise _fail(handle, f"engine process {pid} exited while being mapped")
+        return mapping
 
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere faults on use

@@ -43,7 +43,7 @@ class Metrics:
             "kvsidecar_sessions", "Registered engines", registry=self.registry
         )
         self.reaped = Counter(
-            "kvsidecar_sessions_reaped", "Engines reaped after going silent",
+            "kvsidecar_sessions_reaped", "Engines reaped after going silent or exiting",
             registry=self.registry,
         )
         self.open_jobs = Gauge(

@@ -40,11 +40,11 @@ __all__ = ["Sidecar", "run_sidecar"]
 log = structlog.get_logger("kvsidecar.service")
 
 STRAGGLER_WINDOW_S = 0.1
+OWNER_CHECK_S = 1.0
+"""How often the engines whose memory is mapped are checked for having exited."""
 
 
-def map_shared_tensors(
-    handles: Sequence[TensorHandle],
-) -> tuple[LayerTensors, Callable[[], None]]:
+def map_shared_tensors(handles: Sequence[TensorHandle]) -> tuple[LayerTensors, MappedTensors]:
     mapper = MappedTensors()
     try:
         tensors = {
@@ -53,7 +53,7 @@ def map_shared_tensors(
     except BaseException:
         mapper.close()
         raise
-    return tensors, mapper.close
+    return tensors, mapper
 
 
 class Sidecar:
@@ -114,20 +114,24 @@ class Sidecar:
         return functools.partial(self.faults.check, point) if self.faults.enabled else None
 
     async def _reap_loop(self) -> None:
+        """Drop the sessions of engines gone silent, and at once those of engines whose
+        process has exited, so that none of a dead engine's memory stays mapped."""
         timeout = self.config.server.heartbeat_timeout_s
         while True:
-            await anyio.sleep(timeout / 4)
+            await anyio.sleep(min(timeout / 4, OWNER_CHECK_S))
             now = time.monotonic()
             for identity, session in list(self.registry.sessions.items()):
-                if now - session.last_seen > timeout:
-                    log.warning(
-                        "session.reaped",
-                        engine_id=session.engine_id,
-                        silent_s=round(now - session.last_seen, 1),
-                    )
-                    self.metrics.reaped.inc()
-                    self.registry.remove(identity)
-                    self.metrics.sessions.set(len(self.registry.sessions))
+                silent_s = now - session.last_seen
+                if session.owner_exited():
+                    log.warning("session.owner_exited", engine_id=session.engine_id)
+                elif silent_s > timeout:
+                    log.warning("session.reaped", engine_id=session.engine_id,
+                                silent_s=round(silent_s, 1))
+                else:
+                    continue
+                self.metrics.reaped.inc()
+                self.registry.remove(identity)
+                self.metrics.sessions.set(len(self.registry.sessions))
 
     # -- lifecycle --------------------------------------------------------------------
 

@@ -24,13 +24,15 @@ from pipeline.core.messages import (
     Registered,
     TensorHandle,
 )
-from pipeline.state.sessions import EngineSession
+from pipeline.state.sessions import EngineSession, TensorMapping
 
 __all__ = ["LayerTensors", "MapTensors", "SessionRegistry"]
 
 LayerTensors = dict[str, tuple[torch.Tensor, int]]
-MapTensors = Callable[[Sequence[TensorHandle]], tuple[LayerTensors, Callable[[], None]]]
-"""Maps handles to ``{layer: (tensor, block_dim)}`` and returns a release callback."""
+
+
+MapTensors = Callable[[Sequence[TensorHandle]], tuple[LayerTensors, TensorMapping]]
+"""Maps handles to ``{layer: (tensor, block_dim)}``, with the mapping that holds them."""
 
 
 class SessionRegistry:
@@ -77,9 +79,9 @@ class SessionRegistry:
         if message.hash_algo == SIDECAR_HASH_ALGO:
             self._self_test(layout, message)
         if message.lookup_only:
-            store_groups, release = self._lookup_groups(layout, message)
+            store_groups, mapping = self._lookup_groups(layout, message)
         else:
-            store_groups, release = self._mapped_groups(layout, message)
+            store_groups, mapping = self._mapped_groups(layout, message)
 
         old = self.sessions.pop(identity, None)
         if old is not None:
@@ -92,7 +94,7 @@ class SessionRegistry:
             hash_seed=message.hash_seed,
             engine_hashes_only=message.hash_algo != SIDECAR_HASH_ALGO,
             lookup_only=message.lookup_only,
-            release=release,
+            mapping=mapping,
         )
         self.sessions[identity] = session
         capacity = 0 if message.lookup_only else min(
@@ -110,22 +112,22 @@ class SessionRegistry:
 
     def _lookup_groups(
         self, layout: KVCacheLayout, message: Register
-    ) -> tuple[tuple[StoreGroupGeometry, ...], Callable[[], None]]:
+    ) -> tuple[tuple[StoreGroupGeometry, ...], None]:
         """Store groups of a session that only looks up: keys and hit rule, no memory."""
         if message.tensors:
             raise RequestRejected(
                 ErrorCode.BAD_TENSORS, "a lookup-only registration must not share tensors"
             )
-        return build_lookup_groups(layout, self._value_format), lambda: None
+        return build_lookup_groups(layout, self._value_format), None
 
     def _mapped_groups(
         self, layout: KVCacheLayout, message: Register
-    ) -> tuple[tuple[StoreGroupGeometry, ...], Callable[[], None]]:
+    ) -> tuple[tuple[StoreGroupGeometry, ...], TensorMapping]:
         payload = {layer for layers in layout.payload_layers for layer in layers}
         # Tensors of groups that are not stored (the ring) are never mapped or read.
         wanted = [handle for handle in message.tensors if handle.layer in payload]
         try:
-            tensors, release = self._map_tensors(wanted)
+            tensors, mapping = self._map_tensors(wanted)
         except TransportError as exc:
             raise RequestRejected(ErrorCode.BAD_TENSORS, str(exc)) from exc
         try:
@@ -140,10 +142,10 @@ class SessionRegistry:
                         "staging.slot_bytes"
                     )
         except LayoutError as exc:
-            release()
+            mapping.close()
             raise RequestRejected(ErrorCode.BAD_TENSORS, str(exc)) from exc
         self.value_sizes.update((g.key_prefix, g.stored_bytes) for g in store_groups)
-        return store_groups, release
+        return store_groups, mapping
 
     def _self_test(self, layout: KVCacheLayout, message: Register) -> None:
         test = message.self_test

@@ -5,7 +5,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from pipeline.core.errors import ProtocolError
 from pipeline.core.geometry import StoreGroupGeometry
@@ -13,9 +14,19 @@ from pipeline.core.hashing import RequestHasher, group_block_hashes
 from pipeline.core.layout import NULL_BLOCK_ID, KVCacheLayout
 from pipeline.core.messages import RequestKeys
 
-__all__ = ["EngineSession"]
+__all__ = ["EngineSession", "TensorMapping"]
 
 HASHER_CACHE_SIZE = 4096
+
+
+class TensorMapping(Protocol):
+    """An engine's memory as mapped for one session."""
+
+    def close(self) -> None:
+        """Unmap it (once no tensor built on it is alive); idempotent."""
+
+    def owner_exited(self) -> bool:
+        """Whether the engine process that owns the memory is gone."""
 
 
 class EngineSession:
@@ -31,7 +42,7 @@ class EngineSession:
         hash_seed: str | None,
         engine_hashes_only: bool = False,
         lookup_only: bool = False,
-        release: Callable[[], None] = lambda: None,
+        mapping: TensorMapping | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.identity = identity
@@ -46,7 +57,7 @@ class EngineSession:
         self.closed = False
         self.jobs_in_flight = 0
         self.saves_in_flight = 0
-        self._release = release
+        self._mapping = mapping
         self._hashers: collections.OrderedDict[
             tuple[str, RequestKeys], tuple[RequestHasher, Sequence[int]]
         ] = collections.OrderedDict()
@@ -60,6 +71,10 @@ class EngineSession:
                 self._hashers.clear()
             self._release_if_idle()
 
+    def owner_exited(self) -> bool:
+        """Whether the engine process whose memory this session maps is gone."""
+        return self._mapping is not None and self._mapping.owner_exited()
+
     def job_started(self, *, save: bool) -> None:
         self.jobs_in_flight += 1
         self.saves_in_flight += save
@@ -72,10 +87,11 @@ class EngineSession:
     def _release_if_idle(self) -> None:
         # A worker thread may still be copying engine memory: unmap only when idle.
         if self.closed and self.jobs_in_flight == 0:
-            release, self._release = self._release, lambda: None
+            mapping, self._mapping = self._mapping, None
             # Drop our views first: a mapping is only unmapped once no tensor uses it.
             self.store_groups = ()
-            release()
+            if mapping is not None:
+                mapping.close()
 
     def fine_hashes(
         self, token_ids: Sequence[int], keys: RequestKeys, request_id: str | None = None

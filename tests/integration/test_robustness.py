@@ -182,17 +182,27 @@ ENGINE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _mapped_shm(pid: int) -> set[str]:
+def _mapped_kv(pid: int) -> set[str]:
+    """The inodes of shared KV memory mapped into process ``pid``."""
     with open(f"/proc/{pid}/maps") as maps:
-        return {line.split()[-1] for line in maps if "/dev/shm/" in line}
+        return {line.split()[4] for line in maps if "/memfd:kvsidecar" in line}
 
 
-def test_an_engine_killed_mid_save_is_reaped_and_its_mappings_released() -> None:
-    """SIGKILL an engine in the middle of saving: the sidecar reaps it after the heartbeat
-    timeout, unmaps its tensors, and serves the next engine normally."""
-    overrides = {"server": {"heartbeat_timeout_s": 1.0}}
+@pytest.mark.parametrize(
+    ("stop", "heartbeat_timeout_s", "event"),
+    [(signal.SIGKILL, 60.0, b"session.owner_exited"), (signal.SIGSTOP, 1.0, b"session.reaped")],
+    ids=["killed", "silent"],
+)
+def test_an_engine_gone_mid_save_is_dropped_and_leaves_no_memory(
+    stop: signal.Signals, heartbeat_timeout_s: float, event: bytes
+) -> None:
+    """An engine SIGKILLed mid-save is dropped as soon as its process is seen dead,
+    long before the heartbeat timeout; one stopped (alive, silent) is reaped after it.
+    Either way the sidecar unmaps its memory, nothing is left in /dev/shm, and the next
+    engine is served normally."""
+    names = set(os.listdir("/dev/shm"))
+    overrides = {"server": {"heartbeat_timeout_s": heartbeat_timeout_s}}
     with run_sidecar_process(overrides) as sidecar:
-        before = _mapped_shm(sidecar.pid)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         engine = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, sidecar.endpoint],
                                   stdout=subprocess.PIPE, text=True, cwd=root)
@@ -200,17 +210,21 @@ def test_an_engine_killed_mid_save_is_reaped_and_its_mappings_released() -> None
             assert engine.stdout is not None
             assert engine.stdout.readline().strip() == "registered"
             time.sleep(0.5)  # mid-stream
-            assert _mapped_shm(sidecar.pid) - before, "the engine's tensors should be mapped"
+            assert _mapped_kv(sidecar.pid), "the engine's tensors should be mapped"
+            engine.send_signal(stop)
+            deadline = time.monotonic() + 15
+            while event not in sidecar.log_path.read_bytes():
+                assert time.monotonic() < deadline, sidecar.log()
+                time.sleep(0.1)
+            while _mapped_kv(sidecar.pid):
+                assert time.monotonic() < deadline, "mappings not released"
+                time.sleep(0.1)
         finally:
-            engine.send_signal(signal.SIGKILL)
+            engine.kill()
             engine.wait()
-        deadline = time.monotonic() + 15
-        while b"session.reaped" not in sidecar.log_path.read_bytes():
-            assert time.monotonic() < deadline, sidecar.log()
-            time.sleep(0.1)
-        while _mapped_shm(sidecar.pid) - before:
-            assert time.monotonic() < deadline, "mappings not released"
-            time.sleep(0.1)
+            if engine.stdout is not None:
+                engine.stdout.close()
+        assert set(os.listdir("/dev/shm")) <= names
 
         async def next_engine() -> None:
             other = KVEngine(hybrid_layout())

@@ -1,7 +1,9 @@
-"""KV tensors shared by name between real processes: the engine allocates, the sidecar maps."""
+"""KV tensors shared by descriptor between real processes: the engine allocates, the sidecar
+maps, and nothing is left in /dev/shm."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -33,9 +35,9 @@ tensor = None
 handle = None
 owned = None
 
-def mapped_lines(name):
+def mapped_lines(inode):
     with open("/proc/self/maps") as maps:
-        return sum(name in line for line in maps)
+        return sum(line.split()[4] == str(inode) for line in maps)
 
 for line in sys.stdin:
     command = json.loads(line)
@@ -50,11 +52,11 @@ for line in sys.stdin:
         tensor.select(handle.block_dim, command["block"]).fill_(command["value"])
         reply = {"ok": True}
     elif op == "close":
-        name = handle.shm_name
+        inode = command["inode"]
         tensor = None
         gc.collect()
         mapped.close()
-        reply = {"mapped_lines": mapped_lines(name)}
+        reply = {"mapped_lines": mapped_lines(inode)}
     elif op == "allocate":
         owned = shared_kv_tensor(command["shape"], getattr(torch, command["dtype"]))
         owned.copy_(torch.arange(owned.numel()).reshape(owned.shape))
@@ -112,17 +114,37 @@ def peer() -> Iterator[Peer]:
             stream.close()
 
 
+def inode(handle: TensorHandle) -> int:
+    """The inode of the memory a handle names (its owner's descriptor)."""
+    assert handle.owner_fd is not None and handle.shm_name == ""
+    pid, fd = handle.owner_fd
+    return os.stat(f"/proc/{pid}/fd/{fd}").st_ino
+
+
+def memfds() -> set[int]:
+    """The inodes of this process's open shared KV memory files."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvsidecar"):
+                found.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+    return found
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_segments() -> Iterator[None]:
-    """Every segment this process allocated is unlinked once its tensors are gone."""
+    """Every file a test allocated is closed once its tensors are gone, and none ever
+    had a name in /dev/shm."""
+    before, names = memfds(), set(os.listdir(SHM_DIR))
     yield
     gc.collect()
-    assert not list(SHM_DIR.glob(f"kvsidecar-{os.getpid()}-*"))
+    assert memfds() <= before
+    assert set(os.listdir(SHM_DIR)) <= names
 
 
-def mapped_lines(name: str) -> int:
+def mapped_lines(inode: int) -> int:
     with open("/proc/self/maps") as maps:
-        return sum(name in line for line in maps)
+        return sum(line.split()[4] == str(inode) for line in maps)
 
 
 def filled(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -154,7 +176,8 @@ def test_peer_and_owner_see_each_others_writes(
     expected.select(block_dim, 2).fill_(-3)
     assert peer.ask(op="fill", block=2, value=-3) == {"ok": True}
     assert torch.equal(tensor, expected)
-    assert peer.ask(op="close") == {"mapped_lines": 0}
+    handle = tensor_handle("model.layers.0", tensor, block_dim=block_dim)
+    assert peer.ask(op="close", inode=inode(handle)) == {"mapped_lines": 0}
     assert peer.finish() == 0
 
 
@@ -170,18 +193,48 @@ def test_view_handle_maps_to_the_same_elements_in_the_peer(peer: Peer) -> None:
     assert peer.finish() == 0
 
 
-def test_owner_exit_unlinks_but_mapping_keeps_data(peer: Peer) -> None:
-    """When the owning process exits its name is unlinked; an existing mapping still reads."""
+def test_owner_exit_is_seen_and_the_mapping_keeps_its_data(peer: Peer) -> None:
+    """When the owning process exits, the mapping still reads and says its owner is gone."""
     reply = peer.ask(op="allocate", shape=[3, 2, 4], dtype="int32", block_dim=0)
     handle = msgspec.json.decode(reply["handle"], type=TensorHandle)
-    assert (SHM_DIR / handle.shm_name).exists()
+    assert handle.owner_fd is not None and handle.owner_fd[0] == peer.process.pid
     with MappedTensors() as mapped:
         tensor = mapped.map_tensor(handle)
         assert torch.equal(tensor, torch.arange(24, dtype=torch.int32).reshape(3, 2, 4))
+        assert not mapped.owner_exited()
         assert peer.finish() == 0
-        assert not (SHM_DIR / handle.shm_name).exists()
+        assert mapped.owner_exited()
         assert torch.equal(tensor, torch.arange(24, dtype=torch.int32).reshape(3, 2, 4))
         del tensor
+
+
+def test_sigkilled_owner_leaves_nothing_once_unmapped(peer: Peer) -> None:
+    """A SIGKILLed owner leaves no name behind, and its memory is gone with the last
+    mapping: the mapper sees the exit and closing it frees the memory."""
+    names = set(os.listdir(SHM_DIR))
+    reply = peer.ask(op="allocate", shape=[64, 1024], dtype="int32", block_dim=0)
+    handle = msgspec.json.decode(reply["handle"], type=TensorHandle)
+    memory = inode(handle)
+    mapped = MappedTensors()
+    tensor = mapped.map_tensor(handle)
+    peer.process.kill()
+    peer.process.wait(REPLY_TIMEOUT_S)
+    assert set(os.listdir(SHM_DIR)) == names
+    assert mapped.owner_exited()
+    assert tensor.view(-1)[:4].tolist() == [0, 1, 2, 3]
+    del tensor
+    mapped.close()
+    assert mapped_lines(memory) == 0
+
+
+def test_a_handle_of_a_process_that_is_gone_is_refused(peer: Peer) -> None:
+    """A handle whose owner has exited cannot be mapped: its pid names nothing (or
+    someone else)."""
+    reply = peer.ask(op="allocate", shape=[2, 4], dtype="int32", block_dim=0)
+    handle = msgspec.json.decode(reply["handle"], type=TensorHandle)
+    assert peer.finish() == 0
+    with MappedTensors() as mapped, pytest.raises(TransportError, match="is not running"):
+        mapped.map_tensor(handle)
 
 
 # -- registry and lifetimes in one process -----------------------------------------------
@@ -190,19 +243,20 @@ def test_owner_exit_unlinks_but_mapping_keeps_data(peer: Peer) -> None:
 def test_segment_is_mapped_once_and_close_unmaps_it() -> None:
     """Many handles into one segment share one mapping, and close removes it."""
     tensor = filled((4, 8), torch.float32)
-    name = tensor_handle("x", tensor).shm_name
-    assert mapped_lines(name) == 1  # the owner's own mapping
+    handle = tensor_handle("x", tensor)
+    memory = inode(handle)
+    assert mapped_lines(memory) == 1  # the owner's own mapping
     mapped = MappedTensors()
     first = mapped.map_tensor(tensor_handle("layer.0", tensor[:2]))
     second = mapped.map_tensor(tensor_handle("layer.1", tensor[2:]))
-    assert mapped.segment_names == {name}
-    assert mapped_lines(name) == 2
+    assert mapped.segment_names == {f"/proc/{os.getpid()}/fd/{handle.owner_fd[1]}"}
+    assert mapped_lines(memory) == 2
     first.fill_(1)
     second.fill_(2)
     assert tensor[:2].eq(1).all() and tensor[2:].eq(2).all()
     del first, second
     mapped.close()
-    assert mapped_lines(name) == 1
+    assert mapped_lines(memory) == 1
     assert mapped.segment_names == frozenset()
 
 
@@ -214,27 +268,46 @@ def test_close_with_live_tensor_defers_unmapping_safely() -> None:
     alias = mapped.map_tensor(handle)
     mapped.close()
     assert torch.equal(alias, tensor)
-    assert mapped_lines(handle.shm_name) == 2
+    assert mapped_lines(inode(handle)) == 2
     del alias
     gc.collect()
-    assert mapped_lines(handle.shm_name) == 1
+    assert mapped_lines(inode(handle)) == 1
     with pytest.raises(TransportError, match="closed"):
         mapped.map_tensor(handle)
 
 
-def test_segment_lives_while_any_view_lives_then_is_unlinked() -> None:
-    """The owner's name survives while a view is alive and is unlinked after the last."""
+def test_segment_lives_while_any_view_lives_then_is_closed() -> None:
+    """The owner's file stays open while a view is alive and is closed after the last."""
     tensor = shared_kv_tensor((4, 16), torch.bfloat16)
-    name = tensor_handle("x", tensor).shm_name
+    handle = tensor_handle("x", tensor)
+    memory = inode(handle)
     view = tensor[1]
     del tensor
     gc.collect()
-    assert (SHM_DIR / name).exists()
-    assert tensor_handle("x", view).shm_name == name
+    assert memory in memfds()
+    assert tensor_handle("x", view).owner_fd == handle.owner_fd
     del view
     gc.collect()
-    assert not (SHM_DIR / name).exists()
-    assert mapped_lines(name) == 0
+    assert memory not in memfds()
+    assert mapped_lines(memory) == 0
+
+
+def test_a_segment_an_engine_named_itself_is_mapped_and_left_to_it() -> None:
+    """A handle may name a segment its engine created in /dev/shm: it maps like any
+    other, and unmapping leaves the name, which is its owner's to unlink."""
+    path = SHM_DIR / f"kvsidecar-test-{os.getpid()}"
+    path.write_bytes(torch.arange(16, dtype=torch.int32).numpy().tobytes())
+    try:
+        handle = TensorHandle(layer="x", shm_name=path.name, offset=0, shape=(4, 4),
+                              strides=(4, 1), dtype="int32")
+        with MappedTensors() as mapped:
+            tensor = mapped.map_tensor(handle)
+            assert torch.equal(tensor, torch.arange(16, dtype=torch.int32).reshape(4, 4))
+            assert not mapped.owner_exited()  # no owner process to watch
+            del tensor
+        assert path.exists()
+    finally:
+        path.unlink()
 
 
 def test_handle_of_plain_tensor_is_refused() -> None:
@@ -261,9 +334,11 @@ def test_handle_of_plain_tensor_is_refused() -> None:
         ({"offset": 2}, "not a multiple of 4 bytes"),
         ({"offset": 4}, "but segment"),
         ({"shape": (5, 8)}, "but segment"),
-        ({"shm_name": "kvsidecar-no-such-segment"}, "does not exist"),
-        ({"shm_name": "../etc/passwd"}, "is not a shared memory segment name"),
-        ({"shm_name": ""}, "is not a shared memory segment name"),
+        ({"owner_fd": (os.getpid(), 1 << 20)}, "does not exist"),
+        ({"shm_name": "kvsidecar-elsewhere"}, "by shm_name or owner_fd, not both"),
+        ({"shm_name": "kvsidecar-no-such-segment", "owner_fd": None}, "does not exist"),
+        ({"shm_name": "../etc/passwd", "owner_fd": None}, "is not a shared memory segment name"),
+        ({"shm_name": "", "owner_fd": None}, "is not a shared memory segment name"),
     ],
 )
 def test_bad_handle_is_refused_naming_layer_and_problem(
@@ -277,7 +352,7 @@ def test_bad_handle_is_refused_naming_layer_and_problem(
             mapped.map_tensor(handle)
         assert str(caught.value).startswith("layer 'model.layers.3': ")
         assert problem in str(caught.value)
-        assert mapped.segment_names <= {tensor_handle("x", tensor).shm_name}
+        assert len(mapped.segment_names) <= 1
 
 
 def test_block_pieces_are_one_or_two_contiguous_byte_views() -> None:

@@ -88,6 +88,21 @@ def register(
     )
 
 
+class FakeMapping:
+    """A mapping that records its release, of an owner that is alive until told."""
+
+    def __init__(self, mapper: FakeMapper, index: int) -> None:
+        self._mapper = mapper
+        self._index = index
+        self.exited = False
+
+    def close(self) -> None:
+        self._mapper.released.append(self._index)
+
+    def owner_exited(self) -> bool:
+        return self.exited
+
+
 class FakeMapper:
     """A map_tensors that records the handles it is given and each mapping's release."""
 
@@ -102,7 +117,7 @@ class FakeMapper:
         mapping = len(self.calls)
         self.calls.append([h.layer for h in handles])
         tensors = {h.layer: (torch.zeros(h.shape), h.block_dim) for h in handles}
-        return tensors, lambda: self.released.append(mapping)
+        return tensors, FakeMapping(self, mapping)
 
     @property
     def mapped_layers(self) -> set[str]:
