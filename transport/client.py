@@ -31,6 +31,7 @@ from pipeline.core.layout import KVCacheLayout
 from pipeline.core.messages import (
     SIDECAR_HASH_ALGO,
     BlockReport,
+    CudaIpcEvent,
     EngineMessage,
     ErrorCode,
     ErrorReply,
@@ -101,6 +102,21 @@ def _block_dim(tensor: torch.Tensor, shape: KVCacheShape | None) -> int:
     return 1 if tensor.dim() >= 3 and tensor.shape[0] == 2 and tensor.shape[1] != 2 else 0
 
 
+def _step_event(
+    kv_caches: Mapping[str, torch.Tensor], payload: set[str]
+) -> tuple[torch.cuda.Event | None, CudaIpcEvent | None]:
+    """The step event of an engine whose shared KV is on a GPU (one device)."""
+    devices = {tensor.device for layer, tensor in kv_caches.items()
+               if layer in payload and tensor.device.type == "cuda"}
+    if not devices:
+        return None, None
+    if len(devices) > 1:
+        raise ConfigError(f"an engine's KV tensors are on one GPU, not {sorted(map(str, devices))}")
+    from transport.cuda_ipc import step_event
+
+    return step_event(devices.pop().index or 0)
+
+
 class EngineClient(AsyncResource):
     """An engine's connection to a sidecar. Use ``await EngineClient.connect(...)``."""
 
@@ -118,6 +134,7 @@ class EngineClient(AsyncResource):
         self._waiting: set[int] = set()
         self._closed = False
         self._registration: Register | None = None
+        self._step: torch.cuda.Event | None = None
         self.registered: Registered | None = None
         self.save_credits = -1
         """Saves the sidecar would accept now, from its last reply (0: skip saving;
@@ -166,6 +183,7 @@ class EngineClient(AsyncResource):
             for layer, tensor in kv_caches.items()
             if layer in payload
         )
+        step, step_handle = _step_event(kv_caches, payload)
         tokens = tuple(range(1, 2 * layout.hash_block_size + 1))
         hasher = block_hasher or (lambda t, size: block_hashes(t, size, seed=hash_seed))
         self_test = HashSelfTest(tokens, tuple(hasher(tokens, layout.hash_block_size)))
@@ -188,8 +206,10 @@ class EngineClient(AsyncResource):
                 raise ConfigError(f"invalid CURVE key (Z85, 40 characters): {exc}") from exc
         socket.connect(endpoint)
         client = cls(socket, context, timeout_s, curve=curve_server_key is not None)
+        client._step = step
         registration = Register(engine_id, layout.to_dict(), handles, self_test, hash_seed,
-                                hash_algo=hash_algo, lookup_only=lookup_only)
+                                hash_algo=hash_algo, lookup_only=lookup_only,
+                                step_event=step_handle)
         try:
             reply = await client._call(0, registration)
         except BaseException:
@@ -242,9 +262,16 @@ class EngineClient(AsyncResource):
         *,
         block_hashes: Sequence[bytes] | None = None,
         timeout_s: float | None = None,
+        mark_step: bool = True,
         **request_keys: Any,
     ) -> SaveResult:
-        """Store the request's full blocks; the engine may reuse them once this returns."""
+        """Store the request's full blocks; the engine may reuse them once this returns.
+
+        KV in GPU memory: the save first marks the step (``mark_step``), so the sidecar
+        copies the blocks only once the work queued so far on this thread's current
+        stream is done; ``mark_step=False`` when it was marked already."""
+        if mark_step:
+            self.mark_step()
         seq = next(self._seq)
         message = Save(seq, request_id, pack_tokens(token_ids), _blocks(block_ids),
                        _request_keys(**request_keys), _hashes(block_hashes))
@@ -252,6 +279,13 @@ class EngineClient(AsyncResource):
         assert isinstance(reply, SaveDone)
         self.save_credits = reply.save_credits
         return SaveResult.from_reply(reply)
+
+    def mark_step(self) -> None:
+        """Record the step event on this thread's current CUDA stream: the sidecar's
+        next copies of this engine's GPU blocks wait for what was queued before it (the
+        forward that wrote them). Nothing to do for KV in CPU memory."""
+        if self._step is not None:
+            self._step.record()
 
     async def load(
         self,
@@ -399,8 +433,10 @@ class BlockingEngineClient:
 
     def save(self, request_id: str, token_ids: Sequence[int],
              block_ids: Sequence[Sequence[int]], **request_keys: Any) -> SaveResult:
+        self._client.mark_step()  # on the caller's stream, not the client thread's
         return self._portal.call(
-            lambda: self._client.save(request_id, token_ids, block_ids, **request_keys)
+            lambda: self._client.save(request_id, token_ids, block_ids, mark_step=False,
+                                      **request_keys)
         )
 
     def load(self, request_id: str, token_ids: Sequence[int],
@@ -419,8 +455,10 @@ class BlockingEngineClient:
     def start_save(self, request_id: str, token_ids: Sequence[int],
                    block_ids: Sequence[Sequence[int]], **kwargs: Any) -> Future[SaveResult]:
         """``save`` without waiting: the result arrives in the future."""
+        self._client.mark_step()
         return self._portal.start_task_soon(
-            functools.partial(self._client.save, request_id, token_ids, block_ids, **kwargs)
+            functools.partial(self._client.save, request_id, token_ids, block_ids,
+                              mark_step=False, **kwargs)
         )
 
     def start_load(self, request_id: str, token_ids: Sequence[int],

@@ -125,6 +125,11 @@ class EmbeddedStore(AsyncResource):
         self._on_evicted = on_evicted
         self._closed = False
 
+    @property
+    def memory(self) -> torch.Tensor:
+        """The arena every value lives in (for pinning it, say)."""
+        return self._arena
+
     # -- KVStore -----------------------------------------------------------------------
 
     async def register_buffer(self, buffer: torch.Tensor) -> None:

@@ -38,12 +38,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import torch
 
 from pipeline.core.errors import TransportError
 from pipeline.core.layout import KVCacheLayout
 from pipeline.core.messages import TensorHandle
+
+if TYPE_CHECKING:
+    from transport.cuda_ipc import IpcAllocations
 
 __all__ = [
     "SHM_DIR",
@@ -150,11 +154,14 @@ def tensor_handle(
     are kept). Neither has a name in ``/dev/shm``, so nothing outlives the engine, even
     a SIGKILLed one.
     """
-    if tensor.device.type != "cpu":
-        raise TransportError(f"layer {layer!r}: tensor is on {tensor.device}, not on the CPU")
     dtype_name = _DTYPE_NAMES.get(tensor.dtype)
     if dtype_name is None:
         raise TransportError(f"layer {layer!r}: dtype {tensor.dtype} is not supported")
+    if tensor.device.type == "cuda":
+        return _cuda_tensor_handle(layer, tensor, dtype_name, block_dim)
+    if tensor.device.type != "cpu":
+        raise TransportError(f"layer {layer!r}: tensor is on {tensor.device}, not on the "
+                             "CPU or a CUDA device")
     storage = tensor.untyped_storage()
     with _owned_lock:
         segment = _owned.get(storage.data_ptr())
@@ -178,6 +185,24 @@ def tensor_handle(
         owner_fd=(os.getpid(), fd),
     )
     _check_fits(handle, _check_geometry(handle), segment_bytes)
+    return handle
+
+
+def _cuda_tensor_handle(
+    layer: str, tensor: torch.Tensor, dtype_name: str, block_dim: int
+) -> TensorHandle:
+    from transport.cuda_ipc import cuda_ipc_of
+
+    try:
+        ipc, offset = cuda_ipc_of(tensor)
+    except TransportError as exc:
+        raise TransportError(f"layer {layer!r}: {exc}") from exc
+    handle = TensorHandle(
+        layer=layer, shm_name="", offset=offset, shape=tuple(tensor.shape),
+        strides=tuple(tensor.stride()), dtype=dtype_name, block_dim=block_dim,
+        device=f"cuda:{tensor.device.index or 0}", cuda_ipc=ipc,
+    )
+    _check_fits(handle, _check_geometry(handle), ipc.allocation_bytes)
     return handle
 
 
@@ -207,8 +232,15 @@ def _fail(handle: TensorHandle, problem: str) -> TransportError:
 
 def _check_geometry(handle: TensorHandle) -> _Geometry:
     """Validate everything about a handle that does not need its segment."""
-    if handle.device != "cpu":
-        raise _fail(handle, f"device {handle.device!r} is not supported, only 'cpu'")
+    if handle.device == "cpu":
+        if handle.cuda_ipc is not None:
+            raise _fail(handle, "a CPU tensor has no CUDA IPC handle")
+    elif handle.device.startswith("cuda:") and handle.device[5:].isdigit():
+        if handle.cuda_ipc is None or handle.shm_name or handle.owner_fd is not None:
+            raise _fail(handle, f"a tensor on {handle.device} is named by its CUDA IPC "
+                                "handle alone")
+    else:
+        raise _fail(handle, f"device {handle.device!r} is not supported: 'cpu' or 'cuda:N'")
     dtype = _DTYPES.get(handle.dtype)
     if dtype is None:
         raise _fail(handle, f"unknown dtype {handle.dtype!r}")
@@ -237,7 +269,10 @@ def _check_geometry(handle: TensorHandle) -> _Geometry:
 
 
 def _segment(handle: TensorHandle) -> str:
-    """The segment a handle names: its shm name, or the owner's descriptor as a path."""
+    """The segment a handle names: its shm name, the owner's descriptor as a path, or
+    its CUDA allocation."""
+    if handle.cuda_ipc is not None:
+        return f"{handle.device}/ipc/{handle.cuda_ipc.handle.hex()}"
     if handle.owner_fd is None:
         return handle.shm_name
     pid, fd = handle.owner_fd
@@ -263,8 +298,11 @@ class MappedTensors:
     of the session can tell at once when that engine is gone (``owner_exited``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, allocations: IpcAllocations | None = None) -> None:
+        """``allocations``: where CUDA allocations are opened (one per process)."""
         self._mappings: dict[str, mmap.mmap] = {}
+        self._allocations: dict[str, torch.Tensor] = {}
+        self._cuda = allocations
         self._pidfds: dict[int, int] = {}
         self._closed = False
 
@@ -281,7 +319,7 @@ class MappedTensors:
 
     @property
     def segment_names(self) -> frozenset[str]:
-        return frozenset(self._mappings)
+        return frozenset(self._mappings) | frozenset(self._allocations)
 
     def map_tensor(self, handle: TensorHandle) -> torch.Tensor:
         """The tensor a handle describes, sharing memory with its owner (no copy)."""
@@ -289,13 +327,19 @@ class MappedTensors:
             raise _fail(handle, "the tensor registry is closed")
         geometry = _check_geometry(handle)
         segment = _segment(handle)
-        mapping = self._mappings.get(segment)
-        if mapping is None:
-            mapping = self._mappings[segment] = self._attach(handle)
-        _check_fits(handle, geometry, len(mapping))
+        if handle.cuda_ipc is not None:
+            flat = self._allocations.get(segment)
+            if flat is None:
+                flat = self._allocations[segment] = self._open_allocation(handle)
+        else:
+            mapping = self._mappings.get(segment)
+            if mapping is None:
+                mapping = self._mappings[segment] = self._attach(handle)
+            flat = torch.frombuffer(memoryview(mapping), dtype=torch.uint8)
+        nbytes = flat.numel()
+        _check_fits(handle, geometry, nbytes)
         itemsize = geometry.dtype.itemsize
-        flat = torch.frombuffer(memoryview(mapping), dtype=torch.uint8)
-        typed = flat[: len(mapping) - len(mapping) % itemsize].view(geometry.dtype)
+        typed = flat[: nbytes - nbytes % itemsize].view(geometry.dtype)
         return typed.as_strided(handle.shape, handle.strides, handle.offset // itemsize)
 
     def owner_exited(self) -> bool:
@@ -307,13 +351,15 @@ class MappedTensors:
         return bool(readable)
 
     def close(self) -> None:
-        """Unmap every segment; idempotent."""
+        """Unmap every segment and let go of every allocation; idempotent."""
         self._closed = True
         mappings, self._mappings = self._mappings, {}
         for mapping in mappings.values():
             # Live tensors hold an export: the mapping then goes with the last of them.
             with contextlib.suppress(BufferError):
                 mapping.close()
+        # Likewise an allocation is closed once no tensor built on it is alive.
+        self._allocations = {}
         pidfds, self._pidfds = self._pidfds, {}
         for pidfd in pidfds.values():
             os.close(pidfd)
@@ -322,20 +368,43 @@ class MappedTensors:
         if handle.owner_fd is None:
             return _attach(handle)
         pid = handle.owner_fd[0]
+        pidfd = self._watch(handle, pid)
+        mapping = _attach(handle)
+        if not self._running(pidfd):
+            mapping.close()
+            raise _fail(handle, f"engine process {pid} exited while being mapped")
+        return mapping
+
+    def _open_allocation(self, handle: TensorHandle) -> torch.Tensor:
+        from transport.cuda_ipc import ALLOCATIONS, cuda_device_index
+
+        ipc = handle.cuda_ipc
+        assert ipc is not None
+        _check_fits(handle, _check_geometry(handle), ipc.allocation_bytes)
+        pidfd = self._watch(handle, ipc.pid)
+        try:
+            allocation = (self._cuda or ALLOCATIONS).open(cuda_device_index(handle.device), ipc)
+        except TransportError as exc:
+            raise _fail(handle, str(exc)) from exc
+        if not self._running(pidfd):
+            raise _fail(handle, f"engine process {ipc.pid} exited while being mapped")
+        return allocation.tensor()
+
+    def _watch(self, handle: TensorHandle, pid: int) -> int:
+        """A pidfd of ``pid``, opened before anything of it is: if its process is still
+        running after, what was opened through its pid was that process's, not one of a
+        later process given the same pid."""
         pidfd = self._pidfds.get(pid)
         if pidfd is None:
             try:
                 pidfd = self._pidfds[pid] = os.pidfd_open(pid)
             except OSError as exc:
                 raise _fail(handle, f"engine process {pid} is not running: {exc}") from exc
-        mapping = _attach(handle)
-        # The pidfd was opened first: if its process is still running now, the
-        # descriptor just opened through /proc/PID was that process's, not one of a
-        # later process given the same pid.
-        if select.select([pidfd], [], [], 0)[0]:
-            mapping.close()
-            raise _fail(handle, f"engine process {pid} exited while being mapped")
-        return mapping
+        return pidfd
+
+    @staticmethod
+    def _running(pidfd: int) -> bool:
+        return not select.select([pidfd], [], [], 0)[0]
 
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere faults on use

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio
+import torch
 
 from pipeline.backends.beside import ChecksumBesideStore
 from pipeline.backends.breaker import CircuitBreakerStore
@@ -15,7 +16,8 @@ from pipeline.backends.cpu_copy import CpuCopyEngine
 from pipeline.backends.faults import Faults, FaultyStore
 from pipeline.backends.memory import LentMemory, StagingMemory
 from pipeline.backends.staging import StagingPool
-from pipeline.core.config import Config, StoreConfig
+from pipeline.core.config import Config, StoreConfig, TransferStageConfig
+from pipeline.core.errors import ConfigError
 from pipeline.core.seams import BatchMemory, CopyEngine
 from pipeline.core.store import KVStore
 from pipeline.state.events import KVEventLog
@@ -23,14 +25,20 @@ from pipeline.state.events import KVEventLog
 __all__ = ["Backends", "open_backends", "open_store"]
 
 
+Pin = Callable[[torch.Tensor], contextlib.AbstractContextManager[None]]
+"""Page-locks host memory for device copies while entered."""
+
+
 @contextlib.asynccontextmanager
 async def open_store(
-    config: StoreConfig, faults: Faults | None, events: KVEventLog
+    config: StoreConfig, faults: Faults | None, events: KVEventLog, pin: Pin | None = None,
 ) -> AsyncIterator[CircuitBreakerStore]:
     """The configured store backend behind a circuit breaker (and fault points, if any),
-    closed on exit. ``events`` hears of the embedded store's evictions."""
+    closed on exit. ``events`` hears of the embedded store's evictions; ``pin`` pins its
+    memory, which GPU blocks are copied into and out of."""
     store: KVStore
     call_timeout_s: float | None = config.breaker.call_timeout_s
+    held = contextlib.ExitStack()
     if config.backend == "mooncake":
         from transport.mooncake_setup import open_mooncake_store
 
@@ -38,7 +46,10 @@ async def open_store(
     else:
         from transport.embedded_store import EmbeddedStore
 
-        store = EmbeddedStore(config.embedded, on_evicted=events.removed)
+        embedded = EmbeddedStore(config.embedded, on_evicted=events.removed)
+        if pin is not None:
+            held.enter_context(pin(embedded.memory))
+        store = embedded
         call_timeout_s = None  # in-process: its calls wait on nothing outside the sidecar
     if faults is not None and faults.enabled:
         store = FaultyStore(store, faults)
@@ -53,6 +64,7 @@ async def open_store(
     finally:
         with anyio.CancelScope(shield=True):
             await guarded.aclose()
+        held.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,25 +82,48 @@ async def open_backends(
     config: Config, faults: Faults, events: KVEventLog
 ) -> AsyncIterator[Backends]:
     staging = config.staging
+    transfer = config.stages.transfer
     pool = StagingPool(staging.pool_bytes, staging.slot_bytes, load_slots=staging.load_slots)
-    async with open_store(config.store, faults, events) as guarded:
-        await guarded.register_buffer(pool.buffer)
-        store: KVStore = guarded
-        memory: BatchMemory
-        if config.store.backend == "embedded":
-            # The embedded store lends its memory: values are copied straight into and
-            # out of it, one copy instead of two through staging. Nobody else reads it,
-            # so a vllm-format value keeps its checksum after it in the same extent.
-            memory = LentMemory(guarded)
-        else:
-            if config.store.value_format == "vllm" and config.store.checksum:
-                store = ChecksumBesideStore(guarded, require=config.store.verify == "required")
-            memory = StagingMemory(
-                pool, store, skip_when_full=config.stages.transfer.overflow == "skip"
-            )
-        threads = config.stages.transfer.threads
-        yield Backends(
-            store, pool, memory,
-            save_copy=CpuCopyEngine(anyio.CapacityLimiter(threads)),
-            load_copy=CpuCopyEngine(anyio.CapacityLimiter(threads)),
+    with contextlib.ExitStack() as held:
+        pin: Pin | None = None
+        if transfer.device == "cuda":
+            pin = _cuda_pin()
+            held.enter_context(pin(pool.buffer))
+        async with open_store(config.store, faults, events, pin) as guarded:
+            await guarded.register_buffer(pool.buffer)
+            store: KVStore = guarded
+            memory: BatchMemory
+            if config.store.backend == "embedded":
+                # The embedded store lends its memory: values are copied straight into
+                # and out of it, one copy instead of two through staging. Nobody else
+                # reads it, so a vllm-format value keeps its checksum after it.
+                memory = LentMemory(guarded)
+            else:
+                if config.store.value_format == "vllm" and config.store.checksum:
+                    store = ChecksumBesideStore(
+                        guarded, require=config.store.verify == "required")
+                memory = StagingMemory(pool, store, skip_when_full=transfer.overflow == "skip")
+            yield Backends(store, pool, memory, save_copy=_copy_engine(transfer),
+                           load_copy=_copy_engine(transfer))
+
+
+def _copy_engine(transfer: TransferStageConfig) -> CopyEngine:
+    """One direction's copy engine, with threads (and streams) of its own."""
+    cpu = CpuCopyEngine(anyio.CapacityLimiter(transfer.threads))
+    if transfer.device == "cpu":
+        return cpu
+    from pipeline.backends.cuda_copy import CudaCopyEngine
+
+    return CudaCopyEngine(cpu, anyio.CapacityLimiter(transfer.threads),
+                          streams=transfer.cuda_streams)
+
+
+def _cuda_pin() -> Pin:
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"stages.transfer.device is cuda, but torch {torch.__version__} sees no CUDA "
+            "device"
         )
+    from pipeline.backends.cuda_copy import pinned
+
+    return pinned

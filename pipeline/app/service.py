@@ -26,7 +26,7 @@ from pipeline.backends.faults import Faults
 from pipeline.core.config import Config
 from pipeline.core.errors import StoreError
 from pipeline.core.keys import ValueFormat
-from pipeline.core.messages import TensorHandle
+from pipeline.core.messages import CudaIpcEvent, TensorHandle
 from pipeline.state.events import KVEventLog
 from pipeline.state.jobs import Failable, JobTracker, Reply, StorePressure
 from pipeline.state.registry import LayerTensors, SessionRegistry
@@ -56,6 +56,15 @@ def map_shared_tensors(handles: Sequence[TensorHandle]) -> tuple[LayerTensors, M
     return tensors, mapper
 
 
+def _step_events(config: Config) -> Callable[[CudaIpcEvent], torch.cuda.Event] | None:
+    """How engines' step events are opened, where GPU tensors are served at all."""
+    if config.stages.transfer.device != "cuda":
+        return None
+    from transport.cuda_ipc import open_step_event
+
+    return open_step_event
+
+
 class Sidecar:
     """One running sidecar: sessions, the receiver and the stage graph."""
 
@@ -77,6 +86,7 @@ class Sidecar:
             save_capacity_blocks=lambda value_bytes: (
                 (pool.slots - pool.load_slots) * (pool.slot_bytes // value_bytes)
             ),
+            open_step_event=_step_events(config),
         )
         self.graph = build_graph(config)
         self.tracker = JobTracker(*(self.graph.entrance(name) for name in COMPLETION_PATHS))

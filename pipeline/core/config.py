@@ -103,6 +103,12 @@ class TransferStageConfig(StageConfig, frozen=True):
     threads: Positive = 2
     """Threads a batch's copy is split across (its layers, or its rows for checksums).
     Saves and loads each have this many, so a load never waits behind a save's copy."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Who copies: CPU threads, or CUDA streams for engines whose KV is in GPU memory
+    (shared by IPC handle; CPU tensors are still copied by threads). With ``cpu`` a
+    registration of GPU tensors is refused."""
+    cuda_streams: Positive = 2
+    """Copy streams per GPU, for saves and loads each (``device: cuda``)."""
     overflow: Literal["block", "skip"] = "block"
     """A save finding staging exhausted: wait for a slot, or skip it (staging_full)."""
     yield_to_loads_ms: Annotated[float, msgspec.Meta(ge=0)] = 20.0

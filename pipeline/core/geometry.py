@@ -50,6 +50,9 @@ class StoreGroupGeometry:
     keys: GroupKeys
     checksum_seed: int | None = None
     """Seed of the checksum sealed after the payload; None: values carry no checksum."""
+    step_event: torch.cuda.Event | None = None
+    """GPU blocks only: the event the engine records after each forward; a copy out of
+    its blocks waits on it."""
 
     @property
     def key_prefix(self) -> str:

@@ -17,10 +17,13 @@ from pipeline.core.errors import FrameTooLarge, ProtocolError
 from pipeline.core.outcomes import BlockStatus
 
 __all__ = [
+    "CUDA_IPC_HANDLE_BYTES",
     "HASH_ALGOS",
     "PROTOCOL_VERSION",
     "SIDECAR_HASH_ALGO",
     "BlockReport",
+    "CudaIpc",
+    "CudaIpcEvent",
     "EngineMessage",
     "ErrorCode",
     "ErrorReply",
@@ -106,6 +109,31 @@ class _Wire(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="
 # -- engine -> sidecar -------------------------------------------------------------------
 
 
+CUDA_IPC_HANDLE_BYTES = 64
+"""Size of a CUDA IPC memory or event handle (``cudaIpcMemHandle_t``, ``cudaIpcEventHandle_t``)."""
+
+IpcHandleBytes = Annotated[
+    bytes, msgspec.Meta(min_length=CUDA_IPC_HANDLE_BYTES, max_length=CUDA_IPC_HANDLE_BYTES)
+]
+
+
+class CudaIpc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A CUDA allocation shared by IPC handle: the handle of its base address, its size,
+    and the engine process that owns it (the sidecar lets go when that process is gone).
+    A handle's ``offset`` is then bytes from the allocation's base."""
+
+    handle: IpcHandleBytes
+    allocation_bytes: Annotated[int, msgspec.Meta(gt=0)]
+    pid: Annotated[int, msgspec.Meta(gt=0)]
+
+
+class CudaIpcEvent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An interprocess CUDA event on ``device`` (``torch.cuda.Event(interprocess=True)``)."""
+
+    device: NonNegative
+    handle: IpcHandleBytes
+
+
 class TensorHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where one layer's KV tensor lives, so the sidecar can map it without copying.
 
@@ -122,8 +150,10 @@ class TensorHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_dim: Annotated[int, msgspec.Meta(ge=0, le=1)] = 0
     device: str = "cpu"
     owner_fd: tuple[Annotated[int, msgspec.Meta(gt=0)], NonNegative] | None = None
-    """``(pid, fd)`` of a segment without a name (memory the engine shared in place): the
-    sidecar opens it through ``/proc/PID/fd/FD``. ``shm_name`` is then empty."""
+    """``(pid, fd)`` of CPU memory without a name: the sidecar opens it through
+    ``/proc/PID/fd/FD``. ``shm_name`` is then empty."""
+    cuda_ipc: CudaIpc | None = None
+    """GPU memory (``device`` ``cuda:N``): the allocation it lies in, by IPC handle."""
 
 
 class HashSelfTest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -161,6 +191,10 @@ class Register(_Wire, frozen=True, tag="register"):
     lookup_only: bool = False
     """A session that only looks up (vLLM's scheduler process): no tensors, no saves or
     loads."""
+    step_event: CudaIpcEvent | None = None
+    """An event the engine records on its compute stream after each forward, before it
+    asks for saves: the sidecar's copies of GPU blocks wait on it, so that they never
+    read KV the engine is still writing."""
 
 
 class Heartbeat(_Wire, frozen=True, tag="heartbeat"):

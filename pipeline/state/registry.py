@@ -6,6 +6,7 @@ runs before anything is mapped, and only the stored groups' layers are ever mapp
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -19,6 +20,7 @@ from pipeline.core.messages import (
     HASH_ALGOS,
     PROTOCOL_VERSION,
     SIDECAR_HASH_ALGO,
+    CudaIpcEvent,
     ErrorCode,
     Register,
     Registered,
@@ -44,8 +46,12 @@ class SessionRegistry:
         value_format: ValueFormat = ValueFormat.NATIVE,
         max_value_bytes: int,
         save_capacity_blocks: Callable[[int], int],
+        open_step_event: Callable[[CudaIpcEvent], torch.cuda.Event] | None = None,
     ) -> None:
+        """``open_step_event``: opens an engine's step event; None: GPU tensors are
+        not served (the copies are CPU threads)."""
         self._map_tensors = map_tensors
+        self._open_step_event = open_step_event
         self._checksum = checksum
         self._value_format = value_format
         self._max_value_bytes = max_value_bytes
@@ -126,6 +132,13 @@ class SessionRegistry:
         payload = {layer for layers in layout.payload_layers for layer in layers}
         # Tensors of groups that are not stored (the ring) are never mapped or read.
         wanted = [handle for handle in message.tensors if handle.layer in payload]
+        on_gpu = next((handle for handle in wanted if handle.device != "cpu"), None)
+        if on_gpu is not None and self._open_step_event is None:
+            raise RequestRejected(
+                ErrorCode.BAD_TENSORS,
+                f"layer {on_gpu.layer!r} is on {on_gpu.device}, and this sidecar copies "
+                "with CPU threads (stages.transfer.device: cpu)",
+            )
         try:
             tensors, mapping = self._map_tensors(wanted)
         except TransportError as exc:
@@ -134,6 +147,10 @@ class SessionRegistry:
             store_groups = build_store_groups(
                 layout, tensors, checksum=self._checksum, value_format=self._value_format
             )
+            if message.step_event is not None and self._open_step_event is not None:
+                event = self._open_step_event(message.step_event)
+                store_groups = tuple(dataclasses.replace(g, step_event=event)
+                                     for g in store_groups)
             for geometry in store_groups:
                 if geometry.stored_bytes > self._max_value_bytes:
                     raise LayoutError(
@@ -141,7 +158,7 @@ class SessionRegistry:
                         f"bytes, more than a staging slot ({self._max_value_bytes}); raise "
                         "staging.slot_bytes"
                     )
-        except LayoutError as exc:
+        except (LayoutError, TransportError) as exc:
             mapping.close()
             raise RequestRejected(ErrorCode.BAD_TENSORS, str(exc)) from exc
         self.value_sizes.update((g.key_prefix, g.stored_bytes) for g in store_groups)

@@ -4,7 +4,6 @@ sidecar cannot compute, tensors shared in place, loads past the engine's own hit
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -15,9 +14,9 @@ import torch
 
 from pipeline.core.errors import RequestRejected
 from pipeline.testing import SidecarProcess, run_sidecar_process
-from tests.kit import KVEngine, hybrid_layout, random_tokens
+from tests.kit import KVEngine, hybrid_layout, random_tokens, shm_names
 from transport.client import EngineClient
-from transport.tensors import SHM_DIR, MappedTensors, tensor_handle
+from transport.tensors import MappedTensors, tensor_handle
 
 TIMEOUT = 30
 
@@ -126,12 +125,12 @@ def test_an_engine_tensor_shared_in_place_keeps_its_bytes_and_leaves_no_name() -
     buffer = torch.randn(8, 1024)
     view = buffer[2:]
     expected = buffer.clone()
-    names = set(os.listdir(SHM_DIR))
+    names = shm_names()
     handle = tensor_handle("layer", view, share_in_place=True)
     assert handle.shm_name == "" and handle.owner_fd is not None
     assert handle.offset == 2 * 1024 * 4
     assert torch.equal(buffer, expected) and buffer.is_shared()
-    assert set(os.listdir(SHM_DIR)) == names
+    assert shm_names() == names
     with MappedTensors() as mapped:
         peer = mapped.map_tensor(handle)
         buffer[3].fill_(7.0)

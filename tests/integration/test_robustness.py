@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from pipeline.core.messages import ErrorReply, decode_sidecar_message
 from pipeline.testing import SidecarProcess, run_sidecar_process
-from tests.kit import KVEngine, hybrid_layout, random_tokens
+from tests.kit import KVEngine, hybrid_layout, random_tokens, shm_names
 
 TIMEOUT = 30
 
@@ -166,7 +166,7 @@ async def test_bad_requests_from_a_registered_engine_get_clear_errors(
 
 ENGINE_SCRIPT = textwrap.dedent("""
     import sys, anyio
-    from tests.kit import KVEngine, hybrid_layout, random_tokens
+    from tests.kit import KVEngine, hybrid_layout, random_tokens, shm_names
 
     async def main():
         engine = KVEngine(hybrid_layout(page_bytes=64 * 1024))
@@ -200,7 +200,7 @@ def test_an_engine_gone_mid_save_is_dropped_and_leaves_no_memory(
     long before the heartbeat timeout; one stopped (alive, silent) is reaped after it.
     Either way the sidecar unmaps its memory, nothing is left in /dev/shm, and the next
     engine is served normally."""
-    names = set(os.listdir("/dev/shm"))
+    names = shm_names()
     overrides = {"server": {"heartbeat_timeout_s": heartbeat_timeout_s}}
     with run_sidecar_process(overrides) as sidecar:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -224,7 +224,7 @@ def test_an_engine_gone_mid_save_is_dropped_and_leaves_no_memory(
             engine.wait()
             if engine.stdout is not None:
                 engine.stdout.close()
-        assert set(os.listdir("/dev/shm")) <= names
+        assert shm_names() <= names
 
         async def next_engine() -> None:
             other = KVEngine(hybrid_layout())

@@ -19,6 +19,7 @@ import torch
 
 from pipeline.core.errors import TransportError
 from pipeline.core.messages import TensorHandle
+from tests.kit import shm_names
 from transport.tensors import SHM_DIR, MappedTensors, block_pieces, shared_kv_tensor, tensor_handle
 
 REPLY_TIMEOUT_S = 60.0
@@ -135,11 +136,11 @@ def memfds() -> set[int]:
 def no_leaked_segments() -> Iterator[None]:
     """Every file a test allocated is closed once its tensors are gone, and none ever
     had a name in /dev/shm."""
-    before, names = memfds(), set(os.listdir(SHM_DIR))
+    before, names = memfds(), shm_names()
     yield
     gc.collect()
     assert memfds() <= before
-    assert set(os.listdir(SHM_DIR)) <= names
+    assert shm_names() <= names
 
 
 def mapped_lines(inode: int) -> int:
@@ -211,7 +212,7 @@ def test_owner_exit_is_seen_and_the_mapping_keeps_its_data(peer: Peer) -> None:
 def test_sigkilled_owner_leaves_nothing_once_unmapped(peer: Peer) -> None:
     """A SIGKILLed owner leaves no name behind, and its memory is gone with the last
     mapping: the mapper sees the exit and closing it frees the memory."""
-    names = set(os.listdir(SHM_DIR))
+    names = shm_names()
     reply = peer.ask(op="allocate", shape=[64, 1024], dtype="int32", block_dim=0)
     handle = msgspec.json.decode(reply["handle"], type=TensorHandle)
     memory = inode(handle)
@@ -219,7 +220,7 @@ def test_sigkilled_owner_leaves_nothing_once_unmapped(peer: Peer) -> None:
     tensor = mapped.map_tensor(handle)
     peer.process.kill()
     peer.process.wait(REPLY_TIMEOUT_S)
-    assert set(os.listdir(SHM_DIR)) == names
+    assert shm_names() == names
     assert mapped.owner_exited()
     assert tensor.view(-1)[:4].tolist() == [0, 1, 2, 3]
     del tensor
@@ -323,7 +324,8 @@ def test_handle_of_plain_tensor_is_refused() -> None:
     ("change", "problem"),
     [
         ({"dtype": "complex32"}, "unknown dtype 'complex32'"),
-        ({"device": "cuda:0"}, "device 'cuda:0' is not supported"),
+        ({"device": "cuda:0"}, "a tensor on cuda:0 is named by its CUDA IPC handle alone"),
+        ({"device": "tpu:0"}, "device 'tpu:0' is not supported"),
         ({"strides": (8, -1)}, "must all be positive"),
         ({"strides": (0, 1)}, "must all be positive"),
         ({"strides": (4, 1)}, "overlap"),

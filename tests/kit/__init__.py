@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import sys
 from collections.abc import AsyncIterator, Mapping
@@ -18,7 +19,14 @@ from pipeline.core.layout import KVCacheLayout
 from transport.client import EngineClient
 from transport.tensors import shared_kv_caches
 
-__all__ = ["KVEngine", "StallProxy", "hybrid_layout", "random_tokens", "stall_proxy"]
+__all__ = [
+    "KVEngine", "StallProxy", "hybrid_layout", "random_tokens", "shm_names", "stall_proxy",
+]
+
+
+def shm_names() -> set[str]:
+    """Names in /dev/shm that shared KV memory (ours, or torch's) would leave behind."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith(("kvsidecar", "torch_"))}
 
 
 def random_tokens(count: int, seed: int = 0) -> list[int]:

@@ -99,22 +99,18 @@ class WorkerSide:
         if missing:
             raise LayoutError(f"vLLM registered no KV tensor for layers {sorted(missing)}")
         shape = kv_cache_shape(tensors.values(), self._num_blocks)
-        devices = sorted({str(t.device) for t in tensors.values()} - {"cpu"})
-        if devices:
-            # Fail at start-up rather than recompute every load in silence.
-            raise TransportError(
-                f"KVSidecarConnector shares CPU KV caches only; vLLM's are on {devices} "
-                "(CUDA IPC registration is not built yet)"
-            )
-        # Move the memory into shared memory now, before any forward runs: views vLLM
-        # holds follow the move, and the bytes are kept.
-        for layer, tensor in tensors.items():
-            tensor_handle(layer, tensor, share_in_place=True)
+        on_gpu = any(tensor.device.type == "cuda" for tensor in tensors.values())
+        if not on_gpu:
+            # Move the memory into shared memory now, before any forward runs: views
+            # vLLM holds follow the move, and the bytes are kept. GPU memory is shared
+            # by CUDA IPC handle as it is.
+            for layer, tensor in tensors.items():
+                tensor_handle(layer, tensor, share_in_place=True)
         self.link = SidecarLink(self._config, "worker", lambda: {
             "layout": self._layout,
             "kv_caches": tensors,
             "kv_cache_shape": shape,
-            "share_in_place": True,
+            "share_in_place": not on_gpu,
             "hash_algo": self._hash_algo,
             "hash_seed": os.environ.get("PYTHONHASHSEED"),
             "block_hasher": vllm_block_hasher(self._hash_algo),

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 import torch
 
@@ -157,6 +158,21 @@ def test_registration_maps_only_the_stored_groups_layers() -> None:
     # Each stored value carries its 8-byte checksum after the payload.
     assert session.store_groups[0].stored_bytes == value_bytes + 8
     assert reply.save_capacity_blocks == 4096 // (value_bytes + 8)
+
+
+def test_gpu_tensors_are_refused_by_a_sidecar_that_copies_with_threads() -> None:
+    """A CPU sidecar refuses an engine whose stored layers are on a GPU, naming the
+    layer and the setting, before mapping anything; a ring on a GPU alone is fine."""
+    mapper = FakeMapper()
+    on_gpu = [msgspec.structs.replace(handle(layer), device="cuda:0")
+              if layer == "attn.1" else handle(layer) for layer in layers_of(HYBRID)]
+    reason = rejected(registry(mapper), register(tensors=on_gpu), "bad_tensors")
+    assert "layer 'attn.1' is on cuda:0" in reason and "stages.transfer.device" in reason
+    assert mapper.calls == []
+    ring_on_gpu = [msgspec.structs.replace(handle(layer), device="cuda:0")
+                   if layer.startswith("ring") else handle(layer) for layer in layers_of(HYBRID)]
+    registry(mapper).register(b"engine", register(tensors=ring_on_gpu))
+    assert mapper.calls == [["attn.0", "attn.1", "ssm.0"]]
 
 
 def test_registration_accepts_a_seeded_self_test() -> None:

@@ -1,0 +1,146 @@
+"""The CUDA copy engine: engine KV blocks in GPU memory to and from stored values in host
+memory, on dedicated CUDA streams.
+
+A save waits on the engine's step event (recorded after its forward), gathers the
+batch's blocks into one device matrix of values, copies each run of adjacent values to
+host memory in one transfer, and seals the checksums on the host once the copy's event
+has completed. A load verifies the values on the host first, copies them to the device
+in one transfer per run, and scatters only the intact ones into the engine's blocks:
+the engine never receives a corrupted byte. The sidecar replies only once the copy's
+event has completed, so the blocks are in place before the engine hears of them.
+
+Completion is seen through CUDA events awaited in worker threads (blocking-sync events:
+the thread sleeps, nothing spins), never by synchronizing the device or a stream the
+engine uses. Host memory the values live in is pinned (``pinned``) so that transfers
+are asynchronous DMA. Geometries of CPU tensors go to the CPU engine this one wraps.
+
+Written without a GPU at hand; its tests are marked ``gpu`` (``benchmarks/gpu_check.sh``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator, Sequence
+
+import anyio
+import torch
+
+from pipeline.backends.cpu_copy import runs
+from pipeline.core.errors import ConfigError
+from pipeline.core.geometry import StoreGroupGeometry
+from pipeline.core.integrity import seal_rows, verify_rows
+from pipeline.core.seams import CopyEngine
+
+__all__ = ["CudaCopyEngine", "pinned"]
+
+
+@contextlib.contextmanager
+def pinned(memory: torch.Tensor) -> Iterator[None]:
+    """Page-lock a host tensor's memory for the duration (``cudaHostRegister``), so that
+    copies between it and a device are asynchronous DMA."""
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    nbytes = memory.numel() * memory.element_size()
+    result = cudart.cudaHostRegister(memory.data_ptr(), nbytes, 0)
+    if result != cudart.cudaError.success:
+        raise ConfigError(f"cannot pin {nbytes} bytes of host memory for CUDA copies: {result}")
+    try:
+        yield
+    finally:
+        cudart.cudaHostUnregister(memory.data_ptr())
+
+
+def _device_of(geometry: StoreGroupGeometry) -> torch.device | None:
+    device = geometry.segments[0].blocks.device if geometry.segments else None
+    return device if device is not None and device.type == "cuda" else None
+
+
+class CudaCopyEngine:
+    """Copies of GPU blocks, on ``streams`` streams of each device; CPU blocks go to
+    ``fallback``. ``limiter`` bounds the threads that wait on events and checksum."""
+
+    def __init__(self, fallback: CopyEngine, limiter: anyio.CapacityLimiter, *,
+                 streams: int) -> None:
+        self._fallback = fallback
+        self._limiter = limiter
+        self._stream_count = streams
+        self._streams: dict[int, Iterator[torch.cuda.Stream]] = {}
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The next of the device's streams, created on first use (an engine's tensors
+        say which device)."""
+        index = device.index or 0
+        streams = self._streams.get(index)
+        if streams is None:
+            streams = self._streams[index] = itertools.cycle(
+                [torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+                 for _ in range(self._stream_count)]
+            )
+        return next(streams)
+
+    async def gather(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
+                     views: Sequence[torch.Tensor]) -> None:
+        device = _device_of(geometry)
+        if device is None:
+            await self._fallback.gather(geometry, block_ids, views)
+            return
+        stored = geometry.stored_bytes
+        pieces = runs(views, stored)
+        stream = self._stream(device)
+        done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(stream):
+            if geometry.step_event is not None:
+                stream.wait_event(geometry.step_event)
+            ids = torch.tensor(block_ids, dtype=torch.int64).to(device, non_blocking=True)
+            rows = torch.empty((len(views), stored), dtype=torch.uint8, device=device)
+            for segment in geometry.segments:
+                end = segment.offset + segment.page_bytes
+                rows[:, segment.offset : end].copy_(segment.blocks.index_select(0, ids))
+            for start, host in pieces:
+                host.copy_(rows[start : start + host.shape[0]], non_blocking=True)
+            done.record(stream)
+        # ``rows`` may be freed now: the allocator reuses it only behind this stream.
+
+        def finish() -> None:
+            done.synchronize()
+            if geometry.checksum_seed is not None:
+                for _, host in pieces:
+                    seal_rows(host, geometry.value_bytes, geometry.checksum_seed)
+
+        await anyio.to_thread.run_sync(finish, limiter=self._limiter)
+
+    async def scatter(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
+                      views: Sequence[torch.Tensor]) -> list[bool]:
+        device = _device_of(geometry)
+        if device is None:
+            return await self._fallback.scatter(geometry, block_ids, views)
+        stored, seed = geometry.stored_bytes, geometry.checksum_seed
+        pieces = runs(views, stored)
+
+        def verify() -> list[bool]:
+            if seed is None:
+                return [True] * len(views)
+            payload = geometry.value_bytes
+            return [ok for _, host in pieces for ok in verify_rows(host, payload, seed)]
+
+        intact = await anyio.to_thread.run_sync(verify, limiter=self._limiter)
+        keep = [index for index, ok in enumerate(intact) if ok]
+        if not keep:
+            return intact
+        stream = self._stream(device)
+        done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(stream):
+            rows = torch.empty((len(views), stored), dtype=torch.uint8, device=device)
+            for start, host in pieces:
+                rows[start : start + host.shape[0]].copy_(host, non_blocking=True)
+            if len(keep) < len(views):
+                rows = rows[torch.tensor(keep, dtype=torch.int64).to(device, non_blocking=True)]
+            ids = torch.tensor([block_ids[index] for index in keep], dtype=torch.int64)
+            ids = ids.to(device, non_blocking=True)
+            for segment in geometry.segments:
+                end = segment.offset + segment.page_bytes
+                segment.blocks.index_copy_(0, ids, rows[:, segment.offset : end])
+            done.record(stream)
+        # The host values stay held (and unchanged) until this returns, after the copy.
+        await anyio.to_thread.run_sync(done.synchronize, limiter=self._limiter)
+        return intact

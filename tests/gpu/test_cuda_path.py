@@ -1,0 +1,180 @@
+"""The GPU path end to end: an engine's KV tensors in GPU memory, shared by CUDA IPC
+handle with a real sidecar process that copies on CUDA streams. Marked ``gpu``; skipped
+where torch sees no CUDA device (``benchmarks/gpu_check.sh`` runs them on a GPU host)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import anyio
+import pytest
+import torch
+
+from pipeline.app.launcher import SidecarProcess, run_sidecar_process
+from pipeline.core.layout import KVCacheLayout
+from tests.kit import KVEngine, hybrid_layout, random_tokens
+from transport.client import EngineClient
+
+pytestmark = pytest.mark.gpu
+
+TIMEOUT = 60.0
+PAGE_BYTES = 64 * 1024
+NUM_BLOCKS = 64
+GPU_SIDECAR = {
+    "stages": {"transfer": {"device": "cuda", "cuda_streams": 2}},
+    "staging": {"pool_bytes": 256 << 20, "slot_bytes": 32 << 20},
+    "store": {"embedded": {"capacity_bytes": 512 << 20}},
+}
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def gpu_caches(layout: KVCacheLayout, *, kv_first: bool = False) -> dict[str, torch.Tensor]:
+    """Random bf16 KV tensors on cuda:0, one per layer: blocks-first
+    ``[blocks, page]`` or K/V-first ``[2, blocks, page / 2]`` (vLLM's attention)."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    caches = {}
+    for group in layout.groups:
+        elements = group.page_bytes // 2
+        shape = (2, NUM_BLOCKS, elements // 2) if kv_first else (NUM_BLOCKS, elements)
+        for layer in group.layers:
+            caches[layer] = torch.randn(shape, generator=generator, device="cuda",
+                                        dtype=torch.bfloat16)
+    return caches
+
+
+def block(tensor: torch.Tensor, block_id: int) -> torch.Tensor:
+    """One block's bytes, as int16 (exact comparison; bf16 NaNs compare unequal)."""
+    page = tensor[:, block_id] if tensor.dim() == 3 and tensor.shape[0] == 2 else tensor[block_id]
+    return page.view(torch.int16)
+
+
+@pytest.fixture
+def gpu_sidecar() -> Iterator[SidecarProcess]:
+    with run_sidecar_process(GPU_SIDECAR, startup_timeout_s=120) as sidecar:
+        yield sidecar
+
+
+@pytest.mark.parametrize("kv_first", [False, True], ids=["blocks_first", "kv_first"])
+async def test_gpu_blocks_are_saved_and_loaded_byte_exact(
+    gpu_sidecar: SidecarProcess, kv_first: bool
+) -> None:
+    """Blocks saved from GPU tensors come back byte for byte into other GPU blocks; the
+    ring's layers are never touched."""
+    layout = KVCacheLayout.from_dict(hybrid_layout(page_bytes=PAGE_BYTES))
+    caches = gpu_caches(layout, kv_first=kv_first)
+    ring = {layer: caches[layer].clone() for layer in layout.groups[1].layers}
+    tokens = random_tokens(4 * 16, seed=1)
+    with anyio.fail_after(TIMEOUT):
+        async with await EngineClient.connect(gpu_sidecar.endpoint, layout=layout,
+                                              kv_caches=caches) as client:
+            saved = await client.save("r", tokens, [[1, 2, 3, 4], [5], [1, 2, 3, 4]])
+            assert saved.stored == 8 and saved.failed == 0
+            loaded = await client.load("r", tokens, [[11, 12, 13, 14], [15], [21, 22, 23, 24]],
+                                       64)
+            assert loaded.loaded_tokens == 64
+    for layer in layout.groups[0].layers:
+        for source, target in zip((1, 2, 3, 4), (11, 12, 13, 14), strict=True):
+            assert torch.equal(block(caches[layer], source), block(caches[layer], target))
+    for layer in layout.groups[2].layers:  # mamba, align mode: the last block's state
+        assert torch.equal(block(caches[layer], 4), block(caches[layer], 24))
+    for layer, before in ring.items():
+        assert torch.equal(caches[layer], before)
+
+
+async def test_a_save_waits_for_the_forward_that_wrote_the_blocks(
+    gpu_sidecar: SidecarProcess,
+) -> None:
+    """KV written by work still queued on the engine's stream when the save is asked
+    for is saved as written: the sidecar's copy waits on the engine's step event."""
+    layout = KVCacheLayout.from_dict(hybrid_layout(page_bytes=PAGE_BYTES))
+    caches = gpu_caches(layout)
+    tokens = random_tokens(4 * 16, seed=2)
+    with anyio.fail_after(TIMEOUT):
+        async with await EngineClient.connect(gpu_sidecar.endpoint, layout=layout,
+                                              kv_caches=caches) as client:
+            for tensor in caches.values():
+                tensor[1:5].zero_()
+            torch.cuda.synchronize()
+            torch.cuda._sleep(2_000_000_000)  # ~1 s of spinning ahead of the writes
+            for tensor in caches.values():
+                tensor[1:5].fill_(7.0)
+            saved = await client.save("r", tokens, [[1, 2, 3, 4], [5], [1, 2, 3, 4]])
+            assert saved.stored == 8
+            loaded = await client.load("r", tokens, [[11, 12, 13, 14], [15], [21, 22, 23, 24]],
+                                       64)
+            assert loaded.loaded_tokens == 64
+    for layer in layout.groups[0].layers:
+        assert bool((caches[layer][11:15] == 7.0).all())
+    for layer in layout.groups[2].layers:
+        assert bool((caches[layer][24] == 7.0).all())
+
+
+async def test_a_cpu_engine_is_served_by_a_gpu_sidecar(gpu_sidecar: SidecarProcess) -> None:
+    """Engines with KV in CPU memory are still copied by threads on a CUDA sidecar."""
+    engine = KVEngine(hybrid_layout())
+    tokens = random_tokens(2 * 16, seed=3)
+    with anyio.fail_after(TIMEOUT):
+        async with await engine.connect(gpu_sidecar.endpoint) as client:
+            assert (await client.save("c", tokens, [[1, 2], [3], [1, 2]])).stored == 4
+            loaded = await client.load("c", tokens, [[5, 6], [7], [8, 9]], 32)
+            assert loaded.loaded_tokens == 32
+    assert engine.same_block(0, 1, engine, 5) and engine.same_block(2, 2, engine, 9)
+
+
+ENGINE = textwrap.dedent("""
+    import sys, time, anyio, torch
+    from pipeline.core.layout import KVCacheLayout
+    from tests.gpu.test_cuda_path import gpu_caches
+    from tests.kit import hybrid_layout, random_tokens
+    from transport.client import EngineClient
+
+    async def main():
+        layout = KVCacheLayout.from_dict(hybrid_layout(page_bytes=int(sys.argv[2])))
+        caches = gpu_caches(layout)
+        client = await EngineClient.connect(sys.argv[1], layout=layout, kv_caches=caches)
+        await client.save("r", random_tokens(64), [[1, 2, 3, 4], [5], [1, 2, 3, 4]])
+        print("registered", flush=True)
+        await anyio.sleep(3600)
+
+    anyio.run(main)
+""")
+
+
+def free_gpu_bytes() -> int:
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def test_a_sigkilled_gpu_engine_leaves_no_memory_mapped(gpu_sidecar: SidecarProcess) -> None:
+    """SIGKILL an engine whose GPU KV the sidecar has open: the sidecar sees the exit,
+    closes the engine's allocations, and the driver gets all of that memory back."""
+    page_bytes = 8 << 20  # 6 layers x 64 blocks x 8 MiB: 3 GiB of KV
+    free_before = free_gpu_bytes()
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE, gpu_sidecar.endpoint,
+                               str(page_bytes)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert engine.stdout is not None
+        assert engine.stdout.readline().strip() == "registered", gpu_sidecar.log()
+        held = free_before - free_gpu_bytes()
+        assert held >= 6 * NUM_BLOCKS * page_bytes
+    finally:
+        engine.send_signal(signal.SIGKILL)
+        engine.wait()
+        if engine.stdout is not None:
+            engine.stdout.close()
+    deadline = time.monotonic() + 30
+    while b"session.owner_exited" not in gpu_sidecar.log_path.read_bytes():
+        assert time.monotonic() < deadline, gpu_sidecar.log()
+        time.sleep(0.1)
+    while free_before - free_gpu_bytes() > 512 << 20:
+        assert time.monotonic() < deadline, (
+            f"{(free_before - free_gpu_bytes()) >> 20} MiB still held after the engine died"
+        )
+        time.sleep(0.2)
+
+
