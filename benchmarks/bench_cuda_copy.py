@@ -31,7 +31,7 @@ from typing import Any
 import anyio
 import msgspec
 import torch
-from harness import DEFAULT_CONFIG, median, spawned_sidecar, write_results
+from harness import DEFAULT_CONFIG, median, run_requests, spawned_sidecar, write_results
 
 from pipeline.core.config import load_config
 from transport.client import EngineClient
@@ -86,20 +86,6 @@ def bare(requests: Sequence[torch.Tensor], copy: Callable[[torch.Tensor], None])
     return time.perf_counter() - started
 
 
-async def in_flight(concurrency: int, calls: Sequence[Callable[[], Any]]) -> float:
-    limiter = anyio.Semaphore(concurrency)
-
-    async def one(call: Callable[[], Any]) -> None:
-        async with limiter:
-            await call()
-
-    started = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        for call in calls:
-            tg.start_soon(one, call)
-    return time.perf_counter() - started
-
-
 async def one_round(client: EngineClient, engine: Engine, args: argparse.Namespace,
                     rng: random.Random, counter: Iterator[int]) -> dict[str, float]:
     """Save requests of new blocks, then load them into other blocks: seconds of each,
@@ -124,9 +110,9 @@ async def one_round(client: EngineClient, engine: Engine, args: argparse.Namespa
 
     calls = range(args.requests)
     bare_save = bare([torch.tensor(s, device="cuda") for s in src], engine.bare_save)
-    side_save = await in_flight(args.concurrency, [lambda r=r: save(r) for r in calls])
+    side_save = await run_requests(args.concurrency, [lambda r=r: save(r) for r in calls])
     bare_load = bare([torch.tensor(d, device="cuda") for d in dst], engine.bare_load)
-    side_load = await in_flight(args.concurrency, [lambda r=r: load(r) for r in calls])
+    side_load = await run_requests(args.concurrency, [lambda r=r: load(r) for r in calls])
     if failures:
         raise RuntimeError("; ".join(failures[:4]))
     for s, d in zip(src, dst, strict=True):

@@ -45,7 +45,15 @@ from typing import Any
 import anyio
 import msgspec
 import torch
-from harness import DEFAULT_CONFIG, RESULTS_DIR, ROOT, median, spawned_sidecar, write_results
+from harness import (
+    DEFAULT_CONFIG,
+    RESULTS_DIR,
+    ROOT,
+    median,
+    run_requests,
+    spawned_sidecar,
+    write_results,
+)
 
 from pipeline.core.config import Config, load_config
 from pipeline.core.layout import KVCacheLayout
@@ -135,21 +143,6 @@ class Workload:
                for r in range(self.requests)]
         self._round += 1
         return tokens, src, dst, f"r{self._round}"
-
-
-async def run_requests(concurrency: int, calls: Sequence[Callable[[], Any]]) -> float:
-    """Run the calls with at most ``concurrency`` in flight; wall seconds for all."""
-    limiter = anyio.Semaphore(concurrency)
-
-    async def one(call: Callable[[], Any]) -> None:
-        async with limiter:
-            await call()
-
-    started = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        for call in calls:
-            tg.start_soon(one, call)
-    return time.perf_counter() - started
 
 
 async def one_round(client: EngineClient, engine: Engine, workload: Workload,

@@ -23,10 +23,11 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -71,6 +72,21 @@ def spawned_sidecar(
             code = sidecar.terminate(timeout_s=60)
             if code != 0:
                 print(f"sidecar exited with {code}:\n{sidecar.log()[-4000:]}", file=sys.stderr)
+
+
+async def run_requests(concurrency: int, calls: Sequence[Callable[[], Any]]) -> float:
+    """Run the calls with at most ``concurrency`` in flight; wall seconds for all."""
+    limiter = anyio.Semaphore(concurrency)
+
+    async def one(call: Callable[[], Any]) -> None:
+        async with limiter:
+            await call()
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for call in calls:
+            tg.start_soon(one, call)
+    return time.perf_counter() - started
 
 
 def median(values: Sequence[float]) -> float:

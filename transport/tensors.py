@@ -1,4 +1,5 @@
-"""CPU KV tensors shared between processes: the engine allocates, the sidecar maps.
+"""KV tensors shared between processes: the engine allocates (or describes), the sidecar
+maps. CPU memory here; GPU memory by CUDA IPC handle (``transport.cuda_ipc``).
 
 Nothing has a name. ``shared_kv_tensor`` allocates an anonymous memory file
 (``memfd_create``) and keeps its descriptor open as long as the tensor's storage (and
@@ -330,7 +331,7 @@ class MappedTensors:
         if handle.cuda_ipc is not None:
             flat = self._allocations.get(segment)
             if flat is None:
-                flat = self._allocations[segment] = self._open_allocation(handle)
+                flat = self._allocations[segment] = self._open_allocation(handle, geometry)
         else:
             mapping = self._mappings.get(segment)
             if mapping is None:
@@ -375,12 +376,13 @@ class MappedTensors:
             raise _fail(handle, f"engine process {pid} exited while being mapped")
         return mapping
 
-    def _open_allocation(self, handle: TensorHandle) -> torch.Tensor:
+    def _open_allocation(self, handle: TensorHandle, geometry: _Geometry) -> torch.Tensor:
         from transport.cuda_ipc import ALLOCATIONS, cuda_device_index
 
         ipc = handle.cuda_ipc
         assert ipc is not None
-        _check_fits(handle, _check_geometry(handle), ipc.allocation_bytes)
+        # Before opening anything: the allocation's size is known from the handle.
+        _check_fits(handle, geometry, ipc.allocation_bytes)
         pidfd = self._watch(handle, ipc.pid)
         try:
             allocation = (self._cuda or ALLOCATIONS).open(cuda_device_index(handle.device), ipc)

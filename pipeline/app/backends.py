@@ -36,35 +36,34 @@ async def open_store(
     """The configured store backend behind a circuit breaker (and fault points, if any),
     closed on exit. ``events`` hears of the embedded store's evictions; ``pin`` pins its
     memory, which GPU blocks are copied into and out of."""
-    store: KVStore
-    call_timeout_s: float | None = config.breaker.call_timeout_s
-    held = contextlib.ExitStack()
-    if config.backend == "mooncake":
-        from transport.mooncake_setup import open_mooncake_store
+    with contextlib.ExitStack() as pinned:
+        store: KVStore
+        call_timeout_s: float | None = config.breaker.call_timeout_s
+        if config.backend == "mooncake":
+            from transport.mooncake_setup import open_mooncake_store
 
-        store = await open_mooncake_store(config.mooncake)
-    else:
-        from transport.embedded_store import EmbeddedStore
+            store = await open_mooncake_store(config.mooncake)
+        else:
+            from transport.embedded_store import EmbeddedStore
 
-        embedded = EmbeddedStore(config.embedded, on_evicted=events.removed)
-        if pin is not None:
-            held.enter_context(pin(embedded.memory))
-        store = embedded
-        call_timeout_s = None  # in-process: its calls wait on nothing outside the sidecar
-    if faults is not None and faults.enabled:
-        store = FaultyStore(store, faults)
-    guarded = CircuitBreakerStore(
-        store,
-        call_timeout_s=call_timeout_s,
-        failure_threshold=config.breaker.failure_threshold,
-        reset_after_s=config.breaker.reset_after_s,
-    )
-    try:
-        yield guarded
-    finally:
-        with anyio.CancelScope(shield=True):
-            await guarded.aclose()
-        held.close()
+            embedded = EmbeddedStore(config.embedded, on_evicted=events.removed)
+            if pin is not None:
+                pinned.enter_context(pin(embedded.memory))
+            store = embedded
+            call_timeout_s = None  # in-process: its calls wait on nothing outside the sidecar
+        if faults is not None and faults.enabled:
+            store = FaultyStore(store, faults)
+        guarded = CircuitBreakerStore(
+            store,
+            call_timeout_s=call_timeout_s,
+            failure_threshold=config.breaker.failure_threshold,
+            reset_after_s=config.breaker.reset_after_s,
+        )
+        try:
+            yield guarded
+        finally:
+            with anyio.CancelScope(shield=True):
+                await guarded.aclose()
 
 
 @dataclasses.dataclass(frozen=True)
