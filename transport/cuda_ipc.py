@@ -26,6 +26,7 @@ import functools
 import os
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,6 +43,7 @@ __all__ = [
     "IpcDriver",
     "cuda_device_index",
     "cuda_ipc_of",
+    "local_device",
     "open_step_event",
     "step_event",
 ]
@@ -63,6 +65,10 @@ def cuda_device_index(device: str) -> int:
 
 class IpcDriver(Protocol):
     """The driver calls IPC sharing needs, each on one device."""
+
+    def device_uuids(self) -> Sequence[str]:
+        """The UUIDs of this process's devices, by index: the same GPU has the same UUID
+        in every process, whatever its index there (``CUDA_VISIBLE_DEVICES``)."""
 
     def address_range(self, device: int, pointer: int) -> tuple[int, int]:
         """The base address and size of the allocation ``pointer`` lies in."""
@@ -104,6 +110,14 @@ class CudaDriver:
         self._pop = _function(lib, "cuCtxPopCurrent_v2", p_void)
         self._contexts: dict[int, ctypes.c_void_p] = {}
         self._lock = threading.Lock()
+
+    @functools.cached_property
+    def _uuids(self) -> tuple[str, ...]:
+        return tuple(str(torch.cuda.get_device_properties(index).uuid)
+                     for index in range(torch.cuda.device_count()))
+
+    def device_uuids(self) -> Sequence[str]:
+        return self._uuids
 
     def address_range(self, device: int, pointer: int) -> tuple[int, int]:
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
@@ -188,7 +202,9 @@ def cuda_ipc_of(tensor: torch.Tensor, driver: IpcDriver | None = None) -> tuple[
             f"{exc} (memory from PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True cannot "
             "be shared by IPC handle: turn it off)"
         ) from exc
-    return CudaIpc(handle=handle, allocation_bytes=size, pid=os.getpid()), pointer - base
+    ipc = CudaIpc(handle=handle, allocation_bytes=size, pid=os.getpid(),
+                  device_uuid=driver.device_uuids()[device])
+    return ipc, pointer - base
 
 
 def step_event(device: int) -> tuple[torch.cuda.Event, CudaIpcEvent]:
@@ -198,10 +214,22 @@ def step_event(device: int) -> tuple[torch.cuda.Event, CudaIpcEvent]:
     with torch.cuda.device(device):
         event.record()  # an event is shared once recorded (an IPC handle needs it created)
     handle = bytes(event.ipc_handle())  # type: ignore[no-untyped-call]
-    return event, CudaIpcEvent(device=device, handle=handle)
+    uuid = _driver().device_uuids()[device]
+    return event, CudaIpcEvent(device=device, handle=handle, device_uuid=uuid)
 
 
 # -- sidecar side: open -------------------------------------------------------------------
+
+
+def local_device(uuid: str, index: int, driver: IpcDriver | None = None) -> int:
+    """This process's index of the GPU with ``uuid`` (the engine's ``index`` where no
+    UUID was given)."""
+    if not uuid:
+        return index
+    uuids = list((driver or _driver()).device_uuids())
+    if uuid not in uuids:
+        raise TransportError(f"GPU {uuid} is not visible to the sidecar (CUDA_VISIBLE_DEVICES)")
+    return uuids.index(uuid)
 
 
 @dataclass(eq=False)
@@ -242,13 +270,15 @@ class IpcAllocations:
         )
         self._lock = threading.Lock()
 
-    def open(self, device: int, ipc: CudaIpc) -> IpcAllocation:
-        """The allocation ``ipc`` names on ``device``, mapped here while anyone holds it."""
+    def open(self, index: int, ipc: CudaIpc) -> IpcAllocation:
+        """The allocation ``ipc`` names, on the engine's device ``index`` (this process's
+        index of that GPU, found by its UUID), mapped here while anyone holds it."""
+        driver = self._driver or _driver()
+        device = local_device(ipc.device_uuid, index, driver)
         key = (device, ipc.handle)
         with self._lock:
             allocation = self._open.get(key)
             if allocation is None:
-                driver = self._driver or _driver()
                 pointer = driver.open(device, ipc.handle)
                 allocation = IpcAllocation(device, pointer, ipc.allocation_bytes)
                 weakref.finalize(allocation, driver.close, device, pointer)
@@ -273,7 +303,7 @@ def open_step_event(event: CudaIpcEvent) -> torch.cuda.Event:
     """The engine's step event, opened in this process."""
     try:
         opened: torch.cuda.Event = torch.cuda.Event.from_ipc_handle(  # type: ignore[no-untyped-call]
-            event.device, event.handle)
+            local_device(event.device_uuid, event.device), event.handle)
         return opened
     except (RuntimeError, AssertionError) as exc:
         raise TransportError(f"cannot open the engine's step event: {exc}") from exc

@@ -385,7 +385,8 @@ class MappedTensors:
         _check_fits(handle, geometry, ipc.allocation_bytes)
         pidfd = self._watch(handle, ipc.pid)
         try:
-            allocation = (self._cuda or ALLOCATIONS).open(cuda_device_index(handle.device), ipc)
+            allocations = self._cuda or ALLOCATIONS
+            allocation = allocations.open(cuda_device_index(handle.device), ipc)
         except TransportError as exc:
             raise _fail(handle, str(exc)) from exc
         if not self._running(pidfd):

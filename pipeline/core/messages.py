@@ -125,6 +125,9 @@ class CudaIpc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     handle: IpcHandleBytes
     allocation_bytes: Annotated[int, msgspec.Meta(gt=0)]
     pid: Annotated[int, msgspec.Meta(gt=0)]
+    device_uuid: str = ""
+    """The GPU's UUID: processes number devices differently (``CUDA_VISIBLE_DEVICES``),
+    so the sidecar finds its own index of the device by it; empty: the index is the same."""
 
 
 class CudaIpcEvent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -132,6 +135,8 @@ class CudaIpcEvent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     device: NonNegative
     handle: IpcHandleBytes
+    device_uuid: str = ""
+    """As ``CudaIpc.device_uuid``."""
 
 
 class TensorHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -29,6 +29,9 @@ class FakeDriver:
         self.closed: list[tuple[int, int]] = []
         self.ranges: dict[int, tuple[int, int]] = {}
 
+    def device_uuids(self) -> list[str]:
+        return ["GPU-a", "GPU-b", "GPU-c"]
+
     def address_range(self, device: int, pointer: int) -> tuple[int, int]:
         return self.ranges[pointer]
 
@@ -160,4 +163,18 @@ def test_an_engine_tensor_is_described_by_its_allocation_and_offset() -> None:
     ipc, offset = cuda_ipc_of(FakeTensor(0x5000_1000), driver)  # type: ignore[arg-type]
     assert offset == 0x1000
     assert ipc == CudaIpc(handle=driver.ipc_handle(2, 0x5000_0000), allocation_bytes=1 << 24,
-                          pid=os.getpid())
+                          pid=os.getpid(), device_uuid="GPU-c")
+
+
+def test_an_allocation_opens_on_this_processs_index_of_its_gpu() -> None:
+    """Processes number GPUs differently (CUDA_VISIBLE_DEVICES): an allocation the
+    engine has on its cuda:0 opens on the sidecar's index of the same GPU, found by its
+    UUID; a GPU the sidecar cannot see is refused by name."""
+    driver = FakeDriver()
+    allocations = IpcAllocations(driver)
+    ipc = CudaIpc(handle=HANDLE, allocation_bytes=4096, pid=os.getpid(), device_uuid="GPU-c")
+    assert allocations.open(0, ipc).device == 2
+    assert driver.opened == [(2, HANDLE)]
+    hidden = msgspec.structs.replace(ipc, device_uuid="GPU-z")
+    with pytest.raises(TransportError, match="GPU GPU-z is not visible to the sidecar"):
+        allocations.open(0, hidden)
