@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = msgspec.to_builtins(base)
             config["stages"]["transfer"]["device"] = "cuda"
             config["store"]["checksum"] = checksum == "on"
-            config["store"]["embedded"]["capacity_bytes"] = 4 * (args.repeat + 1) * round_bytes
+            config["store"]["embedded"]["capacity_bytes"] = 2 * (args.repeat + 1) * round_bytes
             config["staging"]["slot_bytes"] = max(config["staging"]["slot_bytes"],
                                                   args.blocks * (engine.value_bytes + 8))
             path = Path(tmp) / f"cuda-{checksum}.yaml"
