@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 import anyio
 import torch
 
-from pipeline.backends.cpu_copy import runs
+from pipeline.backends.cpu_copy import gather_blocks, runs, scatter_blocks
 from pipeline.core.errors import ConfigError
 from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.integrity import seal_rows, verify_rows
@@ -93,9 +93,7 @@ class CudaCopyEngine:
                 stream.wait_event(geometry.step_event)
             ids = torch.tensor(block_ids, dtype=torch.int64).to(device, non_blocking=True)
             rows = torch.empty((len(views), stored), dtype=torch.uint8, device=device)
-            for segment in geometry.segments:
-                end = segment.offset + segment.page_bytes
-                rows[:, segment.offset : end].copy_(segment.blocks.index_select(0, ids))
+            gather_blocks(geometry.segments, ids, rows)
             for start, host in pieces:
                 host.copy_(rows[start : start + host.shape[0]], non_blocking=True)
             done.record(stream)
@@ -136,10 +134,7 @@ class CudaCopyEngine:
             if len(keep) < len(views):
                 rows = rows[torch.tensor(keep, dtype=torch.int64).to(device, non_blocking=True)]
             ids = torch.tensor([block_ids[index] for index in keep], dtype=torch.int64)
-            ids = ids.to(device, non_blocking=True)
-            for segment in geometry.segments:
-                end = segment.offset + segment.page_bytes
-                segment.blocks.index_copy_(0, ids, rows[:, segment.offset : end])
+            scatter_blocks(geometry.segments, ids.to(device, non_blocking=True), rows)
             done.record(stream)
         # The host values stay held (and unchanged) until this returns, after the copy.
         await anyio.to_thread.run_sync(done.synchronize, limiter=self._limiter)
