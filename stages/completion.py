@@ -42,4 +42,4 @@ class CompletionStage:
 
     async def process(self, job: Job) -> Reply:
         self._tracker.answered(job)  # before the reply, which reports what is still open
-        return Reply(job.session, completion_message(job), job.received_at)
+        return Reply(job.session, completion_message(job), job)

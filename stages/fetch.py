@@ -8,22 +8,28 @@ scatter, on the bytes the engine ends up holding.)
 from __future__ import annotations
 
 from pipeline.core.outcomes import BlockStatus, KeyOutcome
-from pipeline.core.seams import BatchMemory
+from pipeline.core.seams import BatchMemory, Count, count_nothing
 from pipeline.state.jobs import BlockTask, JobTracker, StagedBatch
 
 __all__ = ["FetchStage"]
 
 
 class FetchStage:
-    def __init__(self, memory: BatchMemory, tracker: JobTracker) -> None:
+    def __init__(
+        self, memory: BatchMemory, tracker: JobTracker, *, fetched: Count = count_nothing
+    ) -> None:
+        """``fetched`` hears the bytes of the values each store call brought."""
         self._memory = memory
         self._tracker = tracker
+        self._fetched = fetched
 
     async def process(self, tasks: list[BlockTask]) -> StagedBatch | None:
         values = await self._memory.fetch(
             [task.key for task in tasks], tasks[0].geometry.stored_bytes
         )
         batch, missed, outcomes = StagedBatch.split(tasks, values, BlockStatus.LOADED)
+        if batch is not None:
+            self._fetched(len(batch.views) * batch.geometry.stored_bytes)
         try:
             await self._tracker.settle_each(missed, [_as_failure(o) for o in outcomes])
         except BaseException:

@@ -131,4 +131,4 @@ class LookupStage:
 
     async def process(self, request: LookupRequest) -> Reply:
         hit = await self.hit_tokens(request.session, request.message)
-        return Reply(request.session, LookupReply(request.message.seq, hit), request.received_at)
+        return Reply(request.session, LookupReply(request.message.seq, hit), request)

@@ -11,7 +11,7 @@ import contextlib
 
 from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import LOADED, BlockStatus, KeyOutcome
-from pipeline.core.seams import CopyEngine
+from pipeline.core.seams import CopyEngine, Count, count_nothing
 from pipeline.core.store import KVStore
 from pipeline.state.events import KVEventLog
 from pipeline.state.jobs import JobTracker, StagedBatch
@@ -23,12 +23,15 @@ CHECKSUM_MISMATCH = KeyOutcome(BlockStatus.FAILED, "checksum_mismatch")
 
 class ScatterStage:
     def __init__(
-        self, store: KVStore, copy: CopyEngine, tracker: JobTracker, events: KVEventLog
+        self, store: KVStore, copy: CopyEngine, tracker: JobTracker, events: KVEventLog,
+        *, copied: Count = count_nothing,
     ) -> None:
+        """``copied`` hears the bytes of the values copied into the engine."""
         self._store = store
         self._copy = copy
         self._tracker = tracker
         self._events = events
+        self._copied = copied
 
     async def process(self, batch: StagedBatch) -> None:
         try:
@@ -36,6 +39,7 @@ class ScatterStage:
         finally:
             batch.values.release()
         corrupt = [task for task, ok in zip(batch.tasks, intact, strict=True) if not ok]
+        self._copied((len(batch.tasks) - len(corrupt)) * batch.geometry.stored_bytes)
         if corrupt:
             keys = [task.key for task in corrupt]
             with contextlib.suppress(StoreError):  # the next load finds it and tries again

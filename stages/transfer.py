@@ -7,7 +7,7 @@ flight (for at most ``yield_to_loads_ms``), so loads get the cores first.
 from __future__ import annotations
 
 from pipeline.core.outcomes import STORE_FULL, BlockStatus
-from pipeline.core.seams import BatchMemory, CopyEngine
+from pipeline.core.seams import BatchMemory, CopyEngine, Count, count_nothing
 from pipeline.state.jobs import BlockTask, JobTracker, StagedBatch, StorePressure
 
 __all__ = ["TransferStage"]
@@ -22,12 +22,15 @@ class TransferStage:
         pressure: StorePressure,
         *,
         yield_to_loads_s: float = 0.0,
+        copied: Count = count_nothing,
     ) -> None:
+        """``copied`` hears the bytes of each batch copied out of the engine."""
         self._memory = memory
         self._copy = copy
         self._tracker = tracker
         self._pressure = pressure
         self._yield_s = yield_to_loads_s
+        self._copied = copied
 
     async def process(self, tasks: list[BlockTask]) -> StagedBatch | None:
         skipped, tasks = self._pressure.split(tasks)
@@ -50,4 +53,5 @@ class TransferStage:
         except BaseException:
             values.release()
             raise
+        self._copied(len(batch.views) * batch.geometry.stored_bytes)
         return batch

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import anyio
 import torch
@@ -20,24 +20,35 @@ from pipeline.core.config import Config, StoreConfig, TransferStageConfig
 from pipeline.core.errors import ConfigError
 from pipeline.core.seams import BatchMemory, CopyEngine
 from pipeline.core.store import KVStore
-from pipeline.state.events import KVEventLog
 
 __all__ = ["Backends", "open_backends", "open_store"]
 
 
 Pin = Callable[[torch.Tensor], contextlib.AbstractContextManager[None]]
 """Page-locks host memory for device copies while entered."""
+Evicted = Callable[[Sequence[str]], None]
+"""Hears the keys a store evicted."""
+Usage = Callable[[], tuple[int, int, int]]
+"""A store's bytes used, its capacity in bytes, and its evictions so far."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenStore:
+    store: CircuitBreakerStore
+    usage: Usage | None
+    """None: the backend does not say (Mooncake's master keeps the books)."""
 
 
 @contextlib.asynccontextmanager
 async def open_store(
-    config: StoreConfig, faults: Faults | None, events: KVEventLog, pin: Pin | None = None,
-) -> AsyncIterator[CircuitBreakerStore]:
+    config: StoreConfig, faults: Faults | None, on_evicted: Evicted, pin: Pin | None = None,
+) -> AsyncIterator[OpenStore]:
     """The configured store backend behind a circuit breaker (and fault points, if any),
-    closed on exit. ``events`` hears of the embedded store's evictions; ``pin`` pins its
-    memory, which GPU blocks are copied into and out of."""
+    closed on exit. ``on_evicted`` hears of the embedded store's evictions; ``pin`` pins
+    its memory, which GPU blocks are copied into and out of."""
     with contextlib.ExitStack() as pinned:
         store: KVStore
+        usage: Usage | None = None
         call_timeout_s: float | None = config.breaker.call_timeout_s
         if config.backend == "mooncake":
             from transport.mooncake_setup import open_mooncake_store
@@ -46,10 +57,15 @@ async def open_store(
         else:
             from transport.embedded_store import EmbeddedStore
 
-            embedded = EmbeddedStore(config.embedded, on_evicted=events.removed)
+            embedded = EmbeddedStore(config.embedded, on_evicted=on_evicted)
             if pin is not None:
                 pinned.enter_context(pin(embedded.memory))
             store = embedded
+
+            def usage() -> tuple[int, int, int]:
+                stats = embedded.stats()
+                return stats.used_bytes, stats.capacity_bytes, stats.evictions
+
             call_timeout_s = None  # in-process: its calls wait on nothing outside the sidecar
         if faults is not None and faults.enabled:
             store = FaultyStore(store, faults)
@@ -60,7 +76,7 @@ async def open_store(
             reset_after_s=config.breaker.reset_after_s,
         )
         try:
-            yield guarded
+            yield OpenStore(guarded, usage)
         finally:
             with anyio.CancelScope(shield=True):
                 await guarded.aclose()
@@ -69,6 +85,9 @@ async def open_store(
 @dataclasses.dataclass(frozen=True)
 class Backends:
     store: KVStore
+    breaker: CircuitBreakerStore
+    """The breaker every store call passes (``store`` may wrap it)."""
+    usage: Usage | None
     pool: StagingPool
     memory: BatchMemory
     save_copy: CopyEngine
@@ -78,7 +97,7 @@ class Backends:
 
 @contextlib.asynccontextmanager
 async def open_backends(
-    config: Config, faults: Faults, events: KVEventLog
+    config: Config, faults: Faults, on_evicted: Evicted
 ) -> AsyncIterator[Backends]:
     staging = config.staging
     transfer = config.stages.transfer
@@ -88,7 +107,8 @@ async def open_backends(
         if transfer.device == "cuda":
             pin = _cuda_pin()
             held.enter_context(pin(pool.buffer))
-        async with open_store(config.store, faults, events, pin) as guarded:
+        async with open_store(config.store, faults, on_evicted, pin) as opened:
+            guarded = opened.store
             await guarded.register_buffer(pool.buffer)
             store: KVStore = guarded
             memory: BatchMemory
@@ -102,8 +122,8 @@ async def open_backends(
                     store = ChecksumBesideStore(
                         guarded, require=config.store.verify == "required")
                 memory = StagingMemory(pool, store, skip_when_full=transfer.overflow == "skip")
-            yield Backends(store, pool, memory, save_copy=_copy_engine(transfer),
-                           load_copy=_copy_engine(transfer))
+            yield Backends(store, guarded, opened.usage, pool, memory,
+                           save_copy=_copy_engine(transfer), load_copy=_copy_engine(transfer))
 
 
 def _copy_engine(transfer: TransferStageConfig) -> CopyEngine:

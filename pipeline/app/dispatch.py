@@ -13,8 +13,8 @@ from collections.abc import Callable
 import anyio
 import msgspec
 import structlog
-from anyio.streams.memory import MemoryObjectSendStream
 
+from pipeline.app.logs import log_request
 from pipeline.app.metrics import Metrics
 from pipeline.core.config import Config
 from pipeline.core.errors import FrameTooLarge, ProtocolError, RequestRejected
@@ -39,6 +39,7 @@ from pipeline.core.messages import (
     encode,
 )
 from pipeline.core.outcomes import BlockStatus, KeyOutcome
+from pipeline.runner import EdgeSendStream
 from pipeline.state.jobs import Job, JobTracker, LookupRequest, Reply, planned_blocks
 from pipeline.state.registry import SessionRegistry
 from pipeline.state.sessions import EngineSession
@@ -62,7 +63,7 @@ class Receiver:
         registry: SessionRegistry,
         tracker: JobTracker,
         metrics: Metrics,
-        entrance: Callable[[str], MemoryObjectSendStream[object]],
+        entrance: Callable[[str], EdgeSendStream[object]],
     ) -> None:
         self._config = config
         self._socket = socket
@@ -91,7 +92,10 @@ class Receiver:
                 message, save_credits=self._save_credits(reply.session)
             )
         await self._send(reply.session.identity, message)
-        self._metrics.replied(message, reply.received_at)
+        reply = Reply(reply.session, message, reply.request)
+        self._metrics.replied(reply)
+        if self._config.logging.requests:
+            log_request(reply)
 
     def _save_credits(self, session: EngineSession) -> int:
         """How many more saves of this engine would be queued now, not refused."""
@@ -166,7 +170,7 @@ class Receiver:
                 await self._accept_save(job)
 
     async def _enqueue(
-        self, inbox: MemoryObjectSendStream[object], item: Job | LookupRequest
+        self, inbox: EdgeSendStream[object], item: Job | LookupRequest
     ) -> None:
         """Hand a request to its path, waiting for room; if the shutdown closed the path
         meanwhile, the request is refused as shutting down instead."""
@@ -195,7 +199,7 @@ class Receiver:
             except anyio.WouldBlock:
                 self._tracker.answered(job)
         job.reports = [job.report(task, OVERLOADED) for task in planned_blocks(job)]
-        await self.send_reply(Reply(job.session, completion_message(job), job.received_at))
+        await self.send_reply(Reply(job.session, completion_message(job), job))
 
 
 def _seq(message: object) -> int:

@@ -12,14 +12,14 @@ section; the runner wires them (``pipeline.runner.Graph``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import anyio
 from rich.console import Console
 from rich.table import Table
 
 from pipeline.core.config import Config
-from pipeline.core.seams import BatchMemory, CopyEngine
+from pipeline.core.seams import BatchMemory, CopyEngine, Count
 from pipeline.core.store import KVStore
 from pipeline.runner import BatchSpec, Graph, PathSpec, StageSpec
 from pipeline.state.events import KVEventLog
@@ -54,6 +54,8 @@ class Resources:
     events: KVEventLog
     value_sizes: Mapping[str, int]
     """Bytes of a stored value under each key prefix of the engines registered."""
+    moved: Callable[[str, str], Count]
+    """What counts the bytes moved on a path (save, load) via copies or store calls."""
 
 
 Spec = StageSpec[Resources]
@@ -73,15 +75,21 @@ SAVE = (
     Spec("transfer", lambda r: TransferStage(
         r.memory, r.save_copy, r.tracker, r.pressure,
         yield_to_loads_s=r.config.stages.transfer.yield_to_loads_ms / 1000,
+        copied=r.moved("save", "copy"),
     ), "transfer"),
-    Spec("commit", lambda r: CommitStage(r.memory, r.tracker, r.pressure, r.events), "commit"),
+    Spec("commit", lambda r: CommitStage(
+        r.memory, r.tracker, r.pressure, r.events, stored=r.moved("save", "store"),
+    ), "commit"),
 )
 LOAD = (
     GROUP_FILTER,
     HASHING,
     BATCHING,
-    Spec("fetch", lambda r: FetchStage(r.memory, r.tracker), "fetch"),
-    Spec("scatter", lambda r: ScatterStage(r.store, r.load_copy, r.tracker, r.events), "scatter"),
+    Spec("fetch", lambda r: FetchStage(r.memory, r.tracker, fetched=r.moved("load", "store")),
+         "fetch"),
+    Spec("scatter", lambda r: ScatterStage(
+        r.store, r.load_copy, r.tracker, r.events, copied=r.moved("load", "copy"),
+    ), "scatter"),
 )
 LOOKUP = (Spec("lookup", lambda r: LookupStage(r.store, r.value_sizes), "lookup"),)
 

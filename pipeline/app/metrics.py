@@ -1,23 +1,90 @@
 """Prometheus metrics: what the sidecar did, block by block, and how long engines waited.
 
 One registry per sidecar (so tests can run several in a process); served over HTTP on
-loopback when ``metrics.port`` is set.
+loopback when ``metrics.port`` is set. What is only worth knowing at scrape time (queue
+depths, store fill, the breaker, the engines' layouts) is read then, by collectors.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from pipeline.core.messages import LoadDone, SaveDone, SidecarMessage
+from pipeline.core.messages import LoadDone, Lookup, LookupReply, SaveDone
+from pipeline.state.jobs import Reply
+from pipeline.state.sessions import EngineSession
 
-__all__ = ["Metrics"]
+__all__ = ["BackendGauges", "Metrics"]
 
 # Fine enough around a millisecond that a p99 can be told from twice the p50.
 _LATENCY_BUCKETS = (0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003,
                     0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2, 5)
+# An item usually waits microseconds in an edge; a backed-up one, up to seconds.
+_WAIT_BUCKETS = (0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendGauges:
+    """What the backends report when scraped (each None where a backend cannot say)."""
+
+    store_used: Callable[[], tuple[int, int, int]] | None
+    """(used bytes, capacity bytes, evictions so far)."""
+    breaker_state: Callable[[], str]
+    staging: Callable[[], tuple[int, int, int, int]]
+    """(save slots in use, save slots, load slots in use, load slots)."""
+
+
+class _Collector(Collector):
+    """Metrics computed when scraped (in the HTTP server's thread: reads only)."""
+
+    def __init__(self, backends: BackendGauges,
+                 sessions: Callable[[], Iterable[EngineSession]]) -> None:
+        self._backends = backends
+        self._sessions = sessions
+
+    def collect(self) -> Iterator[Metric]:
+        backends = self._backends
+        if backends.store_used is not None:
+            used, capacity, evictions = backends.store_used()
+            yield GaugeMetricFamily("kvsidecar_store_used_bytes", "Bytes the store holds",
+                                    value=used)
+            yield GaugeMetricFamily("kvsidecar_store_capacity_bytes",
+                                    "Bytes the store may hold", value=capacity)
+            yield CounterMetricFamily("kvsidecar_store_evictions",
+                                      "Values evicted to make room", value=evictions)
+        breaker = GaugeMetricFamily(
+            "kvsidecar_store_breaker", "The store's circuit breaker (1: its state now)",
+            labels=["state"])
+        state = backends.breaker_state()
+        for name in ("closed", "half_open", "open"):
+            breaker.add_metric([name], float(name == state))
+        yield breaker
+        staging = GaugeMetricFamily(
+            "kvsidecar_staging_slots", "Staging slots, by lane and use", labels=["lane", "use"])
+        save_used, save_slots, load_used, load_slots = backends.staging()
+        for lane, used, slots in (("save", save_used, save_slots), ("load", load_used, load_slots)):
+            staging.add_metric([lane, "used"], used)
+            staging.add_metric([lane, "total"], slots)
+        yield staging
+        groups = GaugeMetricFamily(
+            "kvsidecar_engine_group",
+            "Registered engines' kv-cache groups (1: stored, 0: ignored)",
+            labels=["engine_id", "kv_group", "kind", "block_size", "store_group"])
+        for session in list(self._sessions()):
+            layout = session.layout
+            for kv_group, group in enumerate(layout.groups):
+                store_group = layout.store_group_index(kv_group)
+                groups.add_metric(
+                    [session.engine_id, str(kv_group), str(group.kind), str(group.block_size),
+                     "" if store_group is None else str(store_group)],
+                    float(store_group is not None))
+        yield groups
 
 
 class Metrics:
@@ -35,9 +102,30 @@ class Metrics:
             "kvsidecar_blocks", "Block outcomes reported to engines", ["path", "status", "reason"],
             registry=self.registry,
         )
+        self.lookup_tokens = Counter(
+            "kvsidecar_lookup_tokens", "Tokens looked up, and of those, hit", ["kind"],
+            registry=self.registry,
+        )
         self.latency = Histogram(
             "kvsidecar_request_seconds", "From receiving a request to sending its reply",
             ["kind"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.moved = Counter(
+            "kvsidecar_bytes",
+            "Value bytes moved, counted as each copy (engine <-> values) or store call "
+            "(put, get) completes", ["path", "via"], registry=self.registry,
+        )
+        self.queued = Gauge(
+            "kvsidecar_edge_queued", "Items waiting in a stage's inbox", ["path", "stage"],
+            registry=self.registry,
+        )
+        self.edge_capacity = Gauge(
+            "kvsidecar_edge_capacity", "The bound of a stage's inbox", ["path", "stage"],
+            registry=self.registry,
+        )
+        self.waited = Histogram(
+            "kvsidecar_edge_wait_seconds", "How long items waited in a stage's inbox",
+            ["path", "stage"], buckets=_WAIT_BUCKETS, registry=self.registry,
         )
         self.sessions = Gauge(
             "kvsidecar_sessions", "Registered engines", registry=self.registry
@@ -61,8 +149,26 @@ class Metrics:
             registry=self.registry,
         )
 
-    def replied(self, message: SidecarMessage, received_at: float) -> None:
-        """Count a completion's blocks and how long its engine waited."""
+    def watch(self, backends: BackendGauges,
+              sessions: Callable[[], Iterable[EngineSession]]) -> None:
+        """Read the backends and the registered engines at every scrape."""
+        self.registry.register(_Collector(backends, sessions))
+
+    def watch_edge(self, path: str, stage: str, size: int, queued: Callable[[], int]
+                   ) -> Callable[[float], None]:
+        """Report an edge's depth at every scrape; returns what observes its waits."""
+        self.queued.labels(path, stage).set_function(queued)
+        self.edge_capacity.labels(path, stage).set(size)
+        return self.waited.labels(path, stage).observe
+
+    def mover(self, path: str, via: str) -> Callable[[int], None]:
+        """What counts bytes moved on ``path`` (save, load) ``via`` (copy, store)."""
+        return self.moved.labels(path, via).inc
+
+    def replied(self, reply: Reply) -> None:
+        """Count a completion's blocks, a lookup's tokens, and how long the engine
+        waited."""
+        message = reply.message
         if isinstance(message, SaveDone | LoadDone):
             path = "save" if isinstance(message, SaveDone) else "load"
             # Reasons may carry details ("size_mismatch: ..."): label only their kind.
@@ -73,7 +179,10 @@ class Metrics:
                 self.blocks.labels(path, status, reason).inc(count)
         else:
             path = "lookup"
-        self.latency.labels(path).observe(time.monotonic() - received_at)
+            if isinstance(message, LookupReply) and isinstance(reply.request.message, Lookup):
+                self.lookup_tokens.labels("queried").inc(len(reply.request.message.token_ids))
+                self.lookup_tokens.labels("hit").inc(message.hit_tokens)
+        self.latency.labels(path).observe(time.monotonic() - reply.received_at)
 
     def serve(self, host: str, port: int) -> None:
         """Expose /metrics over HTTP (a daemon thread of prometheus_client)."""

@@ -21,14 +21,14 @@ from anyio.abc import TaskStatus
 from pipeline.app.backends import Backends, open_backends
 from pipeline.app.dispatch import Receiver
 from pipeline.app.graph import COMPLETION_PATHS, Resources, build_graph
-from pipeline.app.metrics import Metrics
+from pipeline.app.metrics import BackendGauges, Metrics
 from pipeline.backends.faults import Faults
 from pipeline.core.config import Config
 from pipeline.core.errors import StoreError
 from pipeline.core.keys import ValueFormat
 from pipeline.core.messages import CudaIpcEvent, TensorHandle
 from pipeline.state.events import KVEventLog
-from pipeline.state.jobs import Failable, JobTracker, Reply, StorePressure
+from pipeline.state.jobs import Failable, JobTracker, Reply, StorePressure, mark_done
 from pipeline.state.registry import LayerTensors, SessionRegistry
 from stages.completion import CompletionStage
 from transport.events import EventPublisher
@@ -90,14 +90,31 @@ class Sidecar:
         )
         self.graph = build_graph(config)
         self.tracker = JobTracker(*(self.graph.entrance(name) for name in COMPLETION_PATHS))
-        self.metrics = Metrics()
-        self.metrics.open_jobs.set_function(lambda: self.tracker.open_jobs)
-        self.metrics.withheld_slots.set_function(lambda: pool.withheld)
-        self.metrics.events_dropped.set_function(lambda: events.dropped)
+        self.metrics = self._metrics()
         self.receiver = Receiver(
             config, socket, self.registry, self.tracker, self.metrics, self.graph.entrance
         )
         self.socket = socket
+
+    def _metrics(self) -> Metrics:
+        metrics = Metrics()
+        pool = self.backends.pool
+        metrics.open_jobs.set_function(lambda: self.tracker.open_jobs)
+        metrics.withheld_slots.set_function(lambda: pool.withheld)
+        metrics.events_dropped.set_function(lambda: self.events.dropped)
+        save_slots = pool.slots - pool.load_slots
+        metrics.watch(
+            BackendGauges(
+                store_used=self.backends.usage,
+                breaker_state=lambda: str(self.backends.breaker.state),
+                staging=lambda: (save_slots - pool.free_slots("save"), save_slots,
+                                 pool.load_slots - pool.free_slots("load"), pool.load_slots),
+            ),
+            lambda: self.registry.sessions.values(),
+        )
+        for path, stage, edge in self.graph.inboxes():
+            edge.on_wait(metrics.watch_edge(path, stage, edge.size, edge.queued))
+        return metrics
 
     def _resources(self) -> Resources:
         backends = self.backends
@@ -113,6 +130,7 @@ class Sidecar:
             slot_bytes=backends.pool.slot_bytes,
             events=self.events,
             value_sizes=self.registry.value_sizes,
+            moved=self.metrics.mover,
         )
 
     async def _fail_item(self, item: Failable, error: StoreError) -> Reply | None:
@@ -165,6 +183,7 @@ class Sidecar:
                     await self.graph.run(
                         self._resources(), sink=receiver.send_reply,
                         on_failure=self._fail_item, before=self._fault_point,
+                        on_done=mark_done,
                     )
                 drained.set()
 
@@ -212,7 +231,7 @@ async def run_sidecar(
     torch.set_num_threads(1)
     faults = Faults(config.faults)
     events = KVEventLog(config.events)
-    async with open_backends(config, faults, events) as backends:
+    async with open_backends(config, faults, on_evicted=events.removed) as backends:
         with open_server_socket(config.server) as socket:
             sidecar = Sidecar(config, backends, socket, faults, events)
             await sidecar.run(stop, task_status=task_status)

@@ -280,6 +280,8 @@ class LoggingConfig(_Section, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
     """``auto``: JSON when stderr is not a terminal."""
+    requests: bool = True
+    """One ``request.done`` line per completed request, at info level."""
 
 
 class Config(_Section, frozen=True):

@@ -11,7 +11,7 @@ A stage calls these and never asks which backend it has.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -19,7 +19,14 @@ import torch
 from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.outcomes import KeyOutcome
 
-__all__ = ["BatchMemory", "CopyEngine", "Hold", "Values"]
+__all__ = ["BatchMemory", "CopyEngine", "Count", "Hold", "Values", "count_nothing"]
+
+Count = Callable[[int], None]
+"""Hears a number of bytes (moved, say)."""
+
+
+def count_nothing(count: int) -> None:
+    pass
 
 
 class Hold(Protocol):

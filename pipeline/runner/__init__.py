@@ -1,15 +1,18 @@
 """The stage runner: bounded typed edges, workers, the batcher, and the declared graph."""
 
-from pipeline.runner.edges import Edge, create_edge
+from pipeline.runner.edges import Edge, EdgeReceiveStream, EdgeSendStream, create_edge
 from pipeline.runner.graph import BatchSpec, Graph, GraphRow, PathSpec, StageSpec
-from pipeline.runner.stages import Batching, Sink, Stage, run_batcher, start_stage
+from pipeline.runner.stages import Batching, OnDone, Sink, Stage, run_batcher, start_stage
 
 __all__ = [
     "BatchSpec",
     "Batching",
     "Edge",
+    "EdgeReceiveStream",
+    "EdgeSendStream",
     "Graph",
     "GraphRow",
+    "OnDone",
     "PathSpec",
     "Sink",
     "Stage",

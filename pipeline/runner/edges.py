@@ -1,17 +1,108 @@
-"""Edges: the bounded streams between stages, each with a named end per side."""
+"""Edges: the bounded streams between stages, each with a named end per side.
+
+Every item is stamped when it is sent, so the edge knows how long each item waited
+in it (``Edge.on_wait`` hears each wait, in seconds, as the item is taken out).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Generic, TypeVar
+import time
+from collections.abc import Callable
+from typing import Generic, Self, TypeVar
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.streams.memory import (
+    MemoryObjectReceiveStream,
+    MemoryObjectSendStream,
+    MemoryObjectStreamStatistics,
+)
 
-__all__ = ["Edge", "create_edge"]
+__all__ = ["Edge", "EdgeReceiveStream", "EdgeSendStream", "create_edge"]
 
 T = TypeVar("T")
+Stamped = tuple[float, T]
+
+
+def _ignore(seconds: float) -> None:
+    pass
+
+
+class _Closing:
+    """``with stream:`` closes it, as anyio's memory streams do."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+@dataclasses.dataclass(slots=True)
+class _Waits:
+    """Where an edge's waits go; shared by every clone of its receiving end."""
+
+    observe: Callable[[float], None] = _ignore
+
+
+class EdgeSendStream(_Closing, ObjectSendStream[T]):
+    """An edge's sending end: a memory object stream that stamps what it sends."""
+
+    def __init__(self, stream: MemoryObjectSendStream[Stamped[T]]) -> None:
+        self._stream = stream
+
+    async def send(self, item: T) -> None:
+        await self._stream.send((time.monotonic(), item))
+
+    def send_nowait(self, item: T) -> None:
+        self._stream.send_nowait((time.monotonic(), item))
+
+    def clone(self) -> EdgeSendStream[T]:
+        return EdgeSendStream(self._stream.clone())
+
+    def close(self) -> None:
+        self._stream.close()
+
+    async def aclose(self) -> None:
+        self._stream.close()
+
+    def statistics(self) -> MemoryObjectStreamStatistics:
+        return self._stream.statistics()
+
+
+class EdgeReceiveStream(_Closing, ObjectReceiveStream[T]):
+    """An edge's receiving end: reports each item's wait as it takes it out."""
+
+    def __init__(self, stream: MemoryObjectReceiveStream[Stamped[T]], waits: _Waits) -> None:
+        self._stream = stream
+        self._waits = waits
+
+    async def receive(self) -> T:
+        sent_at, item = await self._stream.receive()
+        self._waits.observe(time.monotonic() - sent_at)
+        return item
+
+    def receive_nowait(self) -> T:
+        sent_at, item = self._stream.receive_nowait()
+        self._waits.observe(time.monotonic() - sent_at)
+        return item
+
+    def clone(self) -> EdgeReceiveStream[T]:
+        return EdgeReceiveStream(self._stream.clone(), self._waits)
+
+    def close(self) -> None:
+        self._stream.close()
+
+    async def aclose(self) -> None:
+        self._stream.close()
+
+    def statistics(self) -> MemoryObjectStreamStatistics:
+        return self._stream.statistics()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -19,9 +110,18 @@ class Edge(Generic[T]):
     """A bounded stream from one stage to the next: the producer's ``outbox``, the
     consumer's ``inbox``."""
 
-    outbox: MemoryObjectSendStream[T]
-    inbox: MemoryObjectReceiveStream[T]
+    outbox: EdgeSendStream[T]
+    inbox: EdgeReceiveStream[T]
     size: int
+    _waits: _Waits
+
+    def queued(self) -> int:
+        """Items sent and not yet taken out."""
+        return self.outbox.statistics().current_buffer_used
+
+    def on_wait(self, observe: Callable[[float], None]) -> None:
+        """Hear how long each item waited in the edge (seconds), as it is taken out."""
+        self._waits.observe = observe
 
     def close(self) -> None:
         self.outbox.close()
@@ -32,5 +132,6 @@ def create_edge(size: int) -> Edge[T]:
     """A bounded edge (``size`` comes from config, never infinite)."""
     if not 0 < size < math.inf:
         raise ValueError(f"edge size must be finite and positive, got {size}")
-    outbox, inbox = anyio.create_memory_object_stream[T](max_buffer_size=size)
-    return Edge(outbox, inbox, size)
+    outbox, inbox = anyio.create_memory_object_stream[Stamped[T]](max_buffer_size=size)
+    waits = _Waits()
+    return Edge(EdgeSendStream(outbox), EdgeReceiveStream(inbox, waits), size, waits)

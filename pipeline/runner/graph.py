@@ -15,11 +15,18 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectSendStream
 
 from pipeline.core.config import StageConfig, StagesConfig
-from pipeline.runner.edges import Edge, create_edge
-from pipeline.runner.stages import Batching, OnFailure, Sink, Stage, run_batcher, start_stage
+from pipeline.runner.edges import Edge, EdgeSendStream, create_edge
+from pipeline.runner.stages import (
+    Batching,
+    OnDone,
+    OnFailure,
+    Sink,
+    Stage,
+    run_batcher,
+    start_stage,
+)
 
 __all__ = ["BatchSpec", "Graph", "GraphRow", "PathSpec", "StageSpec"]
 
@@ -90,9 +97,17 @@ class Graph(Generic[R]):
             for path in self._paths
         }
 
-    def entrance(self, path: str) -> MemoryObjectSendStream[Any]:
+    def entrance(self, path: str) -> EdgeSendStream[Any]:
         """Where the path's items go in (its first stage's inbox)."""
         return self._edges[path][0].outbox
+
+    def inboxes(self) -> list[tuple[str, str, Edge[Any]]]:
+        """``(path, stage, edge)``: every stage's inbox, for watching queue depths."""
+        return [
+            (path.name, spec.name, edge)
+            for path in self._paths
+            for spec, edge in zip(path.stages, self._edges[path.name], strict=True)
+        ]
 
     def rows(self) -> list[GraphRow]:
         rows = []
@@ -120,27 +135,32 @@ class Graph(Generic[R]):
         sink: Sink,
         on_failure: OnFailure,
         before: Callable[[str], Callable[[], Awaitable[None]] | None] = lambda point: None,
+        on_done: OnDone | None = None,
     ) -> None:
         """Run every stage until the paths' entrances close and they have drained.
 
         ``before(point)`` gives the fault point run ahead of each item of stage
-        ``stage.<name>`` (None: none)."""
+        ``stage.<name>`` (None: none); ``on_done("path.stage", item)`` hears each item a
+        stage has processed."""
         fed = [path for path in self._paths if path.fed_by_stages]
+        start = functools.partial(self._start, resources=resources, sink=sink,
+                                  on_failure=on_failure, before=before, on_done=on_done)
         async with anyio.create_task_group() as outer:
             for path in fed:
-                self._start(outer, path, resources, sink, on_failure, before)
+                start(outer, path)
             async with anyio.create_task_group() as tg:
                 for path in self._paths:
                     if not path.fed_by_stages:
-                        self._start(tg, path, resources, sink, on_failure, before)
+                        start(tg, path)
             # Every other stage has drained: nothing can feed these paths any more.
             for path in fed:
                 self.entrance(path.name).close()
 
     def _start(
-        self, tg: TaskGroup, path: PathSpec[R], resources: R, sink: Sink,
+        self, tg: TaskGroup, path: PathSpec[R], *, resources: R, sink: Sink,
         on_failure: OnFailure,
         before: Callable[[str], Callable[[], Awaitable[None]] | None],
+        on_done: OnDone | None,
     ) -> None:
         edges = self._edges[path.name]
         for index, spec in enumerate(path.stages):
@@ -163,6 +183,6 @@ class Graph(Generic[R]):
             start_stage(
                 tg, name, spec.build(resources).process, inbox, outbox, workers=self._workers(spec),
                 on_failure=on_failure, before=before(f"stage.{spec.name}"),
-                sink=sink if path.replies and outbox is None else None,
+                sink=sink if path.replies and outbox is None else None, on_done=on_done,
             )
 

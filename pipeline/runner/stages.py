@@ -12,11 +12,11 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pipeline.core.errors import StoreError
+from pipeline.runner.edges import EdgeReceiveStream, EdgeSendStream
 
-__all__ = ["Batching", "OnFailure", "Sink", "Stage", "run_batcher", "start_stage"]
+__all__ = ["Batching", "OnDone", "OnFailure", "Sink", "Stage", "run_batcher", "start_stage"]
 
 In = TypeVar("In", contravariant=True)
 Out = TypeVar("Out", covariant=True)
@@ -54,6 +54,9 @@ OnFailure = Callable[[Any, StoreError], Awaitable[Any]]
 output for that item (None: nothing)."""
 Sink = Callable[[Any], Awaitable[None]]
 """Where a path's last outputs go (replies to engines)."""
+OnDone = Callable[[str, Any], None]
+"""Hears ``(stage, item)`` each time a stage has processed an item (before its output
+is passed on): how requests are traced through the stages."""
 
 
 def _guarded(process: Process, on_failure: OnFailure | None,
@@ -77,10 +80,22 @@ def _guarded(process: Process, on_failure: OnFailure | None,
     return guarded
 
 
+def _traced(process: Process, name: str, on_done: OnDone | None) -> Process:
+    if on_done is None:
+        return process
+
+    async def traced(item: Any) -> Any:
+        result = await process(item)
+        on_done(name, item)
+        return result
+
+    return traced
+
+
 async def _worker(
     process: Process,
-    inbox: MemoryObjectReceiveStream[Any],
-    outbox: MemoryObjectSendStream[Any] | None,
+    inbox: EdgeReceiveStream[Any],
+    outbox: EdgeSendStream[Any] | None,
     sink: Sink | None,
 ) -> None:
     async with inbox:
@@ -101,21 +116,22 @@ def start_stage(
     tg: TaskGroup,
     name: str,
     process: Process,
-    inbox: MemoryObjectReceiveStream[Any],
-    outbox: MemoryObjectSendStream[Any] | None,
+    inbox: EdgeReceiveStream[Any],
+    outbox: EdgeSendStream[Any] | None,
     *,
     workers: int = 1,
     on_failure: OnFailure | None = None,
     before: Callable[[], Awaitable[None]] | None = None,
     sink: Sink | None = None,
+    on_done: OnDone | None = None,
 ) -> None:
     """Run ``workers`` copies of a stage; the originals of both streams are closed here.
 
     ``before`` runs ahead of every item (a fault point); ``on_failure(item, error)``
-    answers an item whose processing met a store error. Without an outbox, outputs go
-    to ``sink`` (if any).
+    answers an item whose processing met a store error; ``on_done(name, item)`` hears
+    each item processed. Without an outbox, outputs go to ``sink`` (if any).
     """
-    guarded = _guarded(process, on_failure, before)
+    guarded = _traced(_guarded(process, on_failure, before), name, on_done)
     for index in range(workers):
         tg.start_soon(
             _worker, guarded, inbox.clone(), outbox.clone() if outbox else None, sink,
@@ -127,8 +143,8 @@ def start_stage(
 
 
 async def run_batcher(
-    inbox: MemoryObjectReceiveStream[list[Item]],
-    outbox: MemoryObjectSendStream[list[Item]],
+    inbox: EdgeReceiveStream[list[Item]],
+    outbox: EdgeSendStream[list[Item]],
     *,
     group_of: Callable[[Item], Hashable],
     limit_of: Callable[[Item], int],

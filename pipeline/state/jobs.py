@@ -35,17 +35,22 @@ __all__ = [
     "StagedBatch",
     "StorePressure",
     "TaskBatch",
+    "mark_done",
     "planned_blocks",
 ]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reply:
-    """A message for one engine, and when the request it answers was received."""
+    """A message for one engine, and the request it answers."""
 
     session: EngineSession
     message: SidecarMessage
-    received_at: float
+    request: Job | LookupRequest
+
+    @property
+    def received_at(self) -> float:
+        return self.request.received_at
 
 
 class Failable(Protocol):
@@ -83,6 +88,8 @@ class Job:
     pending: int = 0
     done: bool = False
     received_at: float = dataclasses.field(default_factory=time.monotonic)
+    marks: dict[str, float] = dataclasses.field(default_factory=dict)
+    """When each stage last finished a part of the job (``path.stage``: monotonic s)."""
 
     @property
     def is_load(self) -> bool:
@@ -189,10 +196,25 @@ class LookupRequest:
     session: EngineSession
     message: Lookup
     received_at: float = dataclasses.field(default_factory=time.monotonic)
+    marks: dict[str, float] = dataclasses.field(default_factory=dict)
+    """As ``Job.marks``."""
 
     async def fail(self, error: StoreError, tracker: JobTracker) -> Reply:
         """A lookup the store could not answer is a miss."""
-        return Reply(self.session, LookupReply(self.message.seq, 0), self.received_at)
+        return Reply(self.session, LookupReply(self.message.seq, 0), self)
+
+
+def mark_done(stage: str, item: object) -> None:
+    """Note that ``stage`` has finished its part of the requests ``item`` carries (a job,
+    a lookup, or a batch of blocks of one or more jobs)."""
+    now = time.monotonic()
+    if isinstance(item, Job | LookupRequest):
+        item.marks[stage] = now
+        return
+    tasks = item.tasks if isinstance(item, StagedBatch) else item
+    if isinstance(tasks, list):
+        for job in {task.job for task in tasks if isinstance(task, BlockTask)}:
+            job.marks[stage] = now
 
 
 class JobTracker:

@@ -8,6 +8,8 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+import structlog
+
 from pipeline.core.errors import ProtocolError
 from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.hashing import RequestHasher, group_block_hashes
@@ -45,6 +47,8 @@ class EngineSession:
         mapping: TensorMapping | None = None,
     ) -> None:
         self.engine_id = engine_id
+        self.log = structlog.get_logger("kvsidecar.requests").bind(engine_id=engine_id)
+        """Logs about this engine's requests, with its id bound."""
         self.identity = identity
         self.layout = layout
         self.store_groups = store_groups

@@ -9,9 +9,8 @@ import torch
 
 from pipeline.app.backends import open_backends
 from pipeline.backends.faults import Faults
-from pipeline.core.config import Config, EventsConfig, FaultsConfig
+from pipeline.core.config import Config, FaultsConfig
 from pipeline.core.errors import ConfigError
-from pipeline.state.events import KVEventLog
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a host without a GPU")
@@ -23,5 +22,5 @@ async def test_cuda_copies_are_refused_at_start_without_a_gpu() -> None:
     config = msgspec.structs.replace(
         config, stages=msgspec.structs.replace(config.stages, transfer=transfer))
     with pytest.raises(ConfigError, match=r"stages\.transfer\.device is cuda, but torch"):
-        async with open_backends(config, Faults(FaultsConfig()), KVEventLog(EventsConfig())):
+        async with open_backends(config, Faults(FaultsConfig()), on_evicted=print):
             pass
