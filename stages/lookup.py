@@ -4,6 +4,9 @@ The prompt is hashed and checked in growing chunks: a miss in a full-attention g
 bounds every possible hit, so a miss costs one small chunk, not the whole prompt.
 Hashing runs inline, yielding to the event loop between chunks (no thread hop). When
 the engine sends its own block hashes there is nothing to hash: one query checks all.
+
+Asked to explain, the stage also checks every full block of every stored group and asks
+the block history why each one absent is absent.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from pipeline.core.hashing import RequestHasher, group_block_hashes
 from pipeline.core.hitrule import longest_hit, max_hit_tokens
 from pipeline.core.keys import keys_for
 from pipeline.core.layout import GroupKind
-from pipeline.core.messages import Lookup, LookupReply
+from pipeline.core.messages import BlockWhy, Lookup, LookupReply
 from pipeline.core.store import KVStore, Presence
+from pipeline.state.history import BlockHistory, content_prints
 from pipeline.state.jobs import LookupRequest, Reply
 from pipeline.state.sessions import EngineSession
 
@@ -38,11 +42,17 @@ def _leading_present(presence: Sequence[Presence]) -> int:
 
 
 class LookupStage:
-    def __init__(self, store: KVStore, value_sizes: Mapping[str, int]) -> None:
+    def __init__(
+        self, store: KVStore, value_sizes: Mapping[str, int],
+        history: BlockHistory | None = None,
+    ) -> None:
         """``value_sizes``: the stored bytes of a value under each key prefix, as the
-        engines registered them; a key under a prefix of unknown size is a miss."""
+        engines registered them; a key under a prefix of unknown size is a miss.
+        ``history`` explains absent blocks (without it every absent block is
+        never_stored)."""
         self._store = store
         self._value_sizes = value_sizes
+        self._history = history or BlockHistory(0)
 
     async def hit_tokens(self, session: EngineSession, message: Lookup) -> int:
         bound = max_hit_tokens(session.layout, len(message.token_ids))
@@ -129,6 +139,46 @@ class LookupStage:
             layout, bound, lambda g, b: b < len(present[g]) and present[g][b]
         )
 
+    async def explain(self, session: EngineSession, message: Lookup) -> tuple[BlockWhy, ...]:
+        """Every full block of every stored group: present, or why not."""
+        hbs = session.layout.hash_block_size
+        tokens = message.token_ids
+        fine = (message.block_hashes if message.block_hashes is not None
+                else session.new_hasher(message.keys).extend(tokens))
+        blocks: list[tuple[int, int, bytes, int]] = []  # (store group, block, hash, key index)
+        keys: list[str] = []
+        sizes: list[int] = []
+        for g, geometry in enumerate(session.store_groups):
+            k = geometry.group.block_size // hbs
+            hashes = group_block_hashes(fine[: len(fine) // k * k], hbs, geometry.group.block_size)
+            for j, block_hash in enumerate(hashes):
+                blocks.append((g, j, block_hash, len(keys)))
+                for prefix in geometry.keys.lookup:
+                    keys.extend(keys_for(prefix, (block_hash,)))
+                    sizes.append(self._value_sizes.get(prefix, 0))
+        try:
+            presence = await self._store.exists(keys, sizes)
+        except StoreError as exc:
+            return tuple(BlockWhy(session.store_groups[g].kv_group_id, j, h, "unknown",
+                                  f"the store cannot say: {exc}") for g, j, h, _ in blocks)
+        ends = [(j + 1) * session.store_groups[g].group.block_size for g, j, _, _ in blocks]
+        prints = content_prints(tokens, ends) if len(tokens) else {}
+        explained = []
+        for (g, j, block_hash, first), end in zip(blocks, ends, strict=True):
+            geometry = session.store_groups[g]
+            # Every rank namespace must hold the block: the first that does not, says why.
+            shard = next((s for s in range(len(geometry.keys.lookup))
+                          if presence[first + s] is not Presence.PRESENT), 0)
+            content = (prints[end], end) if end in prints else None
+            verdict, reason, age_s = self._history.why(
+                keys[first + shard], geometry.keys.lookup[shard], (g, block_hash),
+                presence[first + shard], content, message.keys)
+            explained.append(BlockWhy(geometry.kv_group_id, j, block_hash, verdict, reason,
+                                      round(age_s, 3)))
+        return tuple(explained)
+
     async def process(self, request: LookupRequest) -> Reply:
-        hit = await self.hit_tokens(request.session, request.message)
-        return Reply(request.session, LookupReply(request.message.seq, hit), request)
+        session, message = request.session, request.message
+        hit = await self.hit_tokens(session, message)
+        explained = await self.explain(session, message) if message.explain else None
+        return Reply(session, LookupReply(message.seq, hit, explain=explained), request)

@@ -16,7 +16,7 @@ import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import anyio
 import anyio.from_thread
@@ -31,10 +31,12 @@ from pipeline.core.layout import KVCacheLayout
 from pipeline.core.messages import (
     SIDECAR_HASH_ALGO,
     BlockReport,
+    BlockWhy,
     CudaIpcEvent,
     EngineMessage,
     ErrorCode,
     ErrorReply,
+    Explain,
     HashSelfTest,
     Heartbeat,
     Load,
@@ -56,7 +58,7 @@ from pipeline.core.outcomes import BlockStatus
 from transport.sockets import FastSocket
 from transport.tensors import tensor_handle
 
-__all__ = ["BlockingEngineClient", "EngineClient", "LoadResult", "SaveResult"]
+__all__ = ["BlockingEngineClient", "EngineClient", "Explanation", "LoadResult", "SaveResult"]
 
 KVCacheShape = Literal["blocks_first", "kv_first"]
 BlockHasher = Callable[[Sequence[int], int], list[bytes]]
@@ -84,6 +86,15 @@ class LoadResult:
     loaded_tokens: int
     invalid_block_ids: tuple[int, ...]
     blocks: tuple[BlockReport, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """A lookup's hit and, for every full block of every stored group, why it is or is
+    not a hit."""
+
+    hit_tokens: int
+    blocks: tuple[BlockWhy, ...]
 
 
 def _request_keys(
@@ -172,8 +183,6 @@ class EngineClient(AsyncResource):
         engine's public and secret keys, all Z85) connect to a sidecar that has CURVE on;
         ``transport.server.load_key_pair`` reads a pair from a ``kvsidecar keygen`` file.
         """
-        if (curve_server_key is None) != (curve_key_pair is None):
-            raise ConfigError("curve_server_key and curve_key_pair must be given together")
         if not isinstance(layout, KVCacheLayout):
             layout = KVCacheLayout.from_dict(layout)
         payload = {layer for layers in layout.payload_layers for layer in layers}
@@ -188,24 +197,7 @@ class EngineClient(AsyncResource):
         hasher = block_hasher or (lambda t, size: block_hashes(t, size, seed=hash_seed))
         self_test = HashSelfTest(tokens, tuple(hasher(tokens, layout.hash_block_size)))
         engine_id = engine_id or f"engine-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-        context = zmq.asyncio.Context()
-        socket = context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SNDHWM, 1000)
-        socket.setsockopt(zmq.RCVHWM, 1000)
-        socket.setsockopt(zmq.IDENTITY, engine_id.encode())
-        if curve_server_key is not None and curve_key_pair is not None:
-            try:
-                socket.setsockopt(zmq.CURVE_SERVERKEY, _key_bytes(curve_server_key))
-                socket.setsockopt(zmq.CURVE_PUBLICKEY, _key_bytes(curve_key_pair[0]))
-                socket.setsockopt(zmq.CURVE_SECRETKEY, _key_bytes(curve_key_pair[1]))
-            except zmq.ZMQError as exc:
-                socket.close(0)
-                context.term()
-                raise ConfigError(f"invalid CURVE key (Z85, 40 characters): {exc}") from exc
-        socket.connect(endpoint)
-        client = cls(socket, context, timeout_s, curve=curve_server_key is not None)
+        client = cls._connect(endpoint, engine_id, timeout_s, curve_server_key, curve_key_pair)
         client._step = step
         registration = Register(engine_id, layout.to_dict(), handles, self_test, hash_seed,
                                 hash_algo=hash_algo, lookup_only=lookup_only,
@@ -220,6 +212,58 @@ class EngineClient(AsyncResource):
         client._registration = registration
         return client
 
+    @classmethod
+    def _connect(
+        cls, endpoint: str, identity: str, timeout_s: float,
+        curve_server_key: str | bytes | None,
+        curve_key_pair: tuple[str | bytes, str | bytes] | None,
+    ) -> EngineClient:
+        """A client on a connected DEALER socket, not registered."""
+        if (curve_server_key is None) != (curve_key_pair is None):
+            raise ConfigError("curve_server_key and curve_key_pair must be given together")
+        context = zmq.asyncio.Context()
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, 1000)
+        socket.setsockopt(zmq.RCVHWM, 1000)
+        socket.setsockopt(zmq.IDENTITY, identity.encode())
+        if curve_server_key is not None and curve_key_pair is not None:
+            try:
+                socket.setsockopt(zmq.CURVE_SERVERKEY, _key_bytes(curve_server_key))
+                socket.setsockopt(zmq.CURVE_PUBLICKEY, _key_bytes(curve_key_pair[0]))
+                socket.setsockopt(zmq.CURVE_SECRETKEY, _key_bytes(curve_key_pair[1]))
+            except zmq.ZMQError as exc:
+                socket.close(0)
+                context.term()
+                raise ConfigError(f"invalid CURVE key (Z85, 40 characters): {exc}") from exc
+        socket.connect(endpoint)
+        return cls(socket, context, timeout_s, curve=curve_server_key is not None)
+
+    @classmethod
+    async def explain_for(
+        cls,
+        endpoint: str,
+        *,
+        engine_id: str = "",
+        token_ids: Sequence[int] = (),
+        block_hashes: Sequence[bytes] | None = None,
+        timeout_s: float = 30.0,
+        curve_server_key: str | bytes | None = None,
+        curve_key_pair: tuple[str | bytes, str | bytes] | None = None,
+        **request_keys: Any,
+    ) -> Explanation:
+        """Why a prompt (its tokens, or only its block hashes) hits or misses, as the
+        registered engine ``engine_id`` ("": the only one) sees it. Needs no registration
+        of its own: an operator's tool."""
+        identity = f"explain-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        async with cls._connect(endpoint, identity, timeout_s, curve_server_key,
+                                curve_key_pair) as client:
+            reply = await client._call(1, Explain(
+                1, engine_id, pack_tokens(list(token_ids)), _request_keys(**request_keys),
+                _hashes(block_hashes)))
+        assert isinstance(reply, LookupReply)
+        return Explanation(reply.hit_tokens, reply.explain or ())
+
     async def run_heartbeats(self, interval_s: float = 5.0) -> None:
         """Send a heartbeat every ``interval_s`` until cancelled, so an idle engine is not
         reaped (any request counts as one too). Run it in the engine's task group."""
@@ -228,6 +272,20 @@ class EngineClient(AsyncResource):
             with contextlib.suppress(TransportError, RequestRejected):
                 await self.heartbeat()
 
+    @overload
+    async def lookup(
+        self, token_ids: Sequence[int], *, request_id: str | None = None,
+        block_hashes: Sequence[bytes] | None = None, timeout_s: float | None = None,
+        explain: Literal[False] = False, **request_keys: Any,
+    ) -> int: ...
+
+    @overload
+    async def lookup(
+        self, token_ids: Sequence[int], *, request_id: str | None = None,
+        block_hashes: Sequence[bytes] | None = None, timeout_s: float | None = None,
+        explain: Literal[True], **request_keys: Any,
+    ) -> Explanation: ...
+
     async def lookup(
         self,
         token_ids: Sequence[int],
@@ -235,8 +293,9 @@ class EngineClient(AsyncResource):
         request_id: str | None = None,
         block_hashes: Sequence[bytes] | None = None,
         timeout_s: float | None = None,
+        explain: bool = False,
         **request_keys: Any,
-    ) -> int:
+    ) -> int | Explanation:
         """Tokens from the start of the request that can be loaded (a multiple of the
         alignment, never the last token). ``timeout_s`` overrides the client's, as in
         ``save`` and ``load``.
@@ -245,13 +304,17 @@ class EngineClient(AsyncResource):
         ``request.block_hashes``), sparing the sidecar the hashing; optional everywhere.
         ``request_id``: the sidecar keeps this request's hashes for its next lookup, load
         and save, so a request looked up again and again is hashed once.
+        ``explain``: return an ``Explanation`` instead: the hit, and block by block why
+        each is or is not a hit.
         """
         seq = next(self._seq)
         message = Lookup(seq, pack_tokens(token_ids), _request_keys(**request_keys),
-                         _hashes(block_hashes), request_id)
+                         _hashes(block_hashes), request_id, explain=explain)
         reply = await self._call(seq, message, timeout_s)
         assert isinstance(reply, LookupReply)
         self.save_credits = reply.save_credits
+        if explain:
+            return Explanation(reply.hit_tokens, reply.explain or ())
         return reply.hit_tokens
 
     async def save(
@@ -429,7 +492,8 @@ class BlockingEngineClient:
         return self._client.registered
 
     def lookup(self, token_ids: Sequence[int], **request_keys: Any) -> int:
-        return self._portal.call(lambda: self._client.lookup(token_ids, **request_keys))
+        hit: int = self._portal.call(lambda: self._client.lookup(token_ids, **request_keys))
+        return hit
 
     def save(self, request_id: str, token_ids: Sequence[int],
              block_ids: Sequence[Sequence[int]], **request_keys: Any) -> SaveResult:

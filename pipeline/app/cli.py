@@ -1,4 +1,4 @@
-"""``kvsidecar``: serve, demo, engine-sim, status, graph, keygen.
+"""``kvsidecar``: serve, demo, engine-sim, status, explain, graph, bench, keygen.
 
 Exit codes: 0 clean shutdown (or a demo whose every byte verified), 1 failure at run
 time, 2 bad configuration or arguments.
@@ -80,6 +80,11 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--metrics-url", default="http://127.0.0.1:9400/metrics",
                         help="the sidecar's metrics endpoint (metrics.host and metrics.port)")
 
+    from pipeline.app.explain import add_explain_arguments
+
+    add_explain_arguments(commands.add_parser(
+        "explain", help="why a prompt hits or misses, block by block"))
+
     graph = commands.add_parser("graph", help="the stage graph a config wires, as a table")
     graph.add_argument("--config", help="YAML config (default: built-in defaults)")
 
@@ -124,6 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             show_status(args.metrics_url)
             return EXIT_OK
+        if args.command == "explain":
+            from pipeline.app.explain import run_explain
+
+            return run_explain(args)
         if args.command == "graph":
             from pipeline.app.graph import show_graph
 

@@ -24,6 +24,7 @@ from pipeline.core.messages import (
     EngineMessage,
     ErrorCode,
     ErrorReply,
+    Explain,
     Heartbeat,
     HeartbeatAck,
     Load,
@@ -40,7 +41,7 @@ from pipeline.core.messages import (
 )
 from pipeline.core.outcomes import BlockStatus, KeyOutcome
 from pipeline.runner import EdgeSendStream
-from pipeline.state.jobs import Job, JobTracker, LookupRequest, Reply, planned_blocks
+from pipeline.state.jobs import Job, JobTracker, LookupRequest, Reply
 from pipeline.state.registry import SessionRegistry
 from pipeline.state.sessions import EngineSession
 from stages.completion import completion_message
@@ -91,7 +92,7 @@ class Receiver:
             message = msgspec.structs.replace(
                 message, save_credits=self._save_credits(reply.session)
             )
-        await self._send(reply.session.identity, message)
+        await self._send(reply.to, message)
         reply = Reply(reply.session, message, reply.request)
         self._metrics.replied(reply)
         if self._config.logging.requests:
@@ -144,6 +145,9 @@ class Receiver:
             )
             await self._send(identity, registered)
             return
+        if isinstance(message, Explain):
+            await self._explain(identity, message)
+            return
         session = self._registry.get(identity)
         if session is None:
             raise RequestRejected(ErrorCode.NOT_REGISTERED, "register before sending requests")
@@ -168,6 +172,18 @@ class Receiver:
                 await self._enqueue(self._load_inbox, job)
             else:
                 await self._accept_save(job)
+
+    async def _explain(self, identity: bytes, message: Explain) -> None:
+        """Explain a prompt as a registered engine sees it, for whoever asks."""
+        if not self.accepting:
+            raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
+        session = self._registry.find(message.engine_id)
+        lookup = Lookup(message.seq, message.token_ids, message.keys, message.block_hashes,
+                        explain=True)
+        if message.block_hashes is None or len(message.token_ids):
+            _check_engine_hashes(session, lookup)
+        await self._enqueue(self._lookup_inbox,
+                            LookupRequest(session, lookup, reply_to=identity))
 
     async def _enqueue(
         self, inbox: EdgeSendStream[object], item: Job | LookupRequest
@@ -198,7 +214,7 @@ class Receiver:
                 return
             except anyio.WouldBlock:
                 self._tracker.answered(job)
-        job.reports = [job.report(task, OVERLOADED) for task in planned_blocks(job)]
+        self._tracker.refuse(job, OVERLOADED)
         await self.send_reply(Reply(job.session, completion_message(job), job))
 
 

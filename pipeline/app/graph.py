@@ -23,6 +23,7 @@ from pipeline.core.seams import BatchMemory, CopyEngine, Count
 from pipeline.core.store import KVStore
 from pipeline.runner import BatchSpec, Graph, PathSpec, StageSpec
 from pipeline.state.events import KVEventLog
+from pipeline.state.history import BlockHistory
 from pipeline.state.jobs import JobTracker, StorePressure
 from stages.batching import BatchingStage
 from stages.commit import CommitStage
@@ -56,6 +57,7 @@ class Resources:
     """Bytes of a stored value under each key prefix of the engines registered."""
     moved: Callable[[str, str], Count]
     """What counts the bytes moved on a path (save, load) via copies or store calls."""
+    history: BlockHistory
 
 
 Spec = StageSpec[Resources]
@@ -91,7 +93,7 @@ LOAD = (
         r.store, r.load_copy, r.tracker, r.events, copied=r.moved("load", "copy"),
     ), "scatter"),
 )
-LOOKUP = (Spec("lookup", lambda r: LookupStage(r.store, r.value_sizes), "lookup"),)
+LOOKUP = (Spec("lookup", lambda r: LookupStage(r.store, r.value_sizes, r.history), "lookup"),)
 
 COMPLETION_PATHS = ("save.completion", "load.completion")
 """Finished jobs' lanes: a load's reply never queues behind a backlog of save replies."""

@@ -53,6 +53,8 @@ def log_request(reply: Reply) -> None:
     }
     if isinstance(message, LookupReply):
         fields["hit_tokens"] = message.hit_tokens
+        if message.explain is not None:
+            fields["explained_blocks"] = len(message.explain)
     elif isinstance(message, SaveDone | LoadDone):
         fields["blocks"] = dict(collections.Counter(
             f"{block.status}:{block.reason.split(':', 1)[0]}" if block.reason

@@ -179,8 +179,10 @@ class Metrics:
                 self.blocks.labels(path, status, reason).inc(count)
         else:
             path = "lookup"
-            if isinstance(message, LookupReply) and isinstance(reply.request.message, Lookup):
-                self.lookup_tokens.labels("queried").inc(len(reply.request.message.token_ids))
+            asked = reply.request.message
+            if isinstance(message, LookupReply) and isinstance(asked, Lookup) and not (
+                    asked.explain):  # an operator's question is not a cache use
+                self.lookup_tokens.labels("queried").inc(len(asked.token_ids))
                 self.lookup_tokens.labels("hit").inc(message.hit_tokens)
         self.latency.labels(path).observe(time.monotonic() - reply.received_at)
 

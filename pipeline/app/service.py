@@ -28,6 +28,7 @@ from pipeline.core.errors import StoreError
 from pipeline.core.keys import ValueFormat
 from pipeline.core.messages import CudaIpcEvent, TensorHandle
 from pipeline.state.events import KVEventLog
+from pipeline.state.history import BlockHistory
 from pipeline.state.jobs import Failable, JobTracker, Reply, StorePressure, mark_done
 from pipeline.state.registry import LayerTensors, SessionRegistry
 from stages.completion import CompletionStage
@@ -70,9 +71,10 @@ class Sidecar:
 
     def __init__(
         self, config: Config, backends: Backends, socket: SidecarSocket, faults: Faults,
-        events: KVEventLog,
+        events: KVEventLog, history: BlockHistory,
     ) -> None:
         self.config = config
+        self.history = history
         self.faults = faults
         self.backends = backends
         self.events = events
@@ -89,7 +91,8 @@ class Sidecar:
             open_step_event=_step_events(config),
         )
         self.graph = build_graph(config)
-        self.tracker = JobTracker(*(self.graph.entrance(name) for name in COMPLETION_PATHS))
+        self.tracker = JobTracker(*(self.graph.entrance(name) for name in COMPLETION_PATHS),
+                                  history=history)
         self.metrics = self._metrics()
         self.receiver = Receiver(
             config, socket, self.registry, self.tracker, self.metrics, self.graph.entrance
@@ -131,6 +134,7 @@ class Sidecar:
             events=self.events,
             value_sizes=self.registry.value_sizes,
             moved=self.metrics.mover,
+            history=self.history,
         )
 
     async def _fail_item(self, item: Failable, error: StoreError) -> Reply | None:
@@ -231,7 +235,13 @@ async def run_sidecar(
     torch.set_num_threads(1)
     faults = Faults(config.faults)
     events = KVEventLog(config.events)
-    async with open_backends(config, faults, on_evicted=events.removed) as backends:
+    history = BlockHistory(config.explain.max_blocks)
+
+    def evicted(keys: Sequence[str]) -> None:
+        events.removed(keys)
+        history.evicted(keys)
+
+    async with open_backends(config, faults, on_evicted=evicted) as backends:
         with open_server_socket(config.server) as socket:
-            sidecar = Sidecar(config, backends, socket, faults, events)
+            sidecar = Sidecar(config, backends, socket, faults, events, history)
             await sidecar.run(stop, task_status=task_status)

@@ -276,6 +276,11 @@ class MetricsConfig(_Section, frozen=True):
     """Serve Prometheus metrics at http://host:port/metrics (0: off)."""
 
 
+class ExplainConfig(_Section, frozen=True):
+    max_blocks: Annotated[int, msgspec.Meta(ge=0)] = 16384
+    """Blocks whose fate is remembered to explain misses (0: none; ~1 KiB each)."""
+
+
 class LoggingConfig(_Section, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -292,6 +297,7 @@ class Config(_Section, frozen=True):
     faults: FaultsConfig = FaultsConfig()
     events: EventsConfig = EventsConfig()
     metrics: MetricsConfig = MetricsConfig()
+    explain: ExplainConfig = ExplainConfig()
     logging: LoggingConfig = LoggingConfig()
 
 

@@ -22,11 +22,13 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SIDECAR_HASH_ALGO",
     "BlockReport",
+    "BlockWhy",
     "CudaIpc",
     "CudaIpcEvent",
     "EngineMessage",
     "ErrorCode",
     "ErrorReply",
+    "Explain",
     "HashSelfTest",
     "Heartbeat",
     "HeartbeatAck",
@@ -216,6 +218,21 @@ class Lookup(_Wire, frozen=True, tag="lookup"):
     request_id: str | None = None
     """The request this lookup is for: its hashes are kept for its next lookup, load
     and save (a request waiting to be scheduled is looked up again and again)."""
+    explain: bool = False
+    """Also say, block by block, why each block is or is not a hit (``LookupReply.explain``)."""
+
+
+class Explain(_Wire, frozen=True, tag="explain"):
+    """A lookup explained on behalf of a registered engine, with its layout and keys:
+    an operator's question, so the peer asking need not be registered itself."""
+
+    seq: NonNegative
+    engine_id: str = ""
+    """The engine whose view is explained ("": the only engine registered)."""
+    token_ids: TokenIds = msgspec.field(default_factory=lambda: array.array(_TOKEN_TYPECODE))
+    """The prompt (may be empty when ``block_hashes`` are given)."""
+    keys: RequestKeys = RequestKeys()
+    block_hashes: tuple[bytes, ...] | None = None
 
 
 
@@ -251,7 +268,7 @@ class Unregister(_Wire, frozen=True, tag="unregister"):
     seq: NonNegative = 0
 
 
-EngineMessage = Register | Heartbeat | Lookup | Save | Load | Unregister
+EngineMessage = Register | Heartbeat | Lookup | Save | Load | Unregister | Explain
 
 
 # -- sidecar -> engine -------------------------------------------------------------------
@@ -273,12 +290,28 @@ class HeartbeatAck(_Wire, frozen=True, tag="heartbeat_ack"):
     seq: int = 0
 
 
+class BlockWhy(msgspec.Struct, frozen=True, array_like=True):
+    """Why one block of a looked-up prompt is or is not a hit."""
+
+    group_id: int
+    """The kv-cache group id."""
+    block_index: int
+    block_hash: bytes
+    verdict: str
+    """``pipeline.state.history.Verdict``: present, never_stored, skipped, evicted, ..."""
+    reason: str = ""
+    age_s: float = -1.0
+    """How long ago what the verdict says happened (-1: unknown)."""
+
+
 class LookupReply(_Wire, frozen=True, tag="lookup_reply"):
     seq: int
     hit_tokens: int
     save_credits: int = -1
     """Saves of this engine the sidecar would accept right now (0: skip saving, do not
     pin blocks for it; -1: not reported)."""
+    explain: tuple[BlockWhy, ...] | None = None
+    """Asked for (``Lookup.explain``): every full block of every stored group."""
 
 
 class BlockReport(msgspec.Struct, frozen=True, array_like=True):

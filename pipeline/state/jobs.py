@@ -23,6 +23,7 @@ from pipeline.core.layout import NULL_BLOCK_ID
 from pipeline.core.messages import BlockReport, Load, Lookup, LookupReply, Save, SidecarMessage
 from pipeline.core.outcomes import STORE_FULL, BlockStatus, KeyOutcome, store_error_outcome
 from pipeline.core.seams import Values
+from pipeline.state.history import BlockHistory, content_prints
 from pipeline.state.sessions import EngineSession
 
 __all__ = [
@@ -51,6 +52,13 @@ class Reply:
     @property
     def received_at(self) -> float:
         return self.request.received_at
+
+    @property
+    def to(self) -> bytes:
+        """The peer the reply goes to: the engine, or whoever asked on its behalf."""
+        if isinstance(self.request, LookupRequest) and self.request.reply_to:
+            return self.request.reply_to
+        return self.session.identity
 
 
 class Failable(Protocol):
@@ -198,6 +206,8 @@ class LookupRequest:
     received_at: float = dataclasses.field(default_factory=time.monotonic)
     marks: dict[str, float] = dataclasses.field(default_factory=dict)
     """As ``Job.marks``."""
+    reply_to: bytes = b""
+    """The peer that asked on the engine's behalf (``Explain``); empty: the engine."""
 
     async def fail(self, error: StoreError, tracker: JobTracker) -> Reply:
         """A lookup the store could not answer is a miss."""
@@ -224,10 +234,14 @@ class JobTracker:
         self,
         completions: ObjectSendStream[Job],
         load_completions: ObjectSendStream[Job] | None = None,
+        *,
+        history: BlockHistory | None = None,
     ) -> None:
         """Finished jobs go to ``completions``; loads to ``load_completions`` if given, so
-        that a load's reply never queues behind a backlog of save replies."""
+        that a load's reply never queues behind a backlog of save replies. ``history``
+        hears what came of every finished job's blocks."""
         self._completions = completions
+        self._history = history if history is not None and history.enabled else None
         self._load_completions = load_completions or completions
         self._open: set[Job] = set()
         self._loads = 0  # accepted, not yet finished
@@ -251,6 +265,17 @@ class JobTracker:
         if self._loads and limit_s > 0:
             with anyio.move_on_after(limit_s):
                 await self._no_loads.wait()
+
+    def refuse(self, job: Job, outcome: KeyOutcome) -> None:
+        """Answer a save that was never accepted: every block it would move gets
+        ``outcome`` (the history hears of it by the request's tokens)."""
+        tasks = planned_blocks(job)
+        job.reports = [job.report(task, outcome) for task in tasks]
+        if self._history is not None:
+            ends = [_end(task) for task in tasks]
+            prints = content_prints(job.message.token_ids, ends)
+            self._history.refused([(prints[end], end) for end in ends], outcome,
+                                  job.message.keys)
 
     def answered(self, job: Job) -> None:
         """The engine has its reply (or cannot get one): forget the job."""
@@ -288,6 +313,8 @@ class JobTracker:
     async def _finish(self, job: Job) -> None:
         if not job.done:
             job.done = True
+            if self._history is not None:
+                _record(self._history, job)
             if job.is_load:
                 self._load_finished()
             lane = self._load_completions if job.is_load else self._completions
@@ -314,6 +341,31 @@ class JobTracker:
                 self._load_finished()
             job.done = True
         return jobs
+
+
+def _end(task: BlockTask) -> int:
+    """The request's token count at the end of the task's block."""
+    return (task.block_index + 1) * task.geometry.group.block_size
+
+
+def _record(history: BlockHistory, job: Job) -> None:
+    """Tell the history what came of each named block of a finished job."""
+    outcomes = {(r.group_id, r.block_index): KeyOutcome(r.status, r.reason)
+                for r in job.reports}
+    tasks = [task for task in job.planned if task.key]
+    if job.is_load:
+        for task in tasks:
+            outcome = outcomes[task.geometry.kv_group_id, task.block_index]
+            if outcome.status is BlockStatus.FAILED and "checksum" in outcome.reason:
+                history.load_failed(task.key, outcome)
+        return
+    message = job.message
+    ends = [_end(task) for task in tasks]
+    prints = content_prints(message.token_ids, ends)
+    for task, end in zip(tasks, ends, strict=True):
+        history.saved(task.key, task.geometry.keys.own, (task.store_group, task.block_hash),
+                      outcomes[task.geometry.kv_group_id, task.block_index],
+                      (prints[end], end), message.keys)
 
 
 class StorePressure:

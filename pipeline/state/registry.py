@@ -64,6 +64,19 @@ class SessionRegistry:
     def get(self, identity: bytes) -> EngineSession | None:
         return self.sessions.get(identity)
 
+    def find(self, engine_id: str) -> EngineSession:
+        """The session of the engine registered as ``engine_id`` ("": the only engine
+        registered that saves and loads, if there is exactly one)."""
+        sessions = [s for s in self.sessions.values()
+                    if s.engine_id == engine_id or (not engine_id and not s.lookup_only)]
+        if len(sessions) == 1:
+            return sessions[0]
+        registered = sorted(s.engine_id for s in self.sessions.values())
+        wanted = f"engine {engine_id!r}" if engine_id else "exactly one engine"
+        raise RequestRejected(
+            ErrorCode.BAD_REQUEST,
+            f"{wanted} is not registered; registered: {', '.join(registered) or 'none'}")
+
     def register(self, identity: bytes, message: Register) -> tuple[EngineSession, Registered]:
         """Create (or idempotently replace) the session of ``identity``."""
         if message.version != PROTOCOL_VERSION:

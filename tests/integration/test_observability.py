@@ -5,19 +5,27 @@ from __future__ import annotations
 
 import collections
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import anyio
 import anyio.to_thread
+import pytest
 from prometheus_client.samples import Sample
 
 from pipeline.core.config import Config
+from pipeline.core.errors import RequestRejected
+from pipeline.core.hashing import block_hashes
 from pipeline.testing import run_sidecar_process
 from tests.kit import KVEngine, hybrid_layout, random_tokens
+from transport.client import EngineClient, Explanation
 
 TIMEOUT = 60
 PAGE_BYTES = 4096
 STORED_BYTES = 2 * PAGE_BYTES + 8
 """One stored block of the hybrid test layout: two layers' pages and the checksum."""
+KVSIDECAR = [sys.executable, "-m", "pipeline.app.cli"]
 
 
 def values(samples: list[Sample], name: str, **labels: str) -> dict[tuple[str, ...], float]:
@@ -109,3 +117,77 @@ async def test_metrics_during_saves_and_loads_match_what_the_engines_saw() -> No
             assert line["blocks"] == {"loaded": 5} and line["loaded_tokens"] == 64
         else:
             assert line["hit_tokens"] == 64 and line["tokens"] == 69
+
+
+def verdicts(explanation: Explanation) -> set[tuple[int, str]]:
+    """(kv-cache group id, verdict) of every block explained."""
+    return {(block.group_id, block.verdict) for block in explanation.blocks}
+
+
+async def test_explain_says_why_each_block_of_a_prompt_misses(tmp_path: Path) -> None:
+    """Against a live sidecar whose store holds two prompts: a prompt saved and still
+    there is present; one pushed out by later saves is evicted; tokens saved under a
+    cache salt are found under other keys; blocks another tenant (cache prefix) saved are
+    in another namespace; unseen tokens were never stored. The client's
+    ``lookup(explain=True)``, the unregistered ``explain_for`` and ``kvsidecar explain``
+    all say so, and the ring is never explained."""
+    layout = hybrid_layout(page_bytes=PAGE_BYTES)
+    a, tenant = KVEngine(layout), KVEngine({**layout, "cache_prefix": "tenant-b"})
+    blocks = [[1, 2, 3, 4], [7], [1, 2, 3, 4]]
+    first, salted, last, other, unseen = (random_tokens(64, seed=300 + i) for i in range(5))
+    # Room for two prompts (8 values each): the third save evicts the first.
+    overrides = {"store": {"embedded": {"capacity_bytes": 2 * 8 * STORED_BYTES + 1000}}}
+    with run_sidecar_process(overrides) as sidecar:
+        with anyio.fail_after(TIMEOUT):
+            async with await a.connect(sidecar.endpoint, engine_id="a") as client, \
+                    await tenant.connect(sidecar.endpoint, engine_id="b") as b:
+                assert (await client.save("1", first, blocks)).stored == 8
+                assert (await client.save("2", salted, blocks, cache_salt="s")).stored == 8
+                assert (await client.save("3", last, blocks)).stored == 8
+                assert (await b.save("4", other, blocks)).stored == 8
+
+                explained = await client.lookup(last, explain=True)
+                assert explained.hit_tokens == 48
+                assert verdicts(explained) == {(0, "present"), (2, "present")}
+                assert [b.block_index for b in explained.blocks if b.group_id == 0] == [0, 1, 2, 3]
+
+                evicted = await client.lookup(first, explain=True)
+                assert evicted.hit_tokens == 0
+                assert verdicts(evicted) == {(0, "evicted"), (2, "evicted")}
+                assert all(b.reason == "evicted to make room" and b.age_s >= 0
+                           for b in evicted.blocks)
+
+                unsalted = await EngineClient.explain_for(sidecar.endpoint, engine_id="a",
+                                                          token_ids=salted)
+                assert verdicts(unsalted) == {(0, "other_keys"), (2, "other_keys")}
+                assert "cache salt" in unsalted.blocks[0].reason
+
+                tenants = await EngineClient.explain_for(
+                    sidecar.endpoint, engine_id="a", block_hashes=block_hashes(other, 16))
+                assert verdicts(tenants) == {(0, "other_namespace"), (2, "other_namespace")}
+                assert "tenant-b" in tenants.blocks[0].reason
+
+                never = await client.lookup(unseen, explain=True)
+                assert verdicts(never) == {(0, "never_stored"), (2, "never_stored")}
+
+                with pytest.raises(RequestRejected, match="registered: a, b"):
+                    await EngineClient.explain_for(sidecar.endpoint, token_ids=first)
+
+                prompt = tmp_path / "prompt.json"
+                prompt.write_text(json.dumps(first))
+                command = [*KVSIDECAR, "explain", "--endpoint", sidecar.endpoint,
+                           "--engine", "a", "--tokens-file", str(prompt)]
+                as_json, table = await anyio.to_thread.run_sync(lambda: [
+                    subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT)
+                    for args in ([*command, "--json"], command)])
+        sidecar_log = sidecar.log()
+    assert as_json.returncode == 0, as_json.stderr
+    printed = json.loads(as_json.stdout)
+    assert printed["hit_tokens"] == 0
+    assert {(b["group_id"], b["verdict"]) for b in printed["blocks"]} == verdicts(evicted)
+    assert printed["blocks"][0]["block_hash"] == evicted.blocks[0].block_hash.hex()
+    assert table.returncode == 0, table.stderr
+    assert "0-3" in table.stdout and "evicted to make room" in table.stdout
+    lines = [json.loads(line) for line in sidecar_log.splitlines() if '"request.done"' in line]
+    # Every explanation (5 here, 2 from the command) is a lookup, logged as one.
+    assert [line["explained_blocks"] for line in lines if line["kind"] == "lookup"] == [8] * 7

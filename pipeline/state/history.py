@@ -1,0 +1,161 @@
+"""Why a block is absent: a bounded record of what became of recently saved blocks.
+
+Each finished save leaves, per block, what came of it (stored, skipped and why, failed)
+under its key; evictions and loads that failed their checksum are noted on the same
+record. Beside it two indexes answer "is it stored under another name?": the key
+prefix each block (store group, hash) was last stored under (another namespace, rank or
+value format), and the request keys (cache salt, LoRA, multimodal inputs) that the same
+tokens were last stored with. Every index keeps only its most recent ``max_blocks``.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import time
+from collections.abc import Sequence
+from typing import Generic, TypeVar
+
+import xxhash
+
+from pipeline.core.messages import RequestKeys, TokenIds
+from pipeline.core.outcomes import BlockStatus, KeyOutcome
+from pipeline.core.store import Presence
+
+__all__ = ["BlockHistory", "Verdict", "content_prints"]
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Verdict(enum.StrEnum):
+    PRESENT = "present"
+    UNUSABLE = "unusable"
+    """Stored, but not readable as this engine's value (another size, no checksum)."""
+    NEVER_STORED = "never_stored"
+    SKIPPED = "skipped"
+    FAILED = "failed"
+    FAILED_INTEGRITY = "failed_integrity"
+    EVICTED = "evicted"
+    OTHER_NAMESPACE = "other_namespace"
+    """The same block hash is stored under another key prefix."""
+    OTHER_KEYS = "other_keys"
+    """The same tokens were stored under another cache salt, LoRA or multimodal input."""
+
+
+class _Bounded(collections.OrderedDict[K, V], Generic[K, V]):
+    """A mapping that forgets its least recently written entries past ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key: K, value: V) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        if len(self) > self.limit:
+            self.popitem(last=False)
+
+
+def content_prints(token_ids: TokenIds, ends: Sequence[int]) -> dict[int, int]:
+    """A fingerprint of the tokens up to each of ``ends`` (token counts), blind to the
+    request keys: the same tokens under another salt print the same."""
+    data = memoryview(token_ids).cast("B")
+    size = token_ids.itemsize
+    prints: dict[int, int] = {}
+    digest = xxhash.xxh3_64()
+    done = 0
+    for end in sorted(set(ends)):
+        digest.update(data[done * size : end * size])
+        done = end
+        prints[end] = digest.intdigest()
+    return prints
+
+
+def _keys_kind(stored: RequestKeys, asked: RequestKeys) -> str:
+    differs = [name for name, a, b in (
+        ("cache salt", stored.cache_salt, asked.cache_salt),
+        ("LoRA", (stored.lora_name, stored.lora_path), (asked.lora_name, asked.lora_path)),
+        ("multimodal inputs", stored.mm_items, asked.mm_items),
+    ) if a != b]
+    return " and ".join(differs) or "request keys"
+
+
+class BlockHistory:
+    def __init__(self, max_blocks: int) -> None:
+        self.enabled = max_blocks > 0
+        self._keys: _Bounded[str, tuple[Verdict, str, float]] = _Bounded(max_blocks)
+        self._prefixes: _Bounded[tuple[int, bytes], str] = _Bounded(max_blocks)
+        # (content print, tokens) -> the request keys it was saved with, and what came of it
+        self._contents: _Bounded[tuple[int, int], tuple[RequestKeys, Verdict, str, float]] = (
+            _Bounded(max_blocks))
+
+    def saved(self, key: str, prefix: str, block: tuple[int, bytes], outcome: KeyOutcome,
+              content: tuple[int, int] | None, keys: RequestKeys) -> None:
+        """One block of a finished save: ``block`` is its (store group, hash), ``content``
+        the (fingerprint, token count) of the tokens up to its end."""
+        now = time.monotonic()
+        if outcome.status in (BlockStatus.STORED, BlockStatus.PRESENT):
+            known = self._keys.get(key)
+            if outcome.status is BlockStatus.STORED or known is None or known[0] is not (
+                    Verdict.PRESENT):
+                self._keys.put(key, (Verdict.PRESENT, "", now))
+            self._prefixes.put(block, prefix)
+            if content is not None:
+                self._contents.put(content, (keys, Verdict.PRESENT, "", now))
+            return
+        known = self._keys.get(key)
+        if known is not None and known[0] is Verdict.PRESENT:
+            return  # stored before: a later skip says nothing about where it went
+        verdict = Verdict.SKIPPED if outcome.status is BlockStatus.SKIPPED else Verdict.FAILED
+        self._keys.put(key, (verdict, outcome.reason, now))
+
+    def refused(self, contents: Sequence[tuple[int, int]], outcome: KeyOutcome,
+                keys: RequestKeys) -> None:
+        """A save refused before its blocks were named (hashed): known by its tokens."""
+        now = time.monotonic()
+        for content in contents:
+            self._contents.put(content, (keys, Verdict.SKIPPED, outcome.reason, now))
+
+    def load_failed(self, key: str, outcome: KeyOutcome) -> None:
+        """A load found the block's value corrupt (and the store dropped it)."""
+        self._keys.put(key, (Verdict.FAILED_INTEGRITY, outcome.reason, time.monotonic()))
+
+    def evicted(self, keys: Sequence[str]) -> None:
+        now = time.monotonic()
+        for key in keys:
+            if key in self._keys:
+                self._keys.put(key, (Verdict.EVICTED, "evicted to make room", now))
+
+    def why(
+        self, key: str, prefix: str, block: tuple[int, bytes], presence: Presence,
+        content: tuple[int, int] | None, keys: RequestKeys,
+    ) -> tuple[Verdict, str, float]:
+        """Why the block under ``key`` is (not) a hit: its verdict, a reason, and how long
+        ago (seconds) what it says happened (-1: unknown)."""
+        now = time.monotonic()
+        if presence is Presence.PRESENT:
+            return Verdict.PRESENT, "", -1.0
+        if presence is not Presence.ABSENT:
+            return Verdict.UNUSABLE, presence.value, -1.0
+        known = self._keys.get(key)
+        if known is not None:
+            verdict, reason, at = known
+            if verdict is Verdict.PRESENT:  # stored, and since gone without our seeing why
+                return Verdict.EVICTED, "stored, since gone from the store", now - at
+            return verdict, reason, now - at
+        other = self._prefixes.get(block)
+        if other is not None and other != prefix:
+            return Verdict.OTHER_NAMESPACE, f"stored under {other}", -1.0
+        saved = self._contents.get(content) if content is not None else None
+        if saved is not None:
+            saved_keys, verdict, reason, at = saved
+            if saved_keys != keys:
+                return (Verdict.OTHER_KEYS, f"the same tokens were saved with another "
+                        f"{_keys_kind(saved_keys, keys)}", -1.0)
+            if verdict is Verdict.SKIPPED:
+                return verdict, reason, now - at
+        if not self.enabled:
+            return Verdict.NEVER_STORED, "no record is kept (explain.max_blocks is 0)", -1.0
+        return (Verdict.NEVER_STORED,
+                f"no save of it among the last {self._keys.limit} blocks recorded", -1.0)

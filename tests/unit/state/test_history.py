@@ -1,0 +1,90 @@
+"""The block history: what it says of a block absent from the store, and its bound."""
+
+from __future__ import annotations
+
+from pipeline.core.messages import RequestKeys, pack_tokens
+from pipeline.core.outcomes import PRESENT, STORE_FULL, STORED, KeyOutcome, failed
+from pipeline.core.store import Presence
+from pipeline.state.history import BlockHistory, Verdict, content_prints
+
+NO_KEYS = RequestKeys()
+SALTED = RequestKeys(cache_salt="tenant")
+
+
+def why(history: BlockHistory, key: str, *, presence: Presence = Presence.ABSENT,
+        prefix: str = "p", block: tuple[int, bytes] = (0, b"h"),
+        content: tuple[int, int] | None = None, keys: RequestKeys = NO_KEYS) -> Verdict:
+    return history.why(key, prefix, block, presence, content, keys)[0]
+
+
+def test_the_store_says_first_what_is_present_or_unusable() -> None:
+    """A present key is present whatever the record says; a foreign value is unusable."""
+    history = BlockHistory(8)
+    history.saved("p@h", "p", (0, b"h"), STORE_FULL, None, NO_KEYS)
+    assert why(history, "p@h", presence=Presence.PRESENT) is Verdict.PRESENT
+    assert history.why("p@h", "p", (0, b"h"), Presence.FOREIGN, None, NO_KEYS)[:2] == (
+        Verdict.UNUSABLE, "foreign_value")
+
+
+def test_a_block_stored_then_gone_is_evicted_and_a_later_skip_does_not_hide_it() -> None:
+    """Stored, then absent: evicted (with the reason when the eviction was seen); a skip
+    of the same key afterwards leaves the record as it was."""
+    history = BlockHistory(8)
+    history.saved("p@h", "p", (0, b"h"), STORED, None, NO_KEYS)
+    history.saved("p@h", "p", (0, b"h"), STORE_FULL, None, NO_KEYS)
+    assert history.why("p@h", "p", (0, b"h"), Presence.ABSENT, None, NO_KEYS)[:2] == (
+        Verdict.EVICTED, "stored, since gone from the store")
+    history.evicted(["p@h", "p@unknown"])
+    verdict, reason, age_s = history.why("p@h", "p", (0, b"h"), Presence.ABSENT, None, NO_KEYS)
+    assert (verdict, reason) == (Verdict.EVICTED, "evicted to make room") and age_s >= 0
+    assert why(history, "p@unknown") is Verdict.NEVER_STORED  # an eviction names no new key
+
+
+def test_skips_failures_and_corrupt_loads_keep_their_reason() -> None:
+    """A skipped block says why, a failed one too; a load that found the value corrupt
+    marks it failed_integrity."""
+    history = BlockHistory(8)
+    history.saved("p@a", "p", (0, b"a"), STORE_FULL, None, NO_KEYS)
+    history.saved("p@b", "p", (0, b"b"), failed("store: down"), None, NO_KEYS)
+    history.saved("p@c", "p", (0, b"c"), PRESENT, None, NO_KEYS)
+    history.load_failed("p@c", KeyOutcome(STORE_FULL.status, "checksum_mismatch"))
+    assert history.why("p@a", "p", (0, b"a"), Presence.ABSENT, None, NO_KEYS)[:2] == (
+        Verdict.SKIPPED, "store_full")
+    assert history.why("p@b", "p", (0, b"b"), Presence.ABSENT, None, NO_KEYS)[:2] == (
+        Verdict.FAILED, "store: down")
+    assert why(history, "p@c", block=(0, b"c")) is Verdict.FAILED_INTEGRITY
+
+
+def test_the_same_block_or_tokens_under_another_name_are_found() -> None:
+    """A block hash stored under another prefix (same store group) is in another
+    namespace; the same tokens saved with another salt are under other keys; a save
+    refused before hashing is known by its tokens."""
+    history = BlockHistory(8)
+    tokens = pack_tokens(list(range(32)))
+    prints = content_prints(tokens, [16, 32])
+    history.saved("q@h", "q", (0, b"h"), STORED, (prints[16], 16), SALTED)
+    assert why(history, "p@h", block=(0, b"h")) is Verdict.OTHER_NAMESPACE
+    assert why(history, "p@h", block=(1, b"h")) is Verdict.NEVER_STORED  # another group
+    verdict, reason, _ = history.why("p@x", "p", (0, b"x"), Presence.ABSENT,
+                                     (prints[16], 16), NO_KEYS)
+    assert verdict is Verdict.OTHER_KEYS and "cache salt" in reason
+    history.refused([(prints[32], 32)], KeyOutcome(STORE_FULL.status, "overloaded"), NO_KEYS)
+    assert history.why("p@y", "p", (0, b"y"), Presence.ABSENT, (prints[32], 32),
+                       NO_KEYS)[:2] == (Verdict.SKIPPED, "overloaded")
+
+
+def test_content_prints_depend_on_the_tokens_up_to_each_end_only() -> None:
+    """Prints of a prefix agree between prompts that share it and differ after."""
+    a = content_prints(pack_tokens([1, 2, 3, 4, 5, 6]), [2, 4, 6])
+    b = content_prints(pack_tokens([1, 2, 3, 4, 9, 9]), [4, 6])
+    assert a[4] == b[4] and a[6] != b[6] and a[2] != a[4]
+
+
+def test_the_history_forgets_its_oldest_blocks_past_its_bound() -> None:
+    """Past max_blocks the oldest records go (never_stored again); 0 turns it off."""
+    history = BlockHistory(2)
+    for name in ("a", "b", "c"):
+        history.saved(f"p@{name}", "p", (0, name.encode()), STORE_FULL, None, NO_KEYS)
+    assert why(history, "p@a", block=(0, b"a")) is Verdict.NEVER_STORED
+    assert why(history, "p@c", block=(0, b"c")) is Verdict.SKIPPED
+    assert not BlockHistory(0).enabled
