@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 from pipeline.core.errors import ProtocolError
 from pipeline.core.messages import (
     BlockReport,
+    BlockWhy,
     EngineMessage,
     ErrorCode,
     ErrorReply,
+    Explain,
     HashSelfTest,
     Heartbeat,
     HeartbeatAck,
@@ -70,12 +72,15 @@ ENGINE_MESSAGES: list[Any] = [
         num_tokens=4, keys=KEYS,
     ),
     Unregister(seq=9),
+    Explain(seq=5, engine_id="engine-0", block_hashes=(b"\x01" * 32,)),
 ]
 
 SIDECAR_MESSAGES: list[Any] = [
     Registered("engine-0", 16, 32, (0, 2), "abcd", 128),
     HeartbeatAck(seq=7),
     LookupReply(seq=1, hit_tokens=32),
+    LookupReply(seq=5, hit_tokens=0, explain=(
+        BlockWhy(0, 0, b"\x01" * 32, "evicted", "evicted to make room", 1.5),)),
     SaveDone(
         2,
         "r",
