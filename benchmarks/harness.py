@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import platform
 import signal
@@ -22,15 +21,14 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
+from pipeline.app.status import Buckets, Snapshot, read_metrics
 from pipeline.testing import run_sidecar_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,43 +98,9 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[index]
 
 
-Buckets = list[tuple[float, float]]
-"""A Prometheus histogram: (upper bound, cumulative count), ascending, +Inf last."""
-
-
 def scrape_histogram(metrics_url: str, name: str, **labels: str) -> Buckets:
     """The buckets of one labelled histogram, as a sidecar's /metrics shows them now."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    buckets = []
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == f"{name}_bucket" and all(
-                sample.labels.get(key) == value for key, value in labels.items()
-            ):
-                buckets.append((float(sample.labels["le"]), sample.value))
-    return sorted(buckets)
-
-
-def histogram_quantile(q: float, after: Buckets, before: Buckets | None = None) -> float:
-    """The q-quantile (0..1) of what a histogram counted between two scrapes, linearly
-    interpolated inside its bucket (as PromQL's histogram_quantile does). An empty
-    ``before`` is a histogram that had counted nothing yet."""
-    counts = [(bound, count - (before[i][1] if before else 0))
-              for i, (bound, count) in enumerate(after)]
-    total = counts[-1][1]
-    if total <= 0:
-        return math.nan
-    rank = q * total
-    lower_bound, lower_count = 0.0, 0.0
-    for bound, count in counts:
-        if count >= rank:
-            if math.isinf(bound):
-                return lower_bound
-            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (
-                count - lower_count)
-        lower_bound, lower_count = bound, count
-    return lower_bound
+    return Snapshot(read_metrics(metrics_url, timeout_s=10)).buckets(name, **labels)
 
 
 def environment() -> dict[str, Any]:

@@ -50,13 +50,13 @@ import torch
 from bench_sidecar_throughput import make_layout
 from harness import (
     ROOT,
-    histogram_quantile,
     median,
     percentile,
     scrape_histogram,
     write_results,
 )
 
+from pipeline.app.status import histogram_quantile
 from pipeline.core.errors import RequestRejected, TransportError
 from pipeline.core.layout import KVCacheLayout
 from pipeline.core.outcomes import BlockStatus

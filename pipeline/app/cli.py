@@ -7,6 +7,7 @@ time, 2 bad configuration or arguments.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -79,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="a running sidecar's metrics, as a table")
     status.add_argument("--metrics-url", default="http://127.0.0.1:9400/metrics",
                         help="the sidecar's metrics endpoint (metrics.host and metrics.port)")
+    status.add_argument("--watch", action="store_true", help="refresh in place until ^C")
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    status.add_argument("--count", type=int, default=0,
+                        help="with --watch: stop after this many refreshes (0: never)")
 
     from pipeline.app.explain import add_explain_arguments
 
@@ -127,7 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "status":
             from pipeline.app.status import show_status
 
-            show_status(args.metrics_url)
+            with contextlib.suppress(KeyboardInterrupt):
+                show_status(args.metrics_url, watch=args.watch, interval_s=args.interval,
+                            count=args.count)
             return EXIT_OK
         if args.command == "explain":
             from pipeline.app.explain import run_explain

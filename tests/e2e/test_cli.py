@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 KVSIDECAR = [sys.executable, "-m", "pipeline.app.cli"]
+WIDE = {**os.environ, "COLUMNS": "160"}
 
 
 def test_demo_verifies_every_byte_and_exits_zero() -> None:
@@ -38,16 +40,71 @@ def test_serve_refuses_insecure_tcp_beyond_loopback() -> None:
 
 
 def test_status_shows_a_running_sidecars_metrics() -> None:
-    """`kvsidecar status` prints a table of a running sidecar's metrics."""
+    """`kvsidecar status` prints the engines, the pipeline's edges, the store and the
+    traffic of a running sidecar."""
     from pipeline.testing import run_sidecar_process
 
     with run_sidecar_process(metrics=True) as sidecar:
         assert sidecar.metrics_url is not None
         result = subprocess.run([*KVSIDECAR, "status", "--metrics-url", sidecar.metrics_url],
-                                capture_output=True, text=True, timeout=60)
+                                capture_output=True, text=True, timeout=60, env=WIDE)
     assert result.returncode == 0, result.stderr
-    assert "sessions" in result.stdout and "open_jobs" in result.stdout
-    assert "staging_withheld_slots" in result.stdout
+    for heading in ("engines", "pipeline", "store and staging", "traffic"):
+        assert heading in result.stdout
+    assert "withheld slots" in result.stdout and "closed" in result.stdout  # the breaker
+
+
+def rows(output: str, what: str) -> list[list[str]]:
+    """The cells of the table rows that start with ``what``."""
+    return [[cell.strip() for cell in line.strip("│").split("│")]
+            for line in output.splitlines() if line.startswith(f"│ {what} ")]
+
+
+def cells(output: str, what: str) -> list[str]:
+    (row,) = rows(output, what)
+    return row
+
+
+async def test_status_watch_refreshes_with_what_happened_since_the_last_refresh() -> None:
+    """`kvsidecar status --watch` against a sidecar an engine is using: its groups,
+    stored and ignored, and the recent request rate and bytes per second."""
+    import anyio
+    import anyio.to_thread
+
+    from pipeline.testing import run_sidecar_process
+    from tests.kit import KVEngine, hybrid_layout, random_tokens
+
+    blocks = [[1, 2, 3, 4], [7], [1, 2, 3, 4]]
+    with run_sidecar_process(metrics=True) as sidecar:
+        assert sidecar.metrics_url is not None
+        command = [*KVSIDECAR, "status", "--metrics-url", sidecar.metrics_url, "--watch",
+                   "--interval", "1", "--count", "2"]
+        with anyio.fail_after(60):
+            async with await KVEngine(hybrid_layout()).connect(
+                    sidecar.endpoint, engine_id="busy") as client:
+                async with anyio.create_task_group() as tg:
+                    async def use() -> None:
+                        for i in itertools.count():
+                            tokens = random_tokens(64, seed=i)
+                            await client.save(f"r{i}", tokens, blocks)
+                            await client.lookup(tokens)
+                            await anyio.sleep(0.05)
+
+                    tg.start_soon(use)
+                    result = await anyio.to_thread.run_sync(lambda: subprocess.run(
+                        command, capture_output=True, text=True, timeout=60, env=WIDE))
+                    tg.cancel_scope.cancel()
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert rows(out, "busy") == [["busy", "0", "full_attention", "16", "store group 0"],
+                                 ["busy", "1", "circular_buffer", "4", "ignored"],
+                                 ["busy", "2", "mamba", "16", "store group 1"]]
+    assert "last 1.0 s" in out
+    assert float(cells(out, "save requests")[2].removesuffix("/s")) > 1
+    assert float(cells(out, "stored")[2].removesuffix(" MiB/s")) > 0
+    # Each prompt is looked up right after its save: 48 of its 64 tokens hit (the last
+    # block holds the last token, which is always recomputed).
+    assert cells(out, "lookup hit rate (tokens)")[1:] == ["75.0%", "75.0%"]
 
 
 def test_status_without_a_sidecar_says_what_to_check() -> None:
