@@ -135,6 +135,11 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
                          "request_id_p50": []}
         for kind, tokens, _ in cases
     }
+    # Every call's seconds, for the latency CDF: (case, tokens) -> series -> samples.
+    every: dict[tuple[str, int], dict[str, list[float]]] = {
+        (kind, tokens): {"bare": [], "tokens_only": [], "engine_hashes": []}
+        for kind, tokens, _ in cases
+    }
     try:
         async with await EngineClient.connect(sidecar, layout=layout,
                                               kv_caches=kv_caches) as client:
@@ -175,6 +180,10 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
                         started = time.perf_counter()
                         block_hashes(prompt[: tokens - 1], BLOCK_SIZE)
                         hash_s.append(time.perf_counter() - started)
+                    series = every[(kind, tokens)]
+                    series["bare"].extend(bare_s)
+                    series["tokens_only"].extend(side_s)
+                    series["engine_hashes"].extend(side_h)
                     row = results[(kind, tokens)]
                     row["bare_p50"].append(percentile(bare_s, 0.5))
                     row["bare_p99"].append(percentile(bare_s, 0.99))
@@ -196,7 +205,7 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
                      "ratio_engine_hashes_p50": us["engine_hashes_p50"] / us["bare_hashes_p50"],
                      "ratio_request_id_p50": us["request_id_p50"] / us["bare_p50"],
                      "frame_bytes": len(encode(Lookup(1, pack_tokens(range(tokens))))),
-                     "samples_s": samples})
+                     "samples_s": samples, "calls_s": every[(kind, tokens)]})
     return rows
 
 

@@ -220,6 +220,8 @@ class Probe:
         self.tally = Tally()
         self.load_s: list[float] = []
         self.lookup_s: list[float] = []
+        self.timeline: list[tuple[float, float]] = []
+        """(monotonic s, load s) of every recorded load, unloaded and under load."""
         self.first_lookup_hit = 0
         self.resaves = 0
         self.short_loads = 0
@@ -298,6 +300,7 @@ class Probe:
         if record:
             self.load_s.append(load_s)
             self.lookup_s.append(lookup_s)
+            self.timeline.append((time.monotonic(), load_s))
 
 
 async def sample_rss(
@@ -450,6 +453,10 @@ async def soak(args: argparse.Namespace, sidecar_pid: int, endpoint: str,
             "offered_over_store_bytes": offered / (args.store_mib * MIB),
             "stored_gbps_under_load": engines_total.bytes_stored / soak_s / 1e9,
             "soak_s": soak_s,
+            "soak_window_s": [round(soak_started - started, 2),
+                              round(soak_started - started + args.seconds, 2)],
+            "load_timeline": [(round(t - started, 3), seconds)
+                              for t, seconds in probe.timeline],
             "rss": {
                 "baseline": baseline_rss,
                 "before_soak": rss_before_soak,

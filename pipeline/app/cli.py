@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import anyio
 import structlog
@@ -93,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
     graph = commands.add_parser("graph", help="the stage graph a config wires, as a table")
     graph.add_argument("--config", help="YAML config (default: built-in defaults)")
 
+    bench = commands.add_parser("bench", help="the benchmark suite, into a report with plots")
+    bench.add_argument("--quick", action="store_true", help="a smaller suite (minutes)")
+    bench.add_argument("--out", type=Path, default=Path("bench-results"))
+    bench.add_argument("--config", type=Path, default=None,
+                       help="sidecar YAML config (default: configs/default.yaml)")
+
     keygen = commands.add_parser("keygen", help="write a CURVE key pair (sidecar or engine)")
     keygen.add_argument("--out", required=True, help="writes OUT.key (secret) and OUT.key.pub")
     return parser
@@ -145,6 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             show_graph(load_config(args.config))
             return EXIT_OK
+        if args.command == "bench":
+            from pipeline.app.bench import run_bench
+
+            return run_bench(quick=args.quick, out=args.out, config=args.config)
         if args.command == "keygen":
             keygen(args.out)
             return EXIT_OK

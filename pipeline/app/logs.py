@@ -1,13 +1,24 @@
 """structlog, configured once: JSON when stderr is not a terminal, readable otherwise;
-and the one canonical line each completed request gets."""
+and the one canonical line each completed request gets.
+
+JSON lines are rendered by msgspec and written by a thread of their own: the event loop
+only queues a line, so logging never makes it wait on a write (a write releases the GIL,
+and getting it back behind busy copy threads can take milliseconds).
+"""
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
+import queue
 import sys
+import threading
 import time
+from collections.abc import Callable
+from typing import Any, BinaryIO, cast
 
+import msgspec
 import structlog
 
 from pipeline.core.config import LoggingConfig
@@ -17,11 +28,60 @@ from pipeline.state.jobs import Reply
 __all__ = ["configure_logging", "log_request"]
 
 
+MAX_QUEUED_LINES = 65536
+"""Past this many lines not yet written (stderr blocked), logging waits for the writer."""
+
+
+class _LineWriter:
+    """A binary file for structlog's ``BytesLogger``: lines are queued, and a daemon thread
+    writes them, flushing whenever the queue runs empty (and once more at exit)."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self._out = out
+        self._lines: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvsidecar-log", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    def write(self, line: bytes) -> None:
+        while self._lines.qsize() > MAX_QUEUED_LINES:  # stderr is blocked: wait, as a write would
+            time.sleep(0.001)
+        self._lines.put(line)
+
+    def flush(self) -> None:
+        """Lines are flushed by the writer thread."""
+
+    def close(self) -> None:
+        self._lines.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while (line := self._lines.get()) is not None:
+            self._out.write(line)
+            if self._lines.empty():
+                self._out.flush()
+        self._out.flush()
+
+
+_json = msgspec.json.Encoder(enc_hook=str)
+
+
+def _render_json(event: object, **_: object) -> bytes:
+    return _json.encode(event)
+
+
 def configure_logging(config: LoggingConfig) -> None:
     json_output = config.format == "json" or (config.format == "auto" and not sys.stderr.isatty())
-    renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer() if json_output else structlog.dev.ConsoleRenderer()
-    )
+    renderer: structlog.typing.Processor
+    factory: Callable[..., Any]
+    if json_output:
+        renderer = structlog.processors.JSONRenderer(serializer=_render_json)
+        # It writes and flushes, which is all BytesLogger asks of a file.
+        factory = structlog.BytesLoggerFactory(
+            file=cast(BinaryIO, _LineWriter(sys.stderr.buffer)))
+    else:
+        renderer = structlog.dev.ConsoleRenderer()
+        factory = structlog.PrintLoggerFactory(file=sys.stderr)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -33,7 +93,7 @@ def configure_logging(config: LoggingConfig) -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[config.level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=factory,
         cache_logger_on_first_use=True,
     )
 

@@ -148,6 +148,10 @@ class Metrics:
             "KV events dropped because more than events.max_pending were waiting",
             registry=self.registry,
         )
+        # Children resolved once: ``labels()`` on every reply costs more than the count.
+        self._latency = {kind: self.latency.labels(kind) for kind in ("save", "load", "lookup")}
+        self._queried = self.lookup_tokens.labels("queried")
+        self._hit = self.lookup_tokens.labels("hit")
 
     def watch(self, backends: BackendGauges,
               sessions: Callable[[], Iterable[EngineSession]]) -> None:
@@ -182,9 +186,9 @@ class Metrics:
             asked = reply.request.message
             if isinstance(message, LookupReply) and isinstance(asked, Lookup) and not (
                     asked.explain):  # an operator's question is not a cache use
-                self.lookup_tokens.labels("queried").inc(len(asked.token_ids))
-                self.lookup_tokens.labels("hit").inc(message.hit_tokens)
-        self.latency.labels(path).observe(time.monotonic() - reply.received_at)
+                self._queried.inc(len(asked.token_ids))
+                self._hit.inc(message.hit_tokens)
+        self._latency[path].observe(time.monotonic() - reply.received_at)
 
     def serve(self, host: str, port: int) -> None:
         """Expose /metrics over HTTP (a daemon thread of prometheus_client)."""
