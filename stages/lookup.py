@@ -22,7 +22,7 @@ from pipeline.core.keys import keys_for
 from pipeline.core.layout import GroupKind
 from pipeline.core.messages import BlockWhy, Lookup, LookupReply
 from pipeline.core.store import KVStore, Presence
-from pipeline.state.history import BlockHistory, content_prints
+from pipeline.state.history import BlockHistory, Prompt, content_prints
 from pipeline.state.jobs import LookupRequest, Reply
 from pipeline.state.sessions import EngineSession
 
@@ -162,17 +162,17 @@ class LookupStage:
             return tuple(BlockWhy(session.store_groups[g].kv_group_id, j, h, "unknown",
                                   f"the store cannot say: {exc}") for g, j, h, _ in blocks)
         ends = [(j + 1) * session.store_groups[g].group.block_size for g, j, _, _ in blocks]
-        prints = content_prints(tokens, ends) if len(tokens) else {}
+        prompt = Prompt(tokens, content_prints(tokens, ends), min(ends)) if (
+            len(tokens) and ends) else None
         explained = []
-        for (g, j, block_hash, first), end in zip(blocks, ends, strict=True):
+        for (g, j, block_hash, at), end in zip(blocks, ends, strict=True):
             geometry = session.store_groups[g]
             # Every rank namespace must hold the block: the first that does not, says why.
             shard = next((s for s in range(len(geometry.keys.lookup))
-                          if presence[first + s] is not Presence.PRESENT), 0)
-            content = (prints[end], end) if end in prints else None
+                          if presence[at + s] is not Presence.PRESENT), 0)
             verdict, reason, age_s = self._history.why(
-                keys[first + shard], geometry.keys.lookup[shard], (g, block_hash),
-                presence[first + shard], content, message.keys)
+                keys[at + shard], geometry.keys.lookup[shard], (g, block_hash),
+                presence[at + shard], message.keys, prompt, end)
             explained.append(BlockWhy(geometry.kv_group_id, j, block_hash, verdict, reason,
                                       round(age_s, 3)))
         return tuple(explained)

@@ -93,8 +93,11 @@ def _run_step(step: Step, log: Path, progress: Progress, task: Any) -> tuple[int
 
 def _git_revision() -> str:
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              check=False).stdout.strip()
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                                  check=False).stdout.strip()
+        except OSError:  # no git here
+            return ""
 
     revision = git("rev-parse", "--short", "HEAD") or "unknown"
     return f"{revision}-dirty" if git("status", "--porcelain", "--untracked-files=no") else revision

@@ -89,7 +89,8 @@ def _plot_throughput(results: Mapping[str, Any], path: Path) -> None:
 
     rows = [row for row in results["rows"] if row["checksum"] == "on"] or results["rows"]
     concurrencies = sorted({row["concurrency"] for row in rows})
-    figure, axes = plt.subplots(1, len(concurrencies), figsize=(6 * len(concurrencies), 4.5),
+    figure, axes = plt.subplots(1, len(concurrencies),
+                                figsize=(max(8, 6 * len(concurrencies)), 5),
                                 squeeze=False, sharey=True)
     for axis, concurrency in zip(axes[0], concurrencies, strict=True):
         chosen = sorted((r for r in rows if r["concurrency"] == concurrency),
@@ -105,12 +106,12 @@ def _plot_throughput(results: Mapping[str, Any], path: Path) -> None:
         axis.set_xscale("log", base=2)
         axis.set_xticks(blocks, [str(b) for b in blocks])
         axis.set_xlabel("blocks per request (batch size)")
-        axis.set_title(f"{concurrency} request(s) in flight")
+        axis.set_title(f"{concurrency} request{'s' if concurrency > 1 else ''} in flight")
         axis.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("GB/s")
     axes[0][0].legend()
     layers, page_kib, _ = rows[0]["geometry"].split("x")
-    figure.suptitle(f"Embedded store throughput against a bare torch copy of the same blocks "
+    figure.suptitle(f"Embedded store throughput beside a bare torch copy of the same blocks\n"
                     f"({layers} layers x {page_kib} KiB pages, checksums on)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)

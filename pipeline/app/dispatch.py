@@ -2,11 +2,15 @@
 
 Admission happens here: a request that cannot be served is refused before it is
 accepted, and under overload a save is answered at once (every block skipped) instead
-of queueing in front of completions that loads are waiting for.
+of queueing in front of completions that loads are waiting for. Such refusals are
+logged as one ``saves.refused`` line per engine per second, not a line each: under a
+flood the lines would cost the loop more than the refusals.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -76,6 +80,8 @@ class Receiver:
         self._lookup_inbox = entrance("lookup")
         self.accepting = True
         self.last_receive = 0.0
+        self._refused: collections.Counter[str] = collections.Counter()
+        """Saves refused as overloaded since the last summary, by engine id."""
 
     def close_inboxes(self) -> None:
         """Stop feeding the paths: they drain what they hold, then end."""
@@ -85,17 +91,24 @@ class Receiver:
 
     # -- replies ---------------------------------------------------------------------
 
-    async def send_reply(self, reply: Reply) -> None:
-        """The sink of every path that answers engines."""
+    def log_refusals(self) -> None:
+        """Log how many saves each engine had refused as overloaded since the last call."""
+        for engine_id, count in self._refused.items():
+            log.info("saves.refused", engine_id=engine_id, saves=count,
+                     reason=OVERLOADED.reason)
+        self._refused.clear()
+
+    async def send_reply(self, reply: Reply, *, line: bool = True) -> None:
+        """The sink of every path that answers engines; ``line``: log its request."""
         message = reply.message
         if isinstance(message, LookupReply | SaveDone):
             message = msgspec.structs.replace(
                 message, save_credits=self._save_credits(reply.session)
             )
         await self._send(reply.to, message)
-        reply = Reply(reply.session, message, reply.request)
+        reply = dataclasses.replace(reply, message=message)
         self._metrics.replied(reply)
-        if self._config.logging.requests:
+        if line and self._config.logging.requests:
             log_request(reply)
 
     def _save_credits(self, session: EngineSession) -> int:
@@ -215,7 +228,8 @@ class Receiver:
             except anyio.WouldBlock:
                 self._tracker.answered(job)
         self._tracker.refuse(job, OVERLOADED)
-        await self.send_reply(Reply(job.session, completion_message(job), job))
+        await self.send_reply(Reply(job.session, completion_message(job), job), line=False)
+        self._refused[job.session.engine_id] += 1
 
 
 def _seq(message: object) -> int:

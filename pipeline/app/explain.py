@@ -15,6 +15,7 @@ from rich.table import Table
 from pipeline.core.errors import ConfigError
 from pipeline.core.messages import BlockWhy
 from transport.client import EngineClient, Explanation
+from transport.server import load_key_pair
 
 __all__ = ["add_explain_arguments", "run_explain", "show_explanation"]
 
@@ -29,6 +30,10 @@ def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a file of token ids (JSON list, or separated by commas or spaces)")
     prompt.add_argument("--hashes", help="the engine's block hashes, hex, comma-separated")
     parser.add_argument("--cache-salt", default=None)
+    parser.add_argument("--curve-server-key-file", type=Path, default=None,
+                        help="the sidecar's public key (a sidecar with CURVE on)")
+    parser.add_argument("--curve-key-file", type=Path, default=None,
+                        help="a secret key whose public key the sidecar allows")
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--json", action="store_true", help="print every block as JSON")
 
@@ -82,9 +87,16 @@ def run_explain(args: argparse.Namespace) -> int:
     else:
         hashes = _hashes(args.hashes)
     keys = {} if args.cache_salt is None else {"cache_salt": args.cache_salt}
+    if (args.curve_server_key_file is None) != (args.curve_key_file is None):
+        raise ConfigError("--curve-server-key-file and --curve-key-file go together")
+    server_key, key_pair = None, None
+    if args.curve_key_file is not None:
+        server_key = args.curve_server_key_file.read_text()
+        key_pair = load_key_pair(args.curve_key_file)
     explanation = anyio.run(lambda: EngineClient.explain_for(
         args.endpoint, engine_id=args.engine, token_ids=tokens, block_hashes=hashes,
-        timeout_s=args.timeout, **keys))
+        timeout_s=args.timeout, curve_server_key=server_key, curve_key_pair=key_pair,
+        **keys))
     if args.json:
         blocks = [{**{field: getattr(b, field) for field in b.__struct_fields__},
                    "block_hash": b.block_hash.hex()} for b in explanation.blocks]

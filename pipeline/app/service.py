@@ -147,10 +147,12 @@ class Sidecar:
 
     async def _reap_loop(self) -> None:
         """Drop the sessions of engines gone silent, and at once those of engines whose
-        process has exited, so that none of a dead engine's memory stays mapped."""
+        process has exited, so that none of a dead engine's memory stays mapped; and sum
+        up the saves refused meanwhile."""
         timeout = self.config.server.heartbeat_timeout_s
         while True:
             await anyio.sleep(min(timeout / 4, OWNER_CHECK_S))
+            self.receiver.log_refusals()
             now = time.monotonic()
             for identity, session in list(self.registry.sessions.items()):
                 silent_s = now - session.last_seen
@@ -211,6 +213,7 @@ class Sidecar:
                     for job in abandoned:
                         await receiver.send_reply(await completion.process(job))
             await self._answer_stragglers()
+            receiver.log_refusals()
             root.cancel_scope.cancel()
         self.registry.close()
         log.info("sidecar.stopped")

@@ -6,11 +6,17 @@ record. Beside it two indexes answer "is it stored under another name?": the key
 prefix each block (store group, hash) was last stored under (another namespace, rank or
 value format), and the request keys (cache salt, LoRA, multimodal inputs) that the same
 tokens were last stored with. Every index keeps only its most recent ``max_blocks``.
+
+Saves refused before their blocks were hashed (an overloaded sidecar answers them at
+once) are kept apart, one record per request holding its tokens (the message's own
+array, not a copy), so that a flood of them costs little and never pushes the blocks'
+own records out.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import time
 from collections.abc import Sequence
@@ -22,7 +28,7 @@ from pipeline.core.messages import RequestKeys, TokenIds
 from pipeline.core.outcomes import BlockStatus, KeyOutcome
 from pipeline.core.store import Presence
 
-__all__ = ["BlockHistory", "Verdict", "content_prints"]
+__all__ = ["BlockHistory", "Prompt", "Verdict", "content_prints"]
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -51,10 +57,27 @@ class _Bounded(collections.OrderedDict[K, V], Generic[K, V]):
         self.limit = limit
 
     def put(self, key: K, value: V) -> None:
+        if key in self:
+            self.move_to_end(key)
         self[key] = value
-        self.move_to_end(key)
         if len(self) > self.limit:
             self.popitem(last=False)
+
+
+REQUESTS_PER_PRINT = 2
+"""Refused requests remembered per print of their first block (a shared system prompt)."""
+REFUSED_TOKENS = 4096
+"""Tokens of a refused request remembered (a longer prompt's tail is not explained)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """A prompt being explained: its tokens, the prints of its tokens up to each block's
+    end, and where its first block ends."""
+
+    tokens: TokenIds
+    prints: dict[int, int]
+    first_end: int
 
 
 def content_prints(token_ids: TokenIds, ends: Sequence[int]) -> dict[int, int]:
@@ -86,14 +109,16 @@ class BlockHistory:
         self.enabled = max_blocks > 0
         self._keys: _Bounded[str, tuple[Verdict, str, float]] = _Bounded(max_blocks)
         self._prefixes: _Bounded[tuple[int, bytes], str] = _Bounded(max_blocks)
-        # (content print, tokens) -> the request keys it was saved with, and what came of it
-        self._contents: _Bounded[tuple[int, int], tuple[RequestKeys, Verdict, str, float]] = (
-            _Bounded(max_blocks))
+        # the print of the tokens up to a stored block's end -> the keys it was saved with
+        self._contents: _Bounded[int, RequestKeys] = _Bounded(max_blocks)
+        # the print of a refused request's first block -> (its tokens, keys, reason, when)
+        self._refused: _Bounded[int, tuple[tuple[TokenIds, RequestKeys, str, float], ...]] = (
+            _Bounded(max(16, max_blocks // 64)))
 
     def saved(self, key: str, prefix: str, block: tuple[int, bytes], outcome: KeyOutcome,
-              content: tuple[int, int] | None, keys: RequestKeys) -> None:
+              content: int | None, keys: RequestKeys) -> None:
         """One block of a finished save: ``block`` is its (store group, hash), ``content``
-        the (fingerprint, token count) of the tokens up to its end."""
+        the print of the tokens up to its end."""
         now = time.monotonic()
         if outcome.status in (BlockStatus.STORED, BlockStatus.PRESENT):
             known = self._keys.get(key)
@@ -102,7 +127,7 @@ class BlockHistory:
                 self._keys.put(key, (Verdict.PRESENT, "", now))
             self._prefixes.put(block, prefix)
             if content is not None:
-                self._contents.put(content, (keys, Verdict.PRESENT, "", now))
+                self._contents.put(content, keys)
             return
         known = self._keys.get(key)
         if known is not None and known[0] is Verdict.PRESENT:
@@ -110,12 +135,14 @@ class BlockHistory:
         verdict = Verdict.SKIPPED if outcome.status is BlockStatus.SKIPPED else Verdict.FAILED
         self._keys.put(key, (verdict, outcome.reason, now))
 
-    def refused(self, contents: Sequence[tuple[int, int]], outcome: KeyOutcome,
+    def refused(self, first: int, tokens: TokenIds, outcome: KeyOutcome,
                 keys: RequestKeys) -> None:
-        """A save refused before its blocks were named (hashed): known by its tokens."""
-        now = time.monotonic()
-        for content in contents:
-            self._contents.put(content, (keys, Verdict.SKIPPED, outcome.reason, now))
+        """A save refused before its blocks were named (hashed); ``first`` is the print
+        of its tokens up to its first block's end."""
+        if len(tokens) > REFUSED_TOKENS:
+            tokens = tokens[:REFUSED_TOKENS]
+        record = (tokens, keys, outcome.reason, time.monotonic())
+        self._refused.put(first, (record, *self._refused.get(first, ())[:REQUESTS_PER_PRINT - 1]))
 
     def load_failed(self, key: str, outcome: KeyOutcome) -> None:
         """A load found the block's value corrupt (and the store dropped it)."""
@@ -129,10 +156,11 @@ class BlockHistory:
 
     def why(
         self, key: str, prefix: str, block: tuple[int, bytes], presence: Presence,
-        content: tuple[int, int] | None, keys: RequestKeys,
+        keys: RequestKeys, prompt: Prompt | None = None, end: int = 0,
     ) -> tuple[Verdict, str, float]:
         """Why the block under ``key`` is (not) a hit: its verdict, a reason, and how long
-        ago (seconds) what it says happened (-1: unknown)."""
+        ago (seconds) what it says happened (-1: unknown). ``prompt``: the tokens asked
+        about (None: only their hashes), the block ending after ``end`` of them."""
         now = time.monotonic()
         if presence is Presence.PRESENT:
             return Verdict.PRESENT, "", -1.0
@@ -147,14 +175,20 @@ class BlockHistory:
         other = self._prefixes.get(block)
         if other is not None and other != prefix:
             return Verdict.OTHER_NAMESPACE, f"stored under {other}", -1.0
-        saved = self._contents.get(content) if content is not None else None
-        if saved is not None:
-            saved_keys, verdict, reason, at = saved
-            if saved_keys != keys:
-                return (Verdict.OTHER_KEYS, f"the same tokens were saved with another "
-                        f"{_keys_kind(saved_keys, keys)}", -1.0)
-            if verdict is Verdict.SKIPPED:
-                return verdict, reason, now - at
+        if prompt is None:
+            return self._never()
+        saved_keys = self._contents.get(prompt.prints[end])
+        if saved_keys is not None and saved_keys != keys:
+            return (Verdict.OTHER_KEYS, f"the same tokens were saved with another "
+                    f"{_keys_kind(saved_keys, keys)}", -1.0)
+        for tokens, refused_keys, reason, at in self._refused.get(
+                prompt.prints[prompt.first_end], ()):
+            if refused_keys == keys and len(tokens) >= end and tokens[:end] == (
+                    prompt.tokens[:end]):
+                return Verdict.SKIPPED, f"{reason} (the save was refused)", now - at
+        return self._never()
+
+    def _never(self) -> tuple[Verdict, str, float]:
         if not self.enabled:
             return Verdict.NEVER_STORED, "no record is kept (explain.max_blocks is 0)", -1.0
         return (Verdict.NEVER_STORED,

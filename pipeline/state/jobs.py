@@ -222,8 +222,8 @@ def mark_done(stage: str, item: object) -> None:
         item.marks[stage] = now
         return
     tasks = item.tasks if isinstance(item, StagedBatch) else item
-    if isinstance(tasks, list):
-        for job in {task.job for task in tasks if isinstance(task, BlockTask)}:
+    if isinstance(tasks, list) and tasks and isinstance(tasks[0], BlockTask):
+        for job in {task.job for task in tasks}:
             job.marks[stage] = now
 
 
@@ -271,11 +271,11 @@ class JobTracker:
         ``outcome`` (the history hears of it by the request's tokens)."""
         tasks = planned_blocks(job)
         job.reports = [job.report(task, outcome) for task in tasks]
-        if self._history is not None:
-            ends = [_end(task) for task in tasks]
-            prints = content_prints(job.message.token_ids, ends)
-            self._history.refused([(prints[end], end) for end in ends], outcome,
-                                  job.message.keys)
+        if self._history is not None and tasks:
+            tokens = job.message.token_ids
+            first_end = min(_end(task) for task in tasks)
+            first = content_prints(tokens, (first_end,))[first_end]
+            self._history.refused(first, tokens, outcome, job.message.keys)
 
     def answered(self, job: Job) -> None:
         """The engine has its reply (or cannot get one): forget the job."""
@@ -365,7 +365,7 @@ def _record(history: BlockHistory, job: Job) -> None:
     for task, end in zip(tasks, ends, strict=True):
         history.saved(task.key, task.geometry.keys.own, (task.store_group, task.block_hash),
                       outcomes[task.geometry.kv_group_id, task.block_index],
-                      (prints[end], end), message.keys)
+                      prints[end], message.keys)
 
 
 class StorePressure:

@@ -191,3 +191,37 @@ async def test_explain_says_why_each_block_of_a_prompt_misses(tmp_path: Path) ->
     lines = [json.loads(line) for line in sidecar_log.splitlines() if '"request.done"' in line]
     # Every explanation (5 here, 2 from the command) is a lookup, logged as one.
     assert [line["explained_blocks"] for line in lines if line["kind"] == "lookup"] == [8] * 7
+
+
+async def test_a_save_refused_as_overloaded_is_explained_and_summed_up_in_the_log() -> None:
+    """With one save per engine allowed in flight and a slow transfer, a second save is
+    refused at once as overloaded; explaining its prompt says so, and the log has one
+    saves.refused line for the engine instead of a request.done line for it."""
+    layout = hybrid_layout(page_bytes=PAGE_BYTES)
+    engine = KVEngine(layout)
+    blocks = [[1, 2, 3, 4], [7], [1, 2, 3, 4]]
+    slow, refused = random_tokens(64, seed=400), random_tokens(64, seed=401)
+    overrides = {"stages": {"receive": {"max_saves_per_engine": 1}},
+                 "faults": {"points": {"stage.transfer": {"delay_ms": 500}}}}
+    with run_sidecar_process(overrides) as sidecar:
+        with anyio.fail_after(TIMEOUT):
+            async with await engine.connect(sidecar.endpoint, engine_id="busy") as client:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(client.save, "slow", slow, blocks)
+                    await anyio.sleep(0.2)  # the slow save is in flight
+                    answer = await client.save("refused", refused, [[5, 6, 8, 9], [7],
+                                                                     [5, 6, 8, 9]])
+                assert answer.skipped == 8 and {b.reason for b in answer.blocks} == {
+                    "overloaded"}
+                explained = await client.lookup(refused, explain=True)
+                assert verdicts(explained) == {(0, "skipped"), (2, "skipped")}
+                assert explained.blocks[0].reason == "overloaded (the save was refused)"
+                assert verdicts(await client.lookup(slow, explain=True)) == {
+                    (0, "present"), (2, "present")}
+        log = sidecar.log()
+    lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert [(line["engine_id"], line["saves"]) for line in lines
+            if line["event"] == "saves.refused"] == [("busy", 1)]
+    saves = [line["request_id"] for line in lines
+             if line["event"] == "request.done" and line["kind"] == "save"]
+    assert saves == ["slow"]

@@ -5,16 +5,23 @@ from __future__ import annotations
 from pipeline.core.messages import RequestKeys, pack_tokens
 from pipeline.core.outcomes import PRESENT, STORE_FULL, STORED, KeyOutcome, failed
 from pipeline.core.store import Presence
-from pipeline.state.history import BlockHistory, Verdict, content_prints
+from pipeline.state.history import BlockHistory, Prompt, Verdict, content_prints
 
 NO_KEYS = RequestKeys()
 SALTED = RequestKeys(cache_salt="tenant")
 
 
 def why(history: BlockHistory, key: str, *, presence: Presence = Presence.ABSENT,
-        prefix: str = "p", block: tuple[int, bytes] = (0, b"h"),
-        content: tuple[int, int] | None = None, keys: RequestKeys = NO_KEYS) -> Verdict:
-    return history.why(key, prefix, block, presence, content, keys)[0]
+        prefix: str = "p", block: tuple[int, bytes] = (0, b"h"), prompt: Prompt | None = None,
+        end: int = 0, keys: RequestKeys = NO_KEYS) -> Verdict:
+    return history.why(key, prefix, block, presence, keys, prompt, end)[0]
+
+
+def prompt(tokens: list[int], block: int = 16) -> Prompt:
+    """A prompt as explained: its tokens and their prints at each block's end."""
+    packed = pack_tokens(tokens)
+    ends = list(range(block, len(tokens) + 1, block))
+    return Prompt(packed, content_prints(packed, ends), block)
 
 
 def test_the_store_says_first_what_is_present_or_unusable() -> None:
@@ -22,7 +29,7 @@ def test_the_store_says_first_what_is_present_or_unusable() -> None:
     history = BlockHistory(8)
     history.saved("p@h", "p", (0, b"h"), STORE_FULL, None, NO_KEYS)
     assert why(history, "p@h", presence=Presence.PRESENT) is Verdict.PRESENT
-    assert history.why("p@h", "p", (0, b"h"), Presence.FOREIGN, None, NO_KEYS)[:2] == (
+    assert history.why("p@h", "p", (0, b"h"), Presence.FOREIGN, NO_KEYS)[:2] == (
         Verdict.UNUSABLE, "foreign_value")
 
 
@@ -32,10 +39,10 @@ def test_a_block_stored_then_gone_is_evicted_and_a_later_skip_does_not_hide_it()
     history = BlockHistory(8)
     history.saved("p@h", "p", (0, b"h"), STORED, None, NO_KEYS)
     history.saved("p@h", "p", (0, b"h"), STORE_FULL, None, NO_KEYS)
-    assert history.why("p@h", "p", (0, b"h"), Presence.ABSENT, None, NO_KEYS)[:2] == (
+    assert history.why("p@h", "p", (0, b"h"), Presence.ABSENT, NO_KEYS)[:2] == (
         Verdict.EVICTED, "stored, since gone from the store")
     history.evicted(["p@h", "p@unknown"])
-    verdict, reason, age_s = history.why("p@h", "p", (0, b"h"), Presence.ABSENT, None, NO_KEYS)
+    verdict, reason, age_s = history.why("p@h", "p", (0, b"h"), Presence.ABSENT, NO_KEYS)
     assert (verdict, reason) == (Verdict.EVICTED, "evicted to make room") and age_s >= 0
     assert why(history, "p@unknown") is Verdict.NEVER_STORED  # an eviction names no new key
 
@@ -48,29 +55,51 @@ def test_skips_failures_and_corrupt_loads_keep_their_reason() -> None:
     history.saved("p@b", "p", (0, b"b"), failed("store: down"), None, NO_KEYS)
     history.saved("p@c", "p", (0, b"c"), PRESENT, None, NO_KEYS)
     history.load_failed("p@c", KeyOutcome(STORE_FULL.status, "checksum_mismatch"))
-    assert history.why("p@a", "p", (0, b"a"), Presence.ABSENT, None, NO_KEYS)[:2] == (
+    assert history.why("p@a", "p", (0, b"a"), Presence.ABSENT, NO_KEYS)[:2] == (
         Verdict.SKIPPED, "store_full")
-    assert history.why("p@b", "p", (0, b"b"), Presence.ABSENT, None, NO_KEYS)[:2] == (
+    assert history.why("p@b", "p", (0, b"b"), Presence.ABSENT, NO_KEYS)[:2] == (
         Verdict.FAILED, "store: down")
     assert why(history, "p@c", block=(0, b"c")) is Verdict.FAILED_INTEGRITY
 
 
 def test_the_same_block_or_tokens_under_another_name_are_found() -> None:
     """A block hash stored under another prefix (same store group) is in another
-    namespace; the same tokens saved with another salt are under other keys; a save
-    refused before hashing is known by its tokens."""
+    namespace; the same tokens saved with another salt are under other keys."""
     history = BlockHistory(8)
-    tokens = pack_tokens(list(range(32)))
-    prints = content_prints(tokens, [16, 32])
-    history.saved("q@h", "q", (0, b"h"), STORED, (prints[16], 16), SALTED)
+    asked = prompt(list(range(32)))
+    history.saved("q@h", "q", (0, b"h"), STORED, asked.prints[16], SALTED)
     assert why(history, "p@h", block=(0, b"h")) is Verdict.OTHER_NAMESPACE
     assert why(history, "p@h", block=(1, b"h")) is Verdict.NEVER_STORED  # another group
-    verdict, reason, _ = history.why("p@x", "p", (0, b"x"), Presence.ABSENT,
-                                     (prints[16], 16), NO_KEYS)
+    verdict, reason, _ = history.why("p@x", "p", (0, b"x"), Presence.ABSENT, NO_KEYS,
+                                     asked, 16)
     assert verdict is Verdict.OTHER_KEYS and "cache salt" in reason
-    history.refused([(prints[32], 32)], KeyOutcome(STORE_FULL.status, "overloaded"), NO_KEYS)
-    assert history.why("p@y", "p", (0, b"y"), Presence.ABSENT, (prints[32], 32),
-                       NO_KEYS)[:2] == (Verdict.SKIPPED, "overloaded")
+    assert why(history, "p@x", block=(0, b"x"), prompt=asked, end=16, keys=SALTED) is (
+        Verdict.NEVER_STORED)  # the same keys: nothing to say
+
+
+def test_a_refused_save_is_known_by_its_tokens_and_kept_apart() -> None:
+    """A save refused before hashing explains the blocks of a prompt it covered (under
+    the same keys only); a flood of refusals keeps its own bound and never pushes the
+    blocks' own records out."""
+    history = BlockHistory(16)
+    refused = prompt(list(range(48)))
+    overloaded = KeyOutcome(STORE_FULL.status, "overloaded")
+    history.saved("p@kept", "p", (0, b"kept"), STORE_FULL, None, NO_KEYS)
+    history.refused(refused.prints[16], refused.tokens, overloaded, NO_KEYS)
+    longer = prompt(list(range(64)))  # the refused prompt, and 16 tokens more
+    verdict, reason, age_s = history.why("p@y", "p", (0, b"y"), Presence.ABSENT, NO_KEYS,
+                                         longer, 48)
+    assert (verdict, reason) == (Verdict.SKIPPED, "overloaded (the save was refused)")
+    assert age_s >= 0
+    assert why(history, "p@z", prompt=longer, end=64) is Verdict.NEVER_STORED  # not covered
+    assert why(history, "p@y", prompt=longer, end=48, keys=SALTED) is Verdict.NEVER_STORED
+    other = prompt(list(range(16)) + [9] * 48)  # the same first block, then other tokens
+    assert why(history, "p@w", prompt=other, end=32) is Verdict.NEVER_STORED
+    for start in range(100):  # a flood of other refused prompts
+        flood = prompt(list(range(start + 1, start + 17)))
+        history.refused(flood.prints[16], flood.tokens, overloaded, NO_KEYS)
+    assert why(history, "p@kept", block=(0, b"kept")) is Verdict.SKIPPED
+    assert why(history, "p@y", prompt=longer, end=48) is Verdict.NEVER_STORED
 
 
 def test_content_prints_depend_on_the_tokens_up_to_each_end_only() -> None:
