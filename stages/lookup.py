@@ -22,7 +22,7 @@ from pipeline.core.keys import keys_for
 from pipeline.core.layout import GroupKind
 from pipeline.core.messages import BlockWhy, Lookup, LookupReply
 from pipeline.core.store import KVStore, Presence
-from pipeline.state.history import BlockHistory, Prompt, content_prints
+from pipeline.state.history import BlockHistory, Prompt, Verdict, content_prints
 from pipeline.state.jobs import LookupRequest, Reply
 from pipeline.state.sessions import EngineSession
 
@@ -140,7 +140,8 @@ class LookupStage:
         )
 
     async def explain(self, session: EngineSession, message: Lookup) -> tuple[BlockWhy, ...]:
-        """Every full block of every stored group: present, or why not."""
+        """Every full block of every stored group: present, or why not. (Rarely asked:
+        the prompt is hashed at once, not chunk by chunk as a lookup does.)"""
         hbs = session.layout.hash_block_size
         tokens = message.token_ids
         fine = (message.block_hashes if message.block_hashes is not None
@@ -159,7 +160,7 @@ class LookupStage:
         try:
             presence = await self._store.exists(keys, sizes)
         except StoreError as exc:
-            return tuple(BlockWhy(session.store_groups[g].kv_group_id, j, h, "unknown",
+            return tuple(BlockWhy(session.store_groups[g].kv_group_id, j, h, Verdict.UNKNOWN,
                                   f"the store cannot say: {exc}") for g, j, h, _ in blocks)
         ends = [(j + 1) * session.store_groups[g].group.block_size for g, j, _, _ in blocks]
         prompt = Prompt(tokens, content_prints(tokens, ends), min(ends)) if (

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pipeline.app.backends import Usage
 from pipeline.core.messages import LoadDone, Lookup, LookupReply, SaveDone
 from pipeline.state.jobs import Reply
 from pipeline.state.sessions import EngineSession
@@ -31,10 +32,10 @@ _WAIT_BUCKETS = (0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1
 
 @dataclasses.dataclass(frozen=True)
 class BackendGauges:
-    """What the backends report when scraped (each None where a backend cannot say)."""
+    """What the backends report when scraped."""
 
-    store_used: Callable[[], tuple[int, int, int]] | None
-    """(used bytes, capacity bytes, evictions so far)."""
+    store_used: Usage | None
+    """None where the store does not say (Mooncake)."""
     breaker_state: Callable[[], str]
     staging: Callable[[], tuple[int, int, int, int]]
     """(save slots in use, save slots, load slots in use, load slots)."""

@@ -47,6 +47,8 @@ class Verdict(enum.StrEnum):
     """The same block hash is stored under another key prefix."""
     OTHER_KEYS = "other_keys"
     """The same tokens were stored under another cache salt, LoRA or multimodal input."""
+    UNKNOWN = "unknown"
+    """The store could not be asked."""
 
 
 class _Bounded(collections.OrderedDict[K, V], Generic[K, V]):
