@@ -10,7 +10,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from typing import Generic, Self, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
@@ -30,11 +30,23 @@ def _ignore(seconds: float) -> None:
     pass
 
 
-class _Closing:
-    """``with stream:`` closes it, as anyio's memory streams do."""
+S = TypeVar("S", bound="MemoryObjectSendStream[Any] | MemoryObjectReceiveStream[Any]")
+
+
+class _EdgeEnd(Generic[S]):
+    """What both ends of an edge share: closing (``with`` closes too, as anyio's memory
+    streams do) and the statistics of the stream underneath."""
+
+    _stream: S
 
     def close(self) -> None:
-        raise NotImplementedError
+        self._stream.close()
+
+    async def aclose(self) -> None:
+        self._stream.close()
+
+    def statistics(self) -> MemoryObjectStreamStatistics:
+        return self._stream.statistics()
 
     def __enter__(self) -> Self:
         return self
@@ -50,7 +62,7 @@ class _Waits:
     observe: Callable[[float], None] = _ignore
 
 
-class EdgeSendStream(_Closing, ObjectSendStream[T]):
+class EdgeSendStream(_EdgeEnd[MemoryObjectSendStream[Stamped[T]]], ObjectSendStream[T]):
     """An edge's sending end: a memory object stream that stamps what it sends."""
 
     def __init__(self, stream: MemoryObjectSendStream[Stamped[T]]) -> None:
@@ -65,17 +77,9 @@ class EdgeSendStream(_Closing, ObjectSendStream[T]):
     def clone(self) -> EdgeSendStream[T]:
         return EdgeSendStream(self._stream.clone())
 
-    def close(self) -> None:
-        self._stream.close()
 
-    async def aclose(self) -> None:
-        self._stream.close()
-
-    def statistics(self) -> MemoryObjectStreamStatistics:
-        return self._stream.statistics()
-
-
-class EdgeReceiveStream(_Closing, ObjectReceiveStream[T]):
+class EdgeReceiveStream(_EdgeEnd[MemoryObjectReceiveStream[Stamped[T]]],
+                        ObjectReceiveStream[T]):
     """An edge's receiving end: reports each item's wait as it takes it out."""
 
     def __init__(self, stream: MemoryObjectReceiveStream[Stamped[T]], waits: _Waits) -> None:
@@ -94,15 +98,6 @@ class EdgeReceiveStream(_Closing, ObjectReceiveStream[T]):
 
     def clone(self) -> EdgeReceiveStream[T]:
         return EdgeReceiveStream(self._stream.clone(), self._waits)
-
-    def close(self) -> None:
-        self._stream.close()
-
-    async def aclose(self) -> None:
-        self._stream.close()
-
-    def statistics(self) -> MemoryObjectStreamStatistics:
-        return self._stream.statistics()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
