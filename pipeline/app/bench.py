@@ -163,13 +163,14 @@ def run_bench(*, quick: bool, out: Path, config: Path | None = None,
 
     found = ratios(benchmarks)
     machine = _machine()
+    revision = _git_revision()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     heading = (f"Measured {date} on {machine['cpus']} CPUs ({machine['cpu']}, "
-               f"{machine['memory_gib']} GiB), revision {_git_revision()}"
+               f"{machine['memory_gib']} GiB), revision {revision}"
                f"{', --quick' if quick else ''}; medians, ratios against a baseline measured "
                "in the same run.")
     report = {
-        "date": date, "started_unix": started, "quick": quick, "revision": _git_revision(),
+        "date": date, "started_unix": started, "quick": quick, "revision": revision,
         "machine": machine, "config": msgspec.to_builtins(base), "runs": runs,
         "ratios": [{**dataclasses.asdict(r), "met": r.met} for r in found],
         "benchmarks": benchmarks,

@@ -32,9 +32,14 @@ class Ratio:
         return compare[op](self.value, float(bound))
 
 
+def _blocks(row: Mapping[str, Any]) -> int:
+    """Blocks per request of a throughput row (its geometry is LAYERSxPAGE_KIBxBLOCKS)."""
+    return int(row["geometry"].rsplit("x", 1)[1])
+
+
 def _throughput(results: Mapping[str, Any]) -> Iterator[Ratio]:
     for row in results["rows"]:
-        blocks = int(row["geometry"].rsplit("x", 1)[1])
+        blocks = _blocks(row)
         where = (f"embedded {{}}, {blocks} blocks/request, {row['concurrency']} in flight, "
                  f"checksums {row['checksum']} (vs bare copy)")
         yield Ratio(where.format("save"), row["save_ratio"], f">= {results['goal']}")
@@ -93,9 +98,8 @@ def _plot_throughput(results: Mapping[str, Any], path: Path) -> None:
                                 figsize=(max(8, 6 * len(concurrencies)), 5),
                                 squeeze=False, sharey=True)
     for axis, concurrency in zip(axes[0], concurrencies, strict=True):
-        chosen = sorted((r for r in rows if r["concurrency"] == concurrency),
-                        key=lambda r: int(r["geometry"].rsplit("x", 1)[1]))
-        blocks = [int(r["geometry"].rsplit("x", 1)[1]) for r in chosen]
+        chosen = sorted((r for r in rows if r["concurrency"] == concurrency), key=_blocks)
+        blocks = [_blocks(r) for r in chosen]
         for key, label, style in (("bare_save", "bare copy, save", "--"),
                                   ("sidecar_save", "sidecar, save", "-"),
                                   ("bare_load", "bare copy, load", "--"),
