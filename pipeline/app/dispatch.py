@@ -32,6 +32,7 @@ from pipeline.core.messages import (
     Heartbeat,
     HeartbeatAck,
     Load,
+    LoadDone,
     Lookup,
     LookupReply,
     Register,
@@ -42,6 +43,7 @@ from pipeline.core.messages import (
     Unregistered,
     decode_engine_message,
     encode,
+    outcome_counts,
 )
 from pipeline.core.outcomes import BlockStatus, KeyOutcome
 from pipeline.runner import EdgeSendStream
@@ -107,9 +109,11 @@ class Receiver:
             )
         await self._send(reply.to, message)
         reply = dataclasses.replace(reply, message=message)
-        self._metrics.replied(reply)
+        outcomes = outcome_counts(message.blocks) if isinstance(
+            message, SaveDone | LoadDone) else collections.Counter()
+        self._metrics.replied(reply, outcomes)
         if line and self._config.logging.requests:
-            log_request(reply)
+            log_request(reply, outcomes)
 
     def _save_credits(self, session: EngineSession) -> int:
         """How many more saves of this engine would be queued now, not refused."""
@@ -149,7 +153,6 @@ class Receiver:
         self._metrics.requests.labels(message.__struct_config__.tag).inc()
         if isinstance(message, Register):
             registered_session, registered = self._registry.register(identity, message)
-            self._metrics.sessions.set(len(self._registry.sessions))
             log.info(
                 "session.registered",
                 engine_id=registered_session.engine_id,
@@ -169,7 +172,6 @@ class Receiver:
             await self._send(identity, HeartbeatAck(message.seq))
         elif isinstance(message, Unregister):
             self._registry.remove(identity)
-            self._metrics.sessions.set(len(self._registry.sessions))
             log.info("session.unregistered", engine_id=session.engine_id)
             await self._send(identity, Unregistered(message.seq))
         elif not self.accepting:

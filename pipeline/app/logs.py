@@ -9,7 +9,6 @@ and getting it back behind busy copy threads can take milliseconds).
 from __future__ import annotations
 
 import atexit
-import collections
 import logging
 import queue
 import sys
@@ -21,6 +20,7 @@ from typing import Any, BinaryIO, cast
 import msgspec
 import structlog
 
+from pipeline.app.metrics import Outcomes
 from pipeline.core.config import LoggingConfig
 from pipeline.core.messages import LoadDone, LookupReply, SaveDone
 from pipeline.state.jobs import Reply
@@ -98,9 +98,10 @@ def configure_logging(config: LoggingConfig) -> None:
     )
 
 
-def log_request(reply: Reply) -> None:
-    """One line per completed request (``request.done``): what it asked, what came of it,
-    and when each stage finished its part, in ms after it was received."""
+def log_request(reply: Reply, outcomes: Outcomes) -> None:
+    """One line per completed request (``request.done``): what it asked, what came of it
+    (``outcomes``: ``outcome_counts`` of its blocks), and when each stage finished its
+    part, in ms after it was received."""
     request, message = reply.request, reply.message
     start = request.received_at
     fields: dict[str, object] = {
@@ -116,11 +117,8 @@ def log_request(reply: Reply) -> None:
         if message.explain is not None:
             fields["explained_blocks"] = len(message.explain)
     elif isinstance(message, SaveDone | LoadDone):
-        fields["blocks"] = dict(collections.Counter(
-            f"{block.status}:{block.reason.split(':', 1)[0]}" if block.reason
-            else str(block.status)
-            for block in message.blocks
-        ))
+        fields["blocks"] = {f"{status}:{reason}" if reason else str(status): count
+                            for (status, reason), count in outcomes.items()}
         if isinstance(message, LoadDone):
             fields["loaded_tokens"] = message.loaded_tokens
     request_id = getattr(request.message, "request_id", None)

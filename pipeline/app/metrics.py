@@ -18,10 +18,14 @@ from prometheus_client.registry import Collector
 
 from pipeline.app.backends import Usage
 from pipeline.core.messages import LoadDone, Lookup, LookupReply, SaveDone
+from pipeline.core.outcomes import BlockStatus
 from pipeline.state.jobs import Reply
 from pipeline.state.sessions import EngineSession
 
-__all__ = ["BackendGauges", "Metrics"]
+__all__ = ["BackendGauges", "Metrics", "Outcomes"]
+
+Outcomes = collections.Counter[tuple[BlockStatus, str]]
+"""A reply's blocks by status and reason kind (``pipeline.core.messages.outcome_counts``)."""
 
 # Fine enough around a millisecond that a p99 can be told from twice the p50.
 _LATENCY_BUCKETS = (0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003,
@@ -170,17 +174,13 @@ class Metrics:
         """What counts bytes moved on ``path`` (save, load) ``via`` (copy, store)."""
         return self.moved.labels(path, via).inc
 
-    def replied(self, reply: Reply) -> None:
-        """Count a completion's blocks, a lookup's tokens, and how long the engine
-        waited."""
+    def replied(self, reply: Reply, outcomes: Outcomes) -> None:
+        """Count a completion's block ``outcomes`` (``outcome_counts`` of its blocks), a
+        lookup's tokens, and how long the engine waited."""
         message = reply.message
         if isinstance(message, SaveDone | LoadDone):
             path = "save" if isinstance(message, SaveDone) else "load"
-            # Reasons may carry details ("size_mismatch: ..."): label only their kind.
-            counts = collections.Counter(
-                (block.status, block.reason.split(":", 1)[0]) for block in message.blocks
-            )
-            for (status, reason), count in counts.items():
+            for (status, reason), count in outcomes.items():
                 self.blocks.labels(path, status, reason).inc(count)
         else:
             path = "lookup"

@@ -102,6 +102,7 @@ class Sidecar:
     def _metrics(self) -> Metrics:
         metrics = Metrics()
         pool = self.backends.pool
+        metrics.sessions.set_function(lambda: len(self.registry.sessions))
         metrics.open_jobs.set_function(lambda: self.tracker.open_jobs)
         metrics.withheld_slots.set_function(lambda: pool.withheld)
         metrics.events_dropped.set_function(lambda: self.events.dropped)
@@ -165,7 +166,6 @@ class Sidecar:
                     continue
                 self.metrics.reaped.inc()
                 self.registry.remove(identity)
-                self.metrics.sessions.set(len(self.registry.sessions))
 
     # -- lifecycle --------------------------------------------------------------------
 

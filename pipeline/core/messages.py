@@ -7,6 +7,7 @@ through the socket: registration sends handles (shared-memory names, offsets, st
 from __future__ import annotations
 
 import array
+import collections
 import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
@@ -49,6 +50,7 @@ __all__ = [
     "decode_engine_message",
     "decode_sidecar_message",
     "encode",
+    "outcome_counts",
     "pack_tokens",
 ]
 
@@ -322,6 +324,13 @@ class BlockReport(msgspec.Struct, frozen=True, array_like=True):
     block_id: int
     status: BlockStatus
     reason: str = ""
+
+
+def outcome_counts(blocks: Iterable[BlockReport]) -> collections.Counter[tuple[BlockStatus, str]]:
+    """Blocks by status and the kind of their reason (a reason may carry details after a
+    colon, "size_mismatch: ...": only its kind is counted)."""
+    return collections.Counter((block.status, block.reason.split(":", 1)[0])
+                               for block in blocks)
 
 
 class SaveDone(_Wire, frozen=True, tag="save_done"):
