@@ -210,6 +210,10 @@ class Engine:
         self.config = config
         self.tensors = engine_tensors(config)
         self.block_ids: dict[str, tuple[list[int], ...]] = {}
+        self.reported: dict[str, set[str]] = {"finished_sending": set(),
+                                              "finished_recving": set()}
+        """Every request the worker reported in each field, from any step: a transfer may
+        finish within the step that started it, as vLLM's loop sees too."""
         self.next_block = [1] * len(config.kv_cache_groups)
         self.worker = KVSidecarConnector(vllm_config(endpoint, hash_algo=hash_algo, **extra),
                                          KVConnectorRole.WORKER, config)
@@ -250,13 +254,18 @@ class Engine:
         self.worker.wait_for_save()
         results = self.worker.get_transfer_results(set(finished))
         self.worker.clear_connector_metadata()
+        for field, reported in self.reported.items():
+            reported |= getattr(results, field)
         self.scheduler.update_connector_output(SimpleNamespace(
             finished_recving=results.finished_recving, finished_sending=results.finished_sending))
         return plan, results
 
     def until(self, field: str, req_id: str, finished: AbstractSet[str] = frozenset()) -> None:
         deadline = time.monotonic() + 10
-        while req_id not in getattr(self.step({}, finished)[1], field):
+        while True:
+            self.step({}, finished)
+            if req_id in self.reported[field]:
+                return
             assert time.monotonic() < deadline, f"{req_id} never in {field}"
             time.sleep(0.01)
             finished = frozenset()  # vLLM names a finished request once
