@@ -1,7 +1,8 @@
 """The embedded block store: an LRU cache inside one preallocated byte arena.
 
 The arena is a single uint8 tensor of ``capacity_bytes``, allocated once; values are
-extents inside it. Allocation is best fit over free extents that coalesce with both
+extents inside it, each padded to a cache line (``value_span``) so that rows copied
+side by side never straddle one. Allocation is best fit over free extents that coalesce with both
 neighbours on free. A deployment stores a handful of value sizes (one per store
 group), so an evicted block leaves a hole of exactly the size the next block of its
 group needs, and holes of different sizes merge as their neighbours go. Unlike a slab
@@ -33,7 +34,7 @@ from anyio.abc import AsyncResource
 from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORE_FULL, STORED, KeyOutcome, failed
-from pipeline.core.store import Extents, Presence
+from pipeline.core.store import VALUE_ALIGN, Extents, Presence, value_span
 from transport.arena import ArenaAllocator
 
 __all__ = ["EmbeddedStore", "EmbeddedStoreStats"]
@@ -54,6 +55,8 @@ class _Entry:
     key: str
     offset: int
     size: int
+    span: int
+    """The arena bytes it occupies: its size, padded (``value_align``)."""
     pins: int = 0
     ready: bool = False
     """False while the put that created it is still copying the value in."""
@@ -75,9 +78,9 @@ def _check_bytes(tensor: object) -> str | None:
 
 
 def _follows(entry: _Entry | None, previous: _Entry | None) -> bool:
-    """Whether ``entry`` starts where ``previous`` ends, at the same size."""
+    """Whether ``entry`` starts where ``previous``'s span ends, at the same size."""
     return (entry is not None and previous is not None and entry.size == previous.size
-            and entry.offset == previous.offset + previous.size)
+            and entry.offset == previous.offset + previous.span)
 
 
 def _copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[str | None]:
@@ -106,8 +109,11 @@ class EmbeddedStore(AsyncResource):
         *,
         copy_limiter: anyio.CapacityLimiter | None = None,
         on_evicted: Callable[[Sequence[str]], None] = lambda keys: None,
+        value_align: int = VALUE_ALIGN,
     ) -> None:
-        """``on_evicted`` hears the keys evicted to make room (on the event loop)."""
+        """``on_evicted`` hears the keys evicted to make room (on the event loop).
+        ``value_align``: each value is padded to a multiple of it (1 packs them back to
+        back, the smallest footprint, but rows side by side then straddle cache lines)."""
         try:
             # Touched once now: a page's first write costs a fault, several times the
             # copy itself, and the whole budget is held from the start anyway.
@@ -123,6 +129,7 @@ class EmbeddedStore(AsyncResource):
         self._evictions = 0
         self._limiter = copy_limiter or anyio.CapacityLimiter(DEFAULT_COPY_THREADS)
         self._on_evicted = on_evicted
+        self._align = value_align
         self._closed = False
 
     @property
@@ -223,9 +230,10 @@ class EmbeddedStore(AsyncResource):
     async def reserve(self, keys: Sequence[str], size: int) -> Extents:
         self._check_open()
         fresh = len({key for key in keys if key not in self._entries})
+        span = value_span(size, self._align)
         # One extent for the whole batch (evicting as needed), so the caller copies the
         # batch as one matrix; if none can be had, one extent per key.
-        run = self._make_room(fresh * size) if fresh > 1 else None
+        run = self._make_room(fresh * span) if fresh > 1 else None
         next_offset = run
         lent: list[tuple[_Entry | None, KeyOutcome]] = []
         for key in keys:
@@ -235,18 +243,18 @@ class EmbeddedStore(AsyncResource):
                 continue
             if next_offset is not None:
                 offset: int | None = next_offset
-                next_offset += size
+                next_offset += span
             else:
-                offset = self._make_room(size)
+                offset = self._make_room(span)
             if offset is None:
                 lent.append((None, STORE_FULL))
                 continue
-            entry = _Entry(key, offset, size)
+            entry = _Entry(key, offset, size, span)
             self._pin(entry)
             self._entries[key] = entry
             lent.append((entry, STORED))
-        if run is not None and next_offset is not None and next_offset < run + fresh * size:
-            self._allocator.free(next_offset, run + fresh * size - next_offset)
+        if run is not None and next_offset is not None and next_offset < run + fresh * span:
+            self._allocator.free(next_offset, run + fresh * span - next_offset)
         return self._extents(lent)
 
     def commit(self, extents: Extents, *, written: bool) -> list[KeyOutcome]:
@@ -303,8 +311,8 @@ class EmbeddedStore(AsyncResource):
             if first is not None and growing:
                 continue
             if first is not None:
-                run = self._arena[first.offset : first.offset + (end - start) * first.size]
-                views[start:end] = run.view(end - start, first.size).unbind(0)
+                run = self._arena[first.offset : first.offset + (end - start) * first.span]
+                views[start:end] = run.view(end - start, first.span)[:, : first.size].unbind(0)
             start = end
         return views
 
@@ -355,16 +363,18 @@ class EmbeddedStore(AsyncResource):
             # An empty value would let the index grow without using arena bytes.
             return failed(f"bad_value: {problem}")
         size = value.numel()
-        offset = self._make_room(size)
+        span = value_span(size, self._align)
+        offset = self._make_room(span)
         if offset is None:
             return STORE_FULL
-        entry = _Entry(key, offset, size)
+        entry = _Entry(key, offset, size, span)
         self._pin(entry)
         self._entries[key] = entry
         return entry
 
     def _make_room(self, size: int) -> int | None:
-        """Allocate ``size`` bytes, evicting unpinned entries oldest first as needed."""
+        """Allocate ``size`` bytes (whole spans), evicting unpinned entries oldest first
+        as needed."""
         if size > self._allocator.capacity - self._pinned_bytes:
             return None
         evicted: list[str] = []
@@ -384,22 +394,22 @@ class EmbeddedStore(AsyncResource):
 
     def _pin(self, entry: _Entry) -> None:
         if entry.pins == 0:
-            self._pinned_bytes += entry.size
+            self._pinned_bytes += entry.span
         entry.pins += 1
 
     def _unpin(self, entry: _Entry) -> None:
         entry.pins -= 1
         if entry.pins == 0:
-            self._pinned_bytes -= entry.size
+            self._pinned_bytes -= entry.span
             if entry.removed:
-                self._allocator.free(entry.offset, entry.size)
+                self._allocator.free(entry.offset, entry.span)
 
     def _drop(self, entry: _Entry) -> None:
         """Take an entry out of the index; its extent is freed once nothing copies it."""
         del self._entries[entry.key]
         entry.removed = True
         if entry.pins == 0:
-            self._allocator.free(entry.offset, entry.size)
+            self._allocator.free(entry.offset, entry.span)
 
     def _abandon(self, entry: _Entry) -> None:
         """Undo a reservation whose value never arrived."""

@@ -20,6 +20,7 @@ import torch
 
 from pipeline.core.geometry import Segment, StoreGroupGeometry
 from pipeline.core.integrity import seal_rows, verify_rows
+from pipeline.core.store import value_span
 
 __all__ = [
     "CopyThreads",
@@ -29,6 +30,7 @@ __all__ = [
     "gather_blocks",
     "runs",
     "scatter_blocks",
+    "span_of",
     "verify_and_scatter",
 ]
 
@@ -41,15 +43,30 @@ def _index(block_ids: Sequence[int]) -> torch.Tensor:
 
 
 def runs(views: Sequence[torch.Tensor], size: int) -> list[Piece]:
-    """Adjacent values as matrices: (index of the first, a [count, size] view)."""
+    """Adjacent values as matrices: (index of the first, a [count, size] view). Values
+    are adjacent when each starts ``size`` bytes after the last, or ``value_span(size)``
+    (a direct store's padded values): one stride per run."""
+    strides = (size, value_span(size))
     result = []
     start = 0
+    stride = size
     for index in range(1, len(views) + 1):
-        if index == len(views) or views[index].data_ptr() != views[index - 1].data_ptr() + size:
-            matrix = torch.as_strided(views[start], (index - start, size), (size, 1))
-            result.append((start, matrix))
-            start = index
+        if index < len(views):
+            step = views[index].data_ptr() - views[index - 1].data_ptr()
+            if step == stride or (index == start + 1 and step in strides):
+                stride = step
+                continue
+        matrix = torch.as_strided(views[start], (index - start, size), (stride, 1))
+        result.append((start, matrix))
+        start, stride = index, size
     return result
+
+
+def span_of(rows: torch.Tensor) -> torch.Tensor:
+    """A run's rows with the padding after each (a direct store's own bytes) as one
+    contiguous matrix, for copies that need one (to and from a GPU)."""
+    count, stride = rows.shape[0], rows.stride(0)
+    return torch.as_strided(rows, (count, stride), (stride, 1))
 
 
 _WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))

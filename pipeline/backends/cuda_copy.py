@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 import anyio
 import torch
 
-from pipeline.backends.cpu_copy import gather_blocks, runs, scatter_blocks
+from pipeline.backends.cpu_copy import Piece, gather_blocks, runs, scatter_blocks, span_of
 from pipeline.core.errors import ConfigError
 from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.integrity import seal_rows, verify_rows
@@ -48,6 +48,22 @@ def pinned(memory: torch.Tensor) -> Iterator[None]:
         yield
     finally:
         cudart.cudaHostUnregister(memory.data_ptr())
+
+
+def _device_rows(pieces: Sequence[Piece], count: int, stored: int,
+                 device: torch.device) -> torch.Tensor:
+    """A device matrix for ``count`` values, rows as far apart as the host's (a direct
+    store pads its values), so each run moves as one contiguous transfer."""
+    stride = max((host.stride(0) for _, host in pieces), default=stored)
+    return torch.empty((count, stride), dtype=torch.uint8, device=device)
+
+
+def _paired(host: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A host run and its device rows as matrices of one shape: whole contiguous spans
+    where their strides agree (asynchronous DMA), else the values alone."""
+    if host.stride(0) == rows.shape[1]:
+        return span_of(host), rows
+    return host, rows[:, : host.shape[1]]
 
 
 def _device_of(geometry: StoreGroupGeometry) -> torch.device | None:
@@ -92,10 +108,11 @@ class CudaCopyEngine:
             if geometry.step_event is not None:
                 stream.wait_event(geometry.step_event)
             ids = torch.tensor(block_ids, dtype=torch.int64).to(device, non_blocking=True)
-            rows = torch.empty((len(views), stored), dtype=torch.uint8, device=device)
-            gather_blocks(geometry.segments, ids, rows)
+            rows = _device_rows(pieces, len(views), stored, device)
+            gather_blocks(geometry.segments, ids, rows[:, :stored])
             for start, host in pieces:
-                host.copy_(rows[start : start + host.shape[0]], non_blocking=True)
+                to, source = _paired(host, rows[start : start + host.shape[0]])
+                to.copy_(source, non_blocking=True)
             done.record(stream)
         # ``rows`` may be freed now: the allocator reuses it only behind this stream.
 
@@ -128,9 +145,11 @@ class CudaCopyEngine:
         stream = self._stream(device)
         done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         with torch.cuda.stream(stream):
-            rows = torch.empty((len(views), stored), dtype=torch.uint8, device=device)
+            spans = _device_rows(pieces, len(views), stored, device)
             for start, host in pieces:
-                rows[start : start + host.shape[0]].copy_(host, non_blocking=True)
+                source, to = _paired(host, spans[start : start + host.shape[0]])
+                to.copy_(source, non_blocking=True)
+            rows = spans[:, :stored]
             if len(keep) < len(views):
                 rows = rows[torch.tensor(keep, dtype=torch.int64).to(device, non_blocking=True)]
             ids = torch.tensor([block_ids[index] for index in keep], dtype=torch.int64)

@@ -812,6 +812,37 @@ def test_runs_group_adjacent_values_into_matrices() -> None:
     assert torch.equal(found[1][1], memory[32:48].view(2, 8))
 
 
+def test_runs_take_values_one_padded_span_apart_as_one_strided_matrix() -> None:
+    """A direct store's values sit value_span(size) apart: one run per stride, and the
+    copies through such a run move the values' bytes, never the padding."""
+    from pipeline.backends.cpu_copy import gather_blocks, runs, scatter_blocks, span_of
+    from pipeline.core.geometry import Segment
+    from pipeline.core.store import value_span
+
+    size = 72  # two 32-byte pages and a checksum
+    span = value_span(size)
+    memory = torch.zeros(6 * span, dtype=torch.uint8)
+    padded = [memory[i * span : i * span + size] for i in range(3)]
+    packed = [memory[4 * span + i * size : 4 * span + (i + 1) * size] for i in range(2)]
+    found = runs(padded + packed, size)
+    assert [(start, tuple(m.shape), m.stride(0)) for start, m in found] == [
+        (0, (3, size), span), (3, (2, size), size)]
+    assert span_of(found[0][1]).shape == (3, span) and span_of(found[0][1]).is_contiguous()
+
+    pages = [torch.arange(i * 40, i * 40 + 4 * 32, dtype=torch.uint8).view(4, 32)
+             for i in range(2)]
+    segments = [Segment(page, i * 32) for i, page in enumerate(pages)]
+    rows = found[0][1]
+    gather_blocks(segments, torch.tensor([3, 1, 2]), rows)
+    assert torch.equal(rows[:, :32], pages[0][[3, 1, 2]])
+    assert torch.equal(rows[:, 32:64], pages[1][[3, 1, 2]])
+    assert int(memory.view(6, span)[:3, size:].count_nonzero()) == 0  # padding untouched
+    targets = [torch.zeros_like(page) for page in pages]
+    scatter_blocks([Segment(t, i * 32) for i, t in enumerate(targets)], torch.tensor([0, 1, 2]),
+                   rows)
+    assert torch.equal(targets[1][:3], pages[1][[3, 1, 2]])
+
+
 async def test_values_lent_by_the_store_round_trip_exactly_and_hold_nothing_after() -> None:
     """With values copied straight into and out of store memory, a save then a load
     lands the same bytes in the new blocks, and a second save finds them present."""

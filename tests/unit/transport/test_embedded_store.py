@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORE_FULL, STORED, BlockStatus, failed
-from pipeline.core.store import KVStore, Presence
+from pipeline.core.store import VALUE_ALIGN, KVStore, Presence, value_span
 from transport.arena import ArenaAllocator
 from transport.embedded_store import EmbeddedStore
 
@@ -29,7 +29,10 @@ def value(size: int, seed: int) -> torch.Tensor:
 
 
 def make_store(capacity: int, limiter: anyio.CapacityLimiter | None = None) -> EmbeddedStore:
-    return EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=capacity), copy_limiter=limiter)
+    """A store that packs values back to back, so these tests count bytes as they put them
+    (the padding to cache lines has tests of its own)."""
+    return EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=capacity), copy_limiter=limiter,
+                         value_align=1)
 
 
 async def read(store: EmbeddedStore, key: str, size: int) -> torch.Tensor | None:
@@ -454,6 +457,30 @@ async def test_a_batch_is_reserved_as_one_run_of_adjacent_extents() -> None:
     extents = await store.reserve(["a", "b", "c"], 128)
     pointers = [view.data_ptr() for view in extents.views if view is not None]
     assert pointers == [pointers[0], pointers[0] + 128, pointers[0] + 256]
+
+
+async def test_values_start_on_cache_lines_and_carry_no_padding_out() -> None:
+    """By default every value is padded to VALUE_ALIGN: a batch's values sit one span
+    apart, each on a cache line, the padding is counted as used, and values of sizes
+    that are not multiples of it load back exactly, put one by one or reserved."""
+    size = 1000  # a 992-byte payload and its 8-byte checksum, say
+    span = value_span(size)
+    assert span == 1024
+    async with EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=4 * span)) as store:
+        extents = await store.reserve(["a", "b", "c"], size)
+        views = [view for view in extents.views if view is not None]
+        assert [view.data_ptr() % VALUE_ALIGN for view in views] == [0, 0, 0]
+        assert [view.data_ptr() - views[0].data_ptr() for view in views] == [0, span, 2 * span]
+        assert [view.numel() for view in views] == [size] * 3
+        for index, view in enumerate(views):
+            view.copy_(value(size, index))
+        store.commit(extents, written=True)
+        assert await store.put(["d"], [value(size, 3)]) == [STORED]
+        assert store.stats().used_bytes == 4 * span
+        for index, key in enumerate("abcd"):
+            assert torch.equal(await read(store, key, size), value(size, index))  # type: ignore[arg-type]
+        assert await store.put(["e"], [value(size, 4)]) == [STORED]  # evicts one whole span
+        assert store.stats().used_bytes == 4 * span and store.stats().evictions == 1
 
 
 async def test_reserve_reports_present_and_full_and_an_abandoned_reservation_frees() -> None:
