@@ -1,0 +1,155 @@
+"""The copy engine's CPU cost against a bare torch copy of the same blocks, in one process.
+
+What a sidecar's copy threads spend on each batch, without the sockets and the event
+loop around them: ``gather_and_seal`` (engine blocks into values, checksums sealed)
+and ``verify_and_scatter`` (values verified, then copied into engine blocks), the copy
+engine's own functions, on values reserved in a real embedded store, against the bare
+copy (``torch.index_select`` / ``index_copy_`` per layer into a contiguous staging
+matrix). The copies run in this thread and are timed as its CPU time
+(``time.thread_time``), which other processes on a shared machine disturb far less than
+wall time; the kinds of copy alternate, so drift hits them alike.
+
+    python benchmarks/bench_copy_engine.py [--geometry 24x48x16 16x64x32] [--repeat 30]
+
+A ratio is bare CPU over copy-engine CPU (1.0: as cheap as the bare copy), with
+checksums on and off: the difference is what integrity costs. Results are also written
+to benchmarks/results/bench_copy_engine.json.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+import anyio
+import torch
+from harness import median, write_results
+
+from pipeline.backends.cpu_copy import CopyThreads, gather_and_seal, verify_and_scatter
+from pipeline.core.config import EmbeddedStoreConfig
+from pipeline.core.geometry import StoreGroupGeometry, build_store_groups
+from pipeline.core.layout import KVCacheLayout
+from transport.embedded_store import EmbeddedStore
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    layers: int
+    page_kib: int
+    blocks: int
+
+    @classmethod
+    def parse(cls, text: str) -> Geometry:
+        layers, page_kib, blocks = (int(part) for part in text.split("x"))
+        return cls(layers, page_kib, blocks)
+
+    def __str__(self) -> str:
+        return f"{self.layers}x{self.page_kib}x{self.blocks}"
+
+
+def engine_geometry(g: Geometry, checksum: bool) -> StoreGroupGeometry:
+    page = g.page_kib << 10
+    layout = KVCacheLayout.from_dict({
+        "model": "bench/copy",
+        "groups": [{"kind": "full_attention", "block_size": BLOCK_SIZE, "dtype": "bfloat16",
+                    "page_bytes": page, "layers": [f"l.{i}" for i in range(g.layers)]}],
+    })
+    tensors = {f"l.{i}": (torch.randint(0, 256, (NUM_BLOCKS, page), dtype=torch.uint8), 0)
+               for i in range(g.layers)}
+    (geometry,) = build_store_groups(layout, tensors, checksum=checksum)
+    return geometry
+
+
+async def cpu_ms(cases: dict[str, Callable[[], Awaitable[object]]],
+                 repeat: int) -> dict[str, float]:
+    """Each case's median CPU milliseconds in this thread, the cases alternating."""
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for index in range(repeat + 1):
+        for name, case in cases.items():
+            started = time.thread_time()
+            await case()
+            if index:  # the first round warms: page touches, allocator growth
+                samples[name].append((time.thread_time() - started) * 1000)
+    return {name: median(values) for name, values in samples.items()}
+
+
+async def measure(g: Geometry, checksum: bool, repeat: int) -> dict[str, float]:
+    geometry = engine_geometry(g, checksum)
+    ids = torch.randperm(NUM_BLOCKS - 1)[: g.blocks] + 1
+    size = geometry.stored_bytes
+    words = [segment.blocks.view(torch.int64) for segment in geometry.segments]
+    staging = torch.zeros(g.blocks, geometry.value_bytes // 8, dtype=torch.int64)
+    width = (g.page_kib << 10) // 8
+
+    async def bare_gather() -> None:
+        for i, page in enumerate(words):
+            torch.index_select(page, 0, ids, out=staging[:, i * width : (i + 1) * width])
+
+    async def bare_scatter() -> None:
+        for i, page in enumerate(words):
+            page.index_copy_(0, ids, staging[:, i * width : (i + 1) * width])
+
+    inline = CopyThreads(anyio.CapacityLimiter(1), inline_bytes=1 << 62)  # in this thread
+    capacity = 2 * g.blocks * (size + 64)
+    async with EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=capacity)) as store:
+        extents = await store.reserve([f"k{i}" for i in range(g.blocks)], size)
+        views: Sequence[torch.Tensor] = [v for v in extents.views if v is not None]
+
+        async def gather() -> None:
+            await gather_and_seal(inline, geometry, ids, views)
+
+        async def scatter() -> None:
+            intact = await verify_and_scatter(inline, geometry, ids, views)
+            assert all(intact), "a value failed its checksum"
+
+        figures = await cpu_ms({"bare_gather": bare_gather, "gather": gather,
+                                "bare_scatter": bare_scatter, "scatter": scatter}, repeat)
+        store.commit(extents, written=True)
+    return figures
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    rows = []
+    print(f"CPU ms per batch, median of {args.repeat}; ratio = bare / copy engine")
+    print(f"{'geometry':>10} {'checksum':>8} {'bare save':>9} {'save':>7} {'ratio':>6} "
+          f"{'bare load':>9} {'load':>7} {'ratio':>6}")
+    for g in args.geometry:
+        for checksum in (True, False):
+            f = await measure(g, checksum, args.repeat)
+            row = {"geometry": str(g), "checksum": "on" if checksum else "off", "cpu_ms": f,
+                   "save_ratio": f["bare_gather"] / f["gather"],
+                   "load_ratio": f["bare_scatter"] / f["scatter"]}
+            rows.append(row)
+            print(f"{g!s:>10} {row['checksum']:>8} {f['bare_gather']:9.2f} {f['gather']:7.2f} "
+                  f"{row['save_ratio']:6.2f} {f['bare_scatter']:9.2f} {f['scatter']:7.2f} "
+                  f"{row['load_ratio']:6.2f}")
+    by = {(r["geometry"], r["checksum"]): r for r in rows}
+    for g in args.geometry:
+        on, off = by[(str(g), "on")], by[(str(g), "off")]
+        print(f"{g}: integrity costs {on['cpu_ms']['gather'] / off['cpu_ms']['gather'] - 1:+.0%} "
+              f"on saves, {on['cpu_ms']['scatter'] / off['cpu_ms']['scatter'] - 1:+.0%} on loads")
+    path = write_results("bench_copy_engine", {"args": {
+        "geometry": [str(g) for g in args.geometry], "repeat": args.repeat}, "rows": rows})
+    print(f"results: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--geometry", type=Geometry.parse, nargs="+",
+                        default=[Geometry(24, 48, 16), Geometry(16, 64, 32)])
+    parser.add_argument("--repeat", type=int, default=30)
+    torch.set_num_threads(1)
+    anyio.run(main_async, parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()
