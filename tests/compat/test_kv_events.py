@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from pipeline.core.hashing import block_hashes
+from pipeline.core.store import value_span
 from pipeline.testing import run_sidecar_process
 from tests.kit import KVEngine, hybrid_layout, random_tokens
 
@@ -102,9 +103,9 @@ async def test_stores_evictions_and_the_clear_arrive_as_vllm_events(
     endpoint, replay = sockets
     layout = hybrid_layout(page_bytes=4096)
     value_bytes = 2 * 4096 + 8  # two layers per group, and the checksum
-    overrides = {
+    overrides = {  # room for 7 values, each padded to a cache line in the arena
         "events": {"endpoint": endpoint, "replay_endpoint": replay, "include_token_ids": True},
-        "store": {"embedded": {"capacity_bytes": 7 * value_bytes}},
+        "store": {"embedded": {"capacity_bytes": 7 * value_span(value_bytes)}},
     }
     engine = KVEngine(layout)
     first, second = random_tokens(4 * 16 + 3, seed=1), random_tokens(4 * 16 + 3, seed=2)
