@@ -28,7 +28,13 @@ from pipeline.core.config import ServerConfig
 from pipeline.core.errors import ConfigError, TransportError
 from transport.sockets import FastSocket
 
-__all__ = ["SidecarSocket", "load_key_pair", "open_server_socket", "read_key_file"]
+__all__ = [
+    "SidecarSocket",
+    "load_key_pair",
+    "load_public_key",
+    "open_server_socket",
+    "read_key_file",
+]
 
 log = structlog.get_logger("kvsidecar.server")
 
@@ -68,6 +74,16 @@ def load_key_pair(secret_key_file: str | os.PathLike[str]) -> tuple[bytes, bytes
             f"CURVE secret key file {secret_key_file} must hold one key, found {len(keys)}"
         )
     return zmq.curve_public(keys[0]), keys[0]
+
+
+def load_public_key(public_key_file: str | os.PathLike[str]) -> bytes:
+    """The Z85 key in a file holding one public key (``kvsidecar keygen``'s ``.key.pub``)."""
+    keys = read_key_file(public_key_file)
+    if len(keys) != 1:
+        raise ConfigError(
+            f"CURVE public key file {public_key_file} must hold one key, found {len(keys)}"
+        )
+    return keys[0]
 
 
 class _AllowedKeys:

@@ -15,7 +15,7 @@ from rich.table import Table
 from pipeline.core.errors import ConfigError
 from pipeline.core.messages import BlockWhy
 from transport.client import EngineClient, Explanation
-from transport.server import load_key_pair
+from transport.server import load_key_pair, load_public_key
 
 __all__ = ["add_explain_arguments", "run_explain", "show_explanation"]
 
@@ -91,7 +91,7 @@ def run_explain(args: argparse.Namespace) -> int:
         raise ConfigError("--curve-server-key-file and --curve-key-file go together")
     server_key, key_pair = None, None
     if args.curve_key_file is not None:
-        server_key = args.curve_server_key_file.read_text()
+        server_key = load_public_key(args.curve_server_key_file)
         key_pair = load_key_pair(args.curve_key_file)
     explanation = anyio.run(lambda: EngineClient.explain_for(
         args.endpoint, engine_id=args.engine, token_ids=tokens, block_hashes=hashes,

@@ -27,7 +27,8 @@ from pipeline.core.config import ServerConfig
 from pipeline.core.errors import ConfigError, TransportError
 from pipeline.testing import SidecarProcess, run_sidecar_process
 from tests.kit import KVEngine, hybrid_layout, random_tokens
-from transport.server import load_key_pair, open_server_socket
+from transport.server import load_key_pair, load_public_key, open_server_socket
+from transport.vllm.config import ConnectorConfig
 
 TIMEOUT = 20
 REFUSED_TIMEOUT_S = 1.0
@@ -223,6 +224,26 @@ async def test_client_refuses_half_or_invalid_curve_settings(keys: Keys) -> None
         with pytest.raises(ConfigError, match="invalid CURVE key"):
             await engine.connect("ipc:///nonexistent", curve_server_key="short",
                                  curve_key_pair=keys.engine)
+
+
+def test_a_public_key_file_reads_like_the_other_key_files(
+    tmp_path: Path, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """keygen's .key.pub loads as the one key it holds, also as the vLLM connector reads
+    its keys; `kvsidecar explain` given a missing one stops with exit code 2 naming the
+    file, before it connects anywhere."""
+    public_file = keys.secret_key_file.with_suffix(".key.pub")
+    assert load_public_key(public_file) == keys.server_public.strip()
+    connector = ConnectorConfig(endpoint="ipc:///unused", curve_server_key_file=str(public_file),
+                                curve_key_file=str(public_file.parent / "engine.key"))
+    assert connector.curve() == {"curve_server_key": keys.server_public.strip(),
+                                 "curve_key_pair": keys.engine}
+    missing = tmp_path / "missing.key.pub"
+    code = cli_main(["explain", "--endpoint", f"ipc://{tmp_path}/none.sock", "--tokens", "1,2",
+                     "--curve-server-key-file", str(missing),
+                     "--curve-key-file", str(keys.secret_key_file)])
+    assert code == 2
+    assert f"cannot read CURVE key file {missing}" in capsys.readouterr().err
 
 
 def test_keygen_secret_is_owner_only_and_matches_its_public_key(tmp_path: Path) -> None:

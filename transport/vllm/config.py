@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
 
 from pipeline.core.errors import ConfigError
-from transport.server import load_key_pair
+from transport.server import load_key_pair, load_public_key
 
 __all__ = ["ConnectorConfig"]
 
@@ -60,12 +59,5 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
         if self.curve_server_key_file is None or self.curve_key_file is None:
             return {}
-        try:
-            server_key = Path(self.curve_server_key_file).read_text()
-        except OSError as exc:
-            raise ConfigError(
-                f"kv_connector_extra_config.curve_server_key_file: cannot read "
-                f"{self.curve_server_key_file}: {exc}"
-            ) from exc
-        return {"curve_server_key": server_key,
+        return {"curve_server_key": load_public_key(self.curve_server_key_file),
                 "curve_key_pair": load_key_pair(self.curve_key_file)}
