@@ -23,48 +23,29 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
-import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import torch
+from bench_sidecar_throughput import Geometry, make_layout
 from harness import median, write_results
 
 from pipeline.backends.cpu_copy import CopyThreads, gather_and_seal, verify_and_scatter
 from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.geometry import StoreGroupGeometry, build_store_groups
 from pipeline.core.layout import KVCacheLayout
+from pipeline.core.store import value_span
 from transport.embedded_store import EmbeddedStore
 
-BLOCK_SIZE = 16
 NUM_BLOCKS = 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class Geometry:
-    layers: int
-    page_kib: int
-    blocks: int
-
-    @classmethod
-    def parse(cls, text: str) -> Geometry:
-        layers, page_kib, blocks = (int(part) for part in text.split("x"))
-        return cls(layers, page_kib, blocks)
-
-    def __str__(self) -> str:
-        return f"{self.layers}x{self.page_kib}x{self.blocks}"
 
 
 def engine_geometry(g: Geometry, checksum: bool) -> StoreGroupGeometry:
     page = g.page_kib << 10
-    layout = KVCacheLayout.from_dict({
-        "model": "bench/copy",
-        "groups": [{"kind": "full_attention", "block_size": BLOCK_SIZE, "dtype": "bfloat16",
-                    "page_bytes": page, "layers": [f"l.{i}" for i in range(g.layers)]}],
-    })
-    tensors = {f"l.{i}": (torch.randint(0, 256, (NUM_BLOCKS, page), dtype=torch.uint8), 0)
-               for i in range(g.layers)}
+    layout = KVCacheLayout.from_dict(make_layout(g.layers, page))
+    tensors = {layer: (torch.randint(0, 256, (NUM_BLOCKS, page), dtype=torch.uint8), 0)
+               for layer in layout.groups[0].layers}
     (geometry,) = build_store_groups(layout, tensors, checksum=checksum)
     return geometry
 
@@ -84,10 +65,10 @@ async def cpu_ms(cases: dict[str, Callable[[], Awaitable[object]]],
 
 async def measure(g: Geometry, checksum: bool, repeat: int) -> dict[str, float]:
     geometry = engine_geometry(g, checksum)
-    ids = torch.randperm(NUM_BLOCKS - 1)[: g.blocks] + 1
+    ids = torch.randperm(NUM_BLOCKS - 1)[: g.blocks_per_request] + 1
     size = geometry.stored_bytes
     words = [segment.blocks.view(torch.int64) for segment in geometry.segments]
-    staging = torch.zeros(g.blocks, geometry.value_bytes // 8, dtype=torch.int64)
+    staging = torch.zeros(g.blocks_per_request, geometry.value_bytes // 8, dtype=torch.int64)
     width = (g.page_kib << 10) // 8
 
     async def bare_gather() -> None:
@@ -99,9 +80,9 @@ async def measure(g: Geometry, checksum: bool, repeat: int) -> dict[str, float]:
             page.index_copy_(0, ids, staging[:, i * width : (i + 1) * width])
 
     inline = CopyThreads(anyio.CapacityLimiter(1), inline_bytes=1 << 62)  # in this thread
-    capacity = 2 * g.blocks * (size + 64)
+    capacity = 2 * g.blocks_per_request * value_span(size)
     async with EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=capacity)) as store:
-        extents = await store.reserve([f"k{i}" for i in range(g.blocks)], size)
+        extents = await store.reserve([f"k{i}" for i in range(g.blocks_per_request)], size)
         views: Sequence[torch.Tensor] = [v for v in extents.views if v is not None]
 
         async def gather() -> None:
