@@ -139,7 +139,7 @@ class EngineClient(AsyncResource):
         self._context = context
         self._timeout_s = timeout_s
         self._seq = itertools.count(1)
-        self._recv_lock = anyio.Lock()
+        self._recv_lock = anyio.Lock(fast_acquire=True)  # uncontended: no loop trip
         self._register_lock = anyio.Lock()
         self._replies: dict[int, SidecarMessage] = {}
         self._waiting: set[int] = set()

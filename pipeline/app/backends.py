@@ -37,6 +37,9 @@ class OpenStore:
     store: CircuitBreakerStore
     usage: Usage | None
     """None: the backend does not say (Mooncake's master keeps the books)."""
+    answers_at_once: bool
+    """Its queries wait on nothing (in-process, no fault points): a lookup may be
+    answered in the receiving task."""
 
 
 @contextlib.asynccontextmanager
@@ -67,7 +70,8 @@ async def open_store(
                 return stats.used_bytes, stats.capacity_bytes, stats.evictions
 
             call_timeout_s = None  # in-process: its calls wait on nothing outside the sidecar
-        if faults is not None and faults.enabled:
+        faulty = faults is not None and faults.enabled
+        if faults is not None and faulty:
             store = FaultyStore(store, faults)
         guarded = CircuitBreakerStore(
             store,
@@ -76,7 +80,8 @@ async def open_store(
             reset_after_s=config.breaker.reset_after_s,
         )
         try:
-            yield OpenStore(guarded, usage)
+            yield OpenStore(guarded, usage,
+                            answers_at_once=call_timeout_s is None and not faulty)
         finally:
             with anyio.CancelScope(shield=True):
                 await guarded.aclose()
@@ -93,6 +98,8 @@ class Backends:
     save_copy: CopyEngine
     load_copy: CopyEngine
     """Loads copy on threads of their own: a load never waits behind a save's copy."""
+    answers_at_once: bool
+    """The store's queries wait on nothing (``OpenStore.answers_at_once``)."""
 
 
 @contextlib.asynccontextmanager
@@ -123,7 +130,8 @@ async def open_backends(
                         guarded, require=config.store.verify == "required")
                 memory = StagingMemory(pool, store, skip_when_full=transfer.overflow == "skip")
             yield Backends(store, guarded, opened.usage, pool, memory,
-                           save_copy=_copy_engine(transfer), load_copy=_copy_engine(transfer))
+                           save_copy=_copy_engine(transfer), load_copy=_copy_engine(transfer),
+                           answers_at_once=opened.answers_at_once)
 
 
 def _copy_engine(transfer: TransferStageConfig) -> CopyEngine:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import anyio
 import msgspec
@@ -71,7 +71,11 @@ class Receiver:
         tracker: JobTracker,
         metrics: Metrics,
         entrance: Callable[[str], EdgeSendStream[object]],
+        run_inline: Callable[[str, object], Awaitable[bool]] | None = None,
     ) -> None:
+        """``run_inline(path, item)`` runs an item through its path in this task, if the
+        path can take it now (``Graph.run_inline``): given for a store whose queries wait
+        on nothing, lookups with nothing to hash are answered that way."""
         self._config = config
         self._socket = socket
         self._registry = registry
@@ -80,6 +84,7 @@ class Receiver:
         self._save_inbox = entrance("save")
         self._load_inbox = entrance("load")
         self._lookup_inbox = entrance("lookup")
+        self._run_inline = run_inline
         self.accepting = True
         self.last_receive = 0.0
         self._refused: collections.Counter[str] = collections.Counter()
@@ -150,7 +155,7 @@ class Receiver:
                 await self._send(identity, ErrorReply(exc.code, str(exc), _seq(message)))
 
     async def _dispatch(self, identity: bytes, message: EngineMessage) -> None:
-        self._metrics.requests.labels(message.__struct_config__.tag).inc()
+        self._metrics.received(str(message.__struct_config__.tag))
         if isinstance(message, Register):
             registered_session, registered = self._registry.register(identity, message)
             log.info(
@@ -178,7 +183,7 @@ class Receiver:
             raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
         elif isinstance(message, Lookup):
             _check_engine_hashes(session, message)
-            await self._enqueue(self._lookup_inbox, LookupRequest(session, message))
+            await self._lookup(LookupRequest(session, message))
         else:
             _check_request(session, message)
             job = Job(session, message)
@@ -187,6 +192,15 @@ class Receiver:
                 await self._enqueue(self._load_inbox, job)
             else:
                 await self._accept_save(job)
+
+    async def _lookup(self, request: LookupRequest) -> None:
+        """Answer a lookup here when it has nothing to hash (the engine sent its block
+        hashes, and the lookup path is idle); else hand it to the lookup path."""
+        cheap = request.message.block_hashes is not None and not request.message.explain
+        if cheap and self._run_inline is not None and await self._run_inline(
+                "lookup", request):
+            return
+        await self._enqueue(self._lookup_inbox, request)
 
     async def _explain(self, identity: bytes, message: Explain) -> None:
         """Explain a prompt as a registered engine sees it, for whoever asks."""
@@ -259,9 +273,8 @@ def _check_engine_hashes(session: EngineSession, message: Lookup | Save | Load) 
         )
     if session.engine_hashes_only:
         return
-    if expected and message.block_hashes[0] != session.new_hasher(message.keys).extend(
-        message.token_ids[:hbs]
-    )[0]:
+    if expected and message.block_hashes[0] != session.first_block_hash(
+            message.keys, tuple(message.token_ids[:hbs])):
         raise RequestRejected(
             ErrorCode.HASH_MISMATCH,
             "the first block hash differs from the sidecar's hash of the same tokens",

@@ -108,7 +108,9 @@ def paths(config: Config) -> list[PathSpec[Resources]]:
     return [
         PathSpec("save", SAVE, when_full=when_full),
         PathSpec("load", LOAD, when_full="wait (loads are never dropped)"),
-        PathSpec("lookup", LOOKUP, replies=True),
+        # A lookup with nothing to hash is answered by the receiver itself when it can
+        # (Receiver._lookup): the hand-off to a worker would cost more than the lookup.
+        PathSpec("lookup", LOOKUP, replies=True, inline=True),
         *(PathSpec(name, (COMPLETION,), replies=True, fed_by_stages=True)
           for name in COMPLETION_PATHS),
     ]

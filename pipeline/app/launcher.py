@@ -47,7 +47,15 @@ class SidecarProcess:
         return self.process.pid
 
     def log(self) -> str:
+        """What the sidecar has written so far: a line is written some milliseconds
+        after it is logged (``final_log`` waits for every line)."""
         return self.log_path.read_text(errors="replace")
+
+    def final_log(self, timeout_s: float = 30.0) -> str:
+        """Stop the sidecar (``terminate``: it writes every line as it exits), then its
+        whole log."""
+        self.terminate(timeout_s)
+        return self.log()
 
     def terminate(self, timeout_s: float = 30.0) -> int:
         """SIGTERM, then wait for the drain; returns the exit code."""

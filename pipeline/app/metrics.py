@@ -155,6 +155,7 @@ class Metrics:
         )
         # Children resolved once: ``labels()`` on every reply costs more than the count.
         self._latency = {kind: self.latency.labels(kind) for kind in ("save", "load", "lookup")}
+        self._requests: dict[str, Counter] = {}
         self._queried = self.lookup_tokens.labels("queried")
         self._hit = self.lookup_tokens.labels("hit")
 
@@ -173,6 +174,13 @@ class Metrics:
     def mover(self, path: str, via: str) -> Callable[[int], None]:
         """What counts bytes moved on ``path`` (save, load) ``via`` (copy, store)."""
         return self.moved.labels(path, via).inc
+
+    def received(self, kind: str) -> None:
+        """Count a request received (``kind``: its message tag)."""
+        child = self._requests.get(kind)
+        if child is None:
+            child = self._requests[kind] = self.requests.labels(kind)
+        child.inc()
 
     def replied(self, reply: Reply, outcomes: Outcomes) -> None:
         """Count a completion's block ``outcomes`` (``outcome_counts`` of its blocks), a

@@ -95,7 +95,8 @@ class Sidecar:
                                   history=history)
         self.metrics = self._metrics()
         self.receiver = Receiver(
-            config, socket, self.registry, self.tracker, self.metrics, self.graph.entrance
+            config, socket, self.registry, self.tracker, self.metrics, self.graph.entrance,
+            run_inline=self.graph.run_inline if backends.answers_at_once else None,
         )
         self.socket = socket
 

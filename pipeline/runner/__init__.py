@@ -2,7 +2,15 @@
 
 from pipeline.runner.edges import Edge, EdgeReceiveStream, EdgeSendStream, create_edge
 from pipeline.runner.graph import BatchSpec, Graph, GraphRow, PathSpec, StageSpec
-from pipeline.runner.stages import Batching, OnDone, Sink, Stage, run_batcher, start_stage
+from pipeline.runner.stages import (
+    Batching,
+    OnDone,
+    Sink,
+    Stage,
+    run_batcher,
+    start_stage,
+    wrapped,
+)
 
 __all__ = [
     "BatchSpec",
@@ -20,4 +28,5 @@ __all__ = [
     "create_edge",
     "run_batcher",
     "start_stage",
+    "wrapped",
 ]

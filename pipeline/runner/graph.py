@@ -4,6 +4,10 @@ A path is a list of ``StageSpec`` entries (name, factory, config section). The r
 gives every stage an inbox bounded by its section's ``inbox_size``, starts its workers,
 and joins each stage's outbox to the next one's inbox; a path that answers engines ends
 in the sink. Adding a stage is one entry plus its module.
+
+A one-stage path may also be run inline (``Graph.run_inline``): the sender's task runs
+the stage and the sink itself while the path's inbox is empty, sparing a cheap item the
+hand-off to a worker and back.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pipeline.runner.stages import (
     Stage,
     run_batcher,
     start_stage,
+    wrapped,
 )
 
 __all__ = ["BatchSpec", "Graph", "GraphRow", "PathSpec", "StageSpec"]
@@ -62,6 +67,9 @@ class PathSpec(Generic[R]):
     they have all drained."""
     when_full: str = "wait"
     """What happens to an item offered to the path's full inbox."""
+    inline: bool = False
+    """Its items may be run in the sender's task (``Graph.run_inline``): one stage, no
+    batching."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +93,9 @@ class Graph(Generic[R]):
         for path in self._paths:
             if not path.stages:
                 raise ValueError(f"path {path.name!r} has no stages")
+            if path.inline and (len(path.stages) > 1 or isinstance(path.stages[0], BatchSpec)):
+                raise ValueError(f"path {path.name!r}: only a path of one stage, not a "
+                                 "batching one, can run inline")
             for spec in path.stages:
                 section = getattr(config, spec.section, None)
                 if not isinstance(section, StageConfig):
@@ -96,10 +107,26 @@ class Graph(Generic[R]):
                         for spec in path.stages]
             for path in self._paths
         }
+        self._inline: dict[str, Callable[[Any], Awaitable[None]]] = {}
+        """Paths runnable inline, while their stages run: item -> processed and sunk."""
 
     def entrance(self, path: str) -> EdgeSendStream[Any]:
         """Where the path's items go in (its first stage's inbox)."""
         return self._edges[path][0].outbox
+
+    async def run_inline(self, path: str, item: Any) -> bool:
+        """Run ``item`` through ``path`` in this task, as its worker would, and hand the
+        output to the sink; True once done. False, having done nothing, while the path's
+        inbox holds items (they go first) or its stage is not running inline (not
+        started, drained, or behind a fault point): send the item to the entrance then.
+        The item counts as having waited 0 s in the inbox."""
+        run = self._inline.get(path)
+        edge = self._edges[path][0]
+        if run is None or edge.queued():
+            return False
+        edge.bypassed()
+        await run(item)
+        return True
 
     def inboxes(self) -> list[tuple[str, str, Edge[Any]]]:
         """``(path, stage, edge)``: every stage's inbox, for watching queue depths."""
@@ -145,16 +172,19 @@ class Graph(Generic[R]):
         fed = [path for path in self._paths if path.fed_by_stages]
         start = functools.partial(self._start, resources=resources, sink=sink,
                                   on_failure=on_failure, before=before, on_done=on_done)
-        async with anyio.create_task_group() as outer:
-            for path in fed:
-                start(outer, path)
-            async with anyio.create_task_group() as tg:
-                for path in self._paths:
-                    if not path.fed_by_stages:
-                        start(tg, path)
-            # Every other stage has drained: nothing can feed these paths any more.
-            for path in fed:
-                self.entrance(path.name).close()
+        try:
+            async with anyio.create_task_group() as outer:
+                for path in fed:
+                    start(outer, path)
+                async with anyio.create_task_group() as tg:
+                    for path in self._paths:
+                        if not path.fed_by_stages:
+                            start(tg, path)
+                # Every other stage has drained: nothing can feed these paths any more.
+                for path in fed:
+                    self.entrance(path.name).close()
+        finally:
+            self._inline.clear()
 
     def _start(
         self, tg: TaskGroup, path: PathSpec[R], *, resources: R, sink: Sink,
@@ -180,9 +210,19 @@ class Graph(Generic[R]):
                     name=f"stage.{name}",
                 )
                 continue
-            start_stage(
-                tg, name, spec.build(resources).process, inbox, outbox, workers=self._workers(spec),
-                on_failure=on_failure, before=before(f"stage.{spec.name}"),
-                sink=sink if path.replies and outbox is None else None, on_done=on_done,
-            )
+            stage_sink = sink if path.replies and outbox is None else None
+            fault = before(f"stage.{spec.name}")
+            process = wrapped(spec.build(resources).process, name, on_failure=on_failure,
+                              before=fault, on_done=on_done)
+            start_stage(tg, name, process, inbox, outbox, workers=self._workers(spec),
+                        sink=stage_sink)
+            if path.inline and fault is None:  # a fault point delays its stage's workers
+                self._inline[path.name] = functools.partial(_run_inline, process, stage_sink)
 
+
+
+async def _run_inline(process: Callable[[Any], Awaitable[Any]], sink: Sink | None,
+                      item: Any) -> None:
+    result = await process(item)
+    if result is not None and sink is not None:
+        await sink(result)

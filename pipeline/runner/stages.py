@@ -16,7 +16,9 @@ from anyio.abc import TaskGroup
 from pipeline.core.errors import StoreError
 from pipeline.runner.edges import EdgeReceiveStream, EdgeSendStream
 
-__all__ = ["Batching", "OnDone", "OnFailure", "Sink", "Stage", "run_batcher", "start_stage"]
+__all__ = [
+    "Batching", "OnDone", "OnFailure", "Sink", "Stage", "run_batcher", "start_stage", "wrapped",
+]
 
 In = TypeVar("In", contravariant=True)
 Out = TypeVar("Out", covariant=True)
@@ -92,6 +94,15 @@ def _traced(process: Process, name: str, on_done: OnDone | None) -> Process:
     return traced
 
 
+def wrapped(
+    process: Process, name: str, *, on_failure: OnFailure | None = None,
+    before: Callable[[], Awaitable[None]] | None = None, on_done: OnDone | None = None,
+) -> Process:
+    """``process`` as a stage's workers run it: ``before`` ahead of every item, store
+    errors answered by ``on_failure``, ``on_done(name, item)`` told of each item."""
+    return _traced(_guarded(process, on_failure, before), name, on_done)
+
+
 async def _worker(
     process: Process,
     inbox: EdgeReceiveStream[Any],
@@ -131,7 +142,7 @@ def start_stage(
     answers an item whose processing met a store error; ``on_done(name, item)`` hears
     each item processed. Without an outbox, outputs go to ``sink`` (if any).
     """
-    guarded = _traced(_guarded(process, on_failure, before), name, on_done)
+    guarded = wrapped(process, name, on_failure=on_failure, before=before, on_done=on_done)
     for index in range(workers):
         tg.start_soon(
             _worker, guarded, inbox.clone(), outbox.clone() if outbox else None, sink,

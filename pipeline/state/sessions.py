@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -19,6 +20,8 @@ from pipeline.core.messages import RequestKeys
 __all__ = ["EngineSession", "TensorMapping"]
 
 HASHER_CACHE_SIZE = 4096
+FIRST_HASH_CACHE_SIZE = 1024
+"""First blocks whose hash a session remembers (``EngineSession.first_block_hash``)."""
 
 
 class TensorMapping(Protocol):
@@ -66,6 +69,10 @@ class EngineSession:
             tuple[str, RequestKeys], tuple[RequestHasher, Sequence[int]]
         ] = collections.OrderedDict()
         self._hashers_lock = threading.Lock()
+        self.first_block_hash = functools.lru_cache(FIRST_HASH_CACHE_SIZE)(self._first_block_hash)
+        """``(keys, the first block's tokens)`` -> its hash: how every request's engine
+        hashes are checked, remembered since prompts tend to open with the same block
+        (a system prompt), and an engine asks again for a waiting request every step."""
 
     def close(self) -> None:
         """Stop serving this engine; its mappings go once no job of it is in flight."""
@@ -143,6 +150,9 @@ class EngineSession:
             mm_items=keys.mm_items,
             seed=self.hash_seed,
         )
+
+    def _first_block_hash(self, keys: RequestKeys, tokens: tuple[int, ...]) -> bytes:
+        return self.new_hasher(keys).extend(tokens)[0]
 
     def group_hashes(self, store_group: int, fine: Sequence[bytes]) -> list[bytes]:
         """Block hashes of a store group's blocks 0..n-1 for the given fine hashes."""

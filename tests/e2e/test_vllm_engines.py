@@ -93,7 +93,7 @@ def test_a_second_engine_loads_the_prefix_and_matches_an_engine_without_it(
     with run_sidecar_process() as sidecar:
         (first,) = runner.run(sidecar.endpoint)
         (second,) = runner.run(sidecar.endpoint)
-        log = sidecar.log()
+        log = sidecar.final_log()
     # Each engine's scheduler and worker registered, and unregistered when it shut down.
     assert log.count('"session.registered"') == log.count('"session.unregistered"') == 4
     assert first["num_cached_tokens"] == 0

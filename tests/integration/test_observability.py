@@ -66,7 +66,7 @@ async def test_metrics_during_saves_and_loads_match_what_the_engines_saw() -> No
                     loaded += sum(r.status == "loaded" for r in result.blocks)
                 during = await anyio.to_thread.run_sync(sidecar.metrics)
         after = await anyio.to_thread.run_sync(sidecar.metrics)
-        log = sidecar.log()
+        log = sidecar.final_log()
 
     # A load of 64 tokens needs 4 full-attention blocks and the one mamba state at 64.
     assert (stored, loaded, hits) == (3 * 8, 3 * 5, 3 * 64)
@@ -182,7 +182,7 @@ async def test_explain_says_why_each_block_of_a_prompt_misses(tmp_path: Path) ->
                 as_json, table = await anyio.to_thread.run_sync(lambda: [
                     subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT)
                     for args in ([*command, "--json"], command)])
-        sidecar_log = sidecar.log()
+        sidecar_log = sidecar.final_log()
     assert as_json.returncode == 0, as_json.stderr
     printed = json.loads(as_json.stdout)
     assert printed["hit_tokens"] == 0
@@ -220,7 +220,7 @@ async def test_a_save_refused_as_overloaded_is_explained_and_summed_up_in_the_lo
                 assert explained.blocks[0].reason == "overloaded (the save was refused)"
                 assert verdicts(await client.lookup(slow, explain=True)) == {
                     (0, "present"), (2, "present")}
-        log = sidecar.log()
+        log = sidecar.final_log()
     lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
     assert [(line["engine_id"], line["saves"]) for line in lines
             if line["event"] == "saves.refused"] == [("busy", 1)]

@@ -355,3 +355,92 @@ async def test_a_graph_runs_its_paths_into_the_sink_and_fails_items_through_the_
             entrance.close()
     # 11 + 13 (odd), 12 + 1000 (even; -5 failed and was answered 1000)
     assert sorted(replies) == [24, 1012]
+
+
+class Double:
+    """Doubles an item, noting which task did it; an item of 100 or more waits for
+    ``gate``."""
+
+    def __init__(self) -> None:
+        self.tasks: list[object] = []
+        self.gate = anyio.Event()
+
+    async def process(self, item: int) -> int:
+        self.tasks.append(anyio.get_current_task().id)
+        if item >= 100:
+            await self.gate.wait()
+        return 2 * item
+
+
+def test_only_a_path_of_one_plain_stage_can_run_inline() -> None:
+    with pytest.raises(ValueError, match="only a path of one stage"):
+        Graph[int]([PathSpec("p", [StageSpec("add", lambda r: Add(r), "hashing"),
+                                   StageSpec("total", lambda r: Total(), "lookup")],
+                             inline=True)], StagesConfig())
+    with pytest.raises(ValueError, match="only a path of one stage"):
+        Graph[int]([PathSpec("p", [BatchSpec("batch", lambda r: ByParity(), "batching")],
+                             inline=True)], StagesConfig())
+
+
+async def test_an_inline_path_runs_an_item_in_the_senders_task_while_its_inbox_is_empty(
+) -> None:
+    """run_inline processes the item and sinks its output in the caller's task, counting
+    a wait of 0 s on the inbox; before the graph runs, while items are queued, and after
+    it drained, it does nothing and says so."""
+    stage = Double()
+    graph = Graph[int]([PathSpec("p", [StageSpec("double", lambda r: stage, "lookup")],
+                                 replies=True, inline=True)],
+                       StagesConfig(lookup=StageConfig(workers=1)))
+    (_, _, inbox), = graph.inboxes()
+    waits: list[float] = []
+    inbox.on_wait(waits.append)
+    replies: list[int] = []
+
+    async def sink(reply: int) -> None:
+        replies.append(reply)
+
+    async def on_failure(item: int, error: StoreError) -> None:
+        raise AssertionError("no item fails here")
+
+    assert not await graph.run_inline("p", 1)  # not running yet
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=on_failure))
+            await anyio.wait_all_tasks_blocked()
+            assert await graph.run_inline("p", 3)
+            assert replies == [6] and stage.tasks == [anyio.get_current_task().id]
+            assert waits == [0.0]
+            entrance = graph.entrance("p")
+            await entrance.send(100)  # the one worker takes it and waits
+            await anyio.wait_all_tasks_blocked()
+            await entrance.send(4)  # queued behind it
+            assert not await graph.run_inline("p", 5)  # the queued item goes first
+            stage.gate.set()
+            await anyio.wait_all_tasks_blocked()
+            assert replies == [6, 200, 8]
+            assert set(stage.tasks[1:]).isdisjoint(stage.tasks[:1])  # by the worker
+            entrance.close()
+    assert not await graph.run_inline("p", 7)  # drained
+    assert replies == [6, 200, 8]
+
+
+async def test_a_stage_behind_a_fault_point_never_runs_inline() -> None:
+    """An injected delay belongs to the stage's workers, not to whoever sends."""
+    graph = Graph[int]([PathSpec("p", [StageSpec("double", lambda r: Double(), "lookup")],
+                                 replies=True, inline=True)], StagesConfig())
+    replies: list[int] = []
+
+    async def sink(reply: int) -> None:
+        replies.append(reply)
+
+    async def fault() -> None:
+        await anyio.lowlevel.checkpoint()
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=None,  # type: ignore[arg-type]
+                                            before=lambda point: fault))
+            await anyio.wait_all_tasks_blocked()
+            assert not await graph.run_inline("p", 3)
+            graph.entrance("p").close()
+    assert replies == []
