@@ -32,6 +32,7 @@ from bench_sidecar_throughput import Geometry, make_layout
 from harness import median, write_results
 
 from pipeline.backends.cpu_copy import CopyThreads, gather_and_seal, verify_and_scatter
+from pipeline.backends.threads import WorkerThreads
 from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.geometry import StoreGroupGeometry, build_store_groups
 from pipeline.core.layout import KVCacheLayout
@@ -79,7 +80,7 @@ async def measure(g: Geometry, checksum: bool, repeat: int) -> dict[str, float]:
         for i, page in enumerate(words):
             page.index_copy_(0, ids, staging[:, i * width : (i + 1) * width])
 
-    inline = CopyThreads(anyio.CapacityLimiter(1), inline_bytes=1 << 62)  # in this thread
+    inline = CopyThreads(WorkerThreads(1, name="bench"), inline_bytes=1 << 62)  # in this thread
     capacity = 2 * g.blocks_per_request * value_span(size)
     async with EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=capacity)) as store:
         extents = await store.reserve([f"k{i}" for i in range(g.blocks_per_request)], size)

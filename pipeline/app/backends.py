@@ -16,6 +16,7 @@ from pipeline.backends.cpu_copy import CpuCopyEngine
 from pipeline.backends.faults import Faults, FaultyStore
 from pipeline.backends.memory import LentMemory, StagingMemory
 from pipeline.backends.staging import StagingPool
+from pipeline.backends.threads import WorkerThreads
 from pipeline.core.config import Config, StoreConfig, TransferStageConfig
 from pipeline.core.errors import ConfigError
 from pipeline.core.seams import BatchMemory, CopyEngine
@@ -129,14 +130,20 @@ async def open_backends(
                     store = ChecksumBesideStore(
                         guarded, require=config.store.verify == "required")
                 memory = StagingMemory(pool, store, skip_when_full=transfer.overflow == "skip")
+            save_threads = WorkerThreads(transfer.threads, name="kvsidecar-save",
+                                         nice=transfer.save_nice)
+            load_threads = WorkerThreads(transfer.threads, name="kvsidecar-load")
+            held.callback(save_threads.close)
+            held.callback(load_threads.close)
             yield Backends(store, guarded, opened.usage, pool, memory,
-                           save_copy=_copy_engine(transfer), load_copy=_copy_engine(transfer),
+                           save_copy=_copy_engine(transfer, save_threads),
+                           load_copy=_copy_engine(transfer, load_threads),
                            answers_at_once=opened.answers_at_once)
 
 
-def _copy_engine(transfer: TransferStageConfig) -> CopyEngine:
+def _copy_engine(transfer: TransferStageConfig, threads: WorkerThreads) -> CopyEngine:
     """One direction's copy engine, with threads (and streams) of its own."""
-    cpu = CpuCopyEngine(anyio.CapacityLimiter(transfer.threads))
+    cpu = CpuCopyEngine(threads)
     if transfer.device == "cpu":
         return cpu
     from pipeline.backends.cuda_copy import CudaCopyEngine

@@ -10,6 +10,7 @@ error.
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -41,6 +42,8 @@ __all__ = ["Sidecar", "run_sidecar"]
 log = structlog.get_logger("kvsidecar.service")
 
 STRAGGLER_WINDOW_S = 0.1
+SWITCH_INTERVAL_S = 0.0005
+"""How long a thread holds the GIL while another waits for it (Python's default: 5 ms)."""
 OWNER_CHECK_S = 1.0
 """How often the engines whose memory is mapped are checked for having exited."""
 
@@ -237,6 +240,9 @@ async def run_sidecar(
     # The copy engine splits each batch across its own threads (pipeline.backends.
     # cpu_copy.CopyThreads); an OpenMP team inside every copy call would only add wake-ups.
     torch.set_num_threads(1)
+    # A copy thread takes the GIL back between torch calls; from a busy event loop that
+    # waits one switch interval (5 ms by default), several times per batch.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     faults = Faults(config.faults)
     events = KVEventLog(config.events)
     history = BlockHistory(config.explain.max_blocks)

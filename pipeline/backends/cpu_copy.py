@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import anyio
 import torch
 
+from pipeline.backends.threads import WorkerThreads
 from pipeline.core.geometry import Segment, StoreGroupGeometry
 from pipeline.core.integrity import seal_rows, verify_rows
 from pipeline.core.store import value_span
@@ -122,15 +123,15 @@ class CopyThreads:
     Torch runs single-threaded in the sidecar (see ``service``): an OpenMP team per call
     would cost a wake-up per segment. A part is a range of adjacent values, so each
     thread checksums exactly the values it copied (no barrier between the copy and the
-    checksums), and the threads are bounded by one limiter per direction.
+    checksums), and each direction has threads of its own (``WorkerThreads``).
     """
 
     def __init__(
-        self, limiter: anyio.CapacityLimiter, split_bytes: int = SPLIT_BYTES,
+        self, threads: WorkerThreads, split_bytes: int = SPLIT_BYTES,
         inline_bytes: int = INLINE_BYTES,
     ) -> None:
-        self._limiter = limiter
-        self._parts = max(1, int(limiter.total_tokens))
+        self._threads = threads
+        self._parts = threads.total
         self._split_bytes = split_bytes
         self._inline_bytes = inline_bytes
 
@@ -142,16 +143,12 @@ class CopyThreads:
             return
         parts = min(self._parts, len(views)) if nbytes >= self._split_bytes else 1
         if parts == 1:
-            await anyio.to_thread.run_sync(work, self._pieces(views, size),
-                                           limiter=self._limiter)
+            await self._threads.run(work, self._pieces(views, size))
             return
         bounds = [len(views) * part // parts for part in range(parts + 1)]
         async with anyio.create_task_group() as tg:
             for start, stop in itertools.pairwise(bounds):
-                tg.start_soon(functools.partial(
-                    anyio.to_thread.run_sync, work, self._pieces(views, size, start, stop),
-                    limiter=self._limiter,
-                ))
+                tg.start_soon(self._threads.run, work, self._pieces(views, size, start, stop))
 
     def _pieces(self, views: Sequence[torch.Tensor], size: int, start: int = 0,
                 stop: int | None = None) -> list[Piece]:
@@ -207,8 +204,8 @@ async def verify_and_scatter(
 class CpuCopyEngine:
     """The copy engine of CPU memory: torch copies in worker threads (``CopyThreads``)."""
 
-    def __init__(self, limiter: anyio.CapacityLimiter) -> None:
-        self._copy = CopyThreads(limiter)
+    def __init__(self, threads: WorkerThreads) -> None:
+        self._copy = CopyThreads(threads)
 
     async def gather(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                      views: Sequence[torch.Tensor]) -> None:

@@ -115,6 +115,10 @@ class TransferStageConfig(StageConfig, frozen=True):
     """A save batch waits up to this long while loads are in flight before copying, so
     that loads (on the engine's critical path) get the cores and memory bandwidth first;
     0: never wait."""
+    save_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
+    """How much lower the CPU priority of the saves' copy threads is (added to their nice
+    value, Linux): on cores shared with engines, loads and the engines' own work come
+    first, and saves still use every core left idle. 0: the same as loads."""
 
 
 class StagesConfig(_Section, frozen=True):

@@ -21,6 +21,7 @@ from pipeline.backends.cpu_copy import (
 )
 from pipeline.backends.memory import LentMemory, StagingMemory
 from pipeline.backends.staging import StagingPool
+from pipeline.backends.threads import WorkerThreads
 from pipeline.backends.wrapper import StoreWrapper
 from pipeline.core.config import EmbeddedStoreConfig, EventsConfig
 from pipeline.core.errors import StoreCallAbandoned, StoreError
@@ -169,7 +170,7 @@ def harness(
     )
     return Harness(
         session, tensors, JobTracker(send), receive, store, pool, limiter, memory,
-        CpuCopyEngine(limiter),
+        CpuCopyEngine(WorkerThreads(2, name="test-copy")),
     )
 
 
@@ -470,7 +471,8 @@ async def test_split_copies_round_trip_and_verify_each_row(
     checksums checked row by row in parts fail exactly the corrupted value, which never
     reaches the engine."""
     geometry = hybrid.session.store_groups[0]  # two K/V-first layers: four segments
-    copy = CopyThreads(anyio.CapacityLimiter(threads), split_bytes=0, inline_bytes=inline_bytes)
+    copy = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=0,
+                       inline_bytes=inline_bytes)
     values = torch.zeros(5, geometry.stored_bytes, dtype=torch.uint8)
     before = hybrid.snapshot()
     with anyio.fail_after(TIMEOUT_S):
@@ -506,7 +508,7 @@ async def test_copy_parts_cover_every_value_once_in_adjacent_runs(
         calls.append((threading.get_ident(),
                       [(start, int(rows.shape[0])) for start, rows in pieces]))
 
-    copy = CopyThreads(anyio.CapacityLimiter(threads), split_bytes=split_bytes,
+    copy = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=split_bytes,
                        inline_bytes=inline_bytes)
     with anyio.fail_after(TIMEOUT_S):
         await copy.run(views, 16, work)

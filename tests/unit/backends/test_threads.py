@@ -1,0 +1,63 @@
+"""A copy direction's own worker threads: their priority, and cancellation."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import anyio
+import pytest
+
+from pipeline.backends.threads import WorkerThreads
+
+TIMEOUT_S = 10
+
+
+def own_nice() -> tuple[str, int]:
+    """The calling thread's name and nice value."""
+    return threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, 0)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="nice is per thread on Linux only")
+async def test_threads_run_at_their_own_lower_priority_and_leave_the_callers_alone(
+) -> None:
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    lowered, usual = WorkerThreads(2, name="low", nice=5), WorkerThreads(2, name="usual")
+    try:
+        with anyio.fail_after(TIMEOUT_S):
+            low_name, low_nice = await lowered.run(own_nice)
+            usual_name, usual_nice = await usual.run(own_nice)
+    finally:
+        lowered.close()
+        usual.close()
+    assert low_name.startswith("low") and low_nice == min(19, base + 5)
+    assert usual_name.startswith("usual") and usual_nice == base
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the event loop's thread: unchanged
+
+
+async def test_a_cancelled_caller_waits_for_its_work_to_return() -> None:
+    """The work owns the buffers it was given until it returns: a cancelled caller does
+    not go on before that."""
+    threads = WorkerThreads(1, name="cancel")
+    finished: list[float] = []
+
+    def work() -> None:
+        time.sleep(0.2)
+        finished.append(time.monotonic())
+
+    try:
+        with anyio.fail_after(TIMEOUT_S):
+            with anyio.move_on_after(0.01) as scope:
+                await threads.run(work)
+            returned = time.monotonic()
+    finally:
+        threads.close()
+    assert scope.cancel_called  # the deadline passed while the work ran
+    assert finished and finished[0] <= returned
+
+
+def test_a_pool_needs_a_thread() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        WorkerThreads(0, name="none")
