@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,13 @@ class SidecarProcess:
         whole log."""
         self.terminate(timeout_s)
         return self.log()
+
+    def wait_log(self, until: Callable[[str], bool], timeout_s: float = 10.0) -> str:
+        """The log once ``until(log)`` holds, or as it is after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not until(log := self.log()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return log
 
     def terminate(self, timeout_s: float = 30.0) -> int:
         """SIGTERM, then wait for the drain; returns the exit code."""
