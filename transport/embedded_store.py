@@ -3,9 +3,9 @@
 The arena is a single uint8 tensor of ``capacity_bytes``, allocated once; values are
 extents inside it, each padded to a cache line (``value_span``) so that rows copied
 side by side never straddle one. Allocation is best fit over free extents that
-coalesce with both neighbours on free. A deployment stores a handful of value sizes (one per store
-group), so an evicted block leaves a hole of exactly the size the next block of its
-group needs, and holes of different sizes merge as their neighbours go. Unlike a slab
+coalesce with both neighbours on free. A deployment stores a handful of value sizes
+(one per store group), so an evicted block leaves a hole of exactly the size the next
+block of its group needs, and holes of different sizes merge as their neighbours go. Unlike a slab
 allocator, no memory is ever reserved for a size class that stopped being used, and
 evicting every unpinned entry always yields one hole per run between pinned entries,
 so the arena cannot fragment into uselessness: a value that fits the capacity left

@@ -71,8 +71,7 @@ async def open_store(
                 return stats.used_bytes, stats.capacity_bytes, stats.evictions
 
             call_timeout_s = None  # in-process: its calls wait on nothing outside the sidecar
-        faulty = faults is not None and faults.enabled
-        if faults is not None and faulty:
+        if faults is not None and faults.enabled:
             store = FaultyStore(store, faults)
         guarded = CircuitBreakerStore(
             store,
@@ -81,8 +80,8 @@ async def open_store(
             reset_after_s=config.breaker.reset_after_s,
         )
         try:
-            yield OpenStore(guarded, usage,
-                            answers_at_once=call_timeout_s is None and not faulty)
+            yield OpenStore(guarded, usage, answers_at_once=call_timeout_s is None
+                            and not isinstance(store, FaultyStore))
         finally:
             with anyio.CancelScope(shield=True):
                 await guarded.aclose()
