@@ -3,8 +3,9 @@
 This process starts a ``mooncake_master`` on loopback (tcp), sets up a raw
 ``mooncake.store.MooncakeDistributedStore`` against it (same segment size as the
 sidecar's), and spawns sidecars (``python -m pipeline.app.cli serve``) whose config is
-``--config`` pointed at that same master, one after the other, with ``store.checksum``
-on and off. It plays the engine: KV tensors in shared memory, fresh token ids every
+``--config`` pointed at that same master, one after the other: values moved in place
+(straight between engine memory and the store, ``store.mooncake.in_place``) and through
+staging, each with ``store.checksum`` on and off. It plays the engine: KV tensors in shared memory, fresh token ids every
 round (nothing is deduplicated). Each repetition, in alternating order:
 
 - sidecar: ``save`` the round's requests, then ``load`` them into other engine blocks;
@@ -14,11 +15,13 @@ round (nothing is deduplicated). Each repetition, in alternating order:
 Both land in the same cluster (the sidecar's segment and the raw client's, placed by the
 master). Every object is removed (forced) after each repetition, so every put lands in
 free space. The raw calls are the floor of what the sidecar must do; its extra work is
-the engine <-> staging copies, the existence checks, hashing, checksums and the socket.
+the existence checks, hashing, checksums and the socket, and through staging the
+engine <-> staging copies.
 
     python benchmarks/bench_mooncake_sidecar.py [--layers 8] [--page-kib 64]
         [--requests 8] [--blocks-per-request 8] [--concurrency 1 4] [--repeat 7]
-        [--checksum on off] [--config configs/mooncake.yaml] [--profile {cprofile,py-spy}]
+        [--in-place on off] [--checksum on off] [--config configs/mooncake.yaml]
+        [--profile {cprofile,py-spy}]
 
 Ratios are sidecar GB/s over raw GB/s (goal: >= 0.9). Results are also written to
 benchmarks/results/bench_mooncake_sidecar.json.
@@ -32,6 +35,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import itertools
 import math
 import statistics
 import sys
@@ -265,12 +269,13 @@ async def measure_variant(
     return rows
 
 
-def on_master(base: Config, master: EmbeddedMaster) -> Config:
-    """``base`` pointed at the benchmark's master."""
+def on_master(base: Config, master: EmbeddedMaster, *, in_place: bool) -> Config:
+    """``base`` pointed at the benchmark's master, moving values in place or not."""
     mooncake = msgspec.structs.replace(
         base.store.mooncake,
         master=master.endpoints.master_address,
         metadata_server=master.endpoints.metadata_server,
+        in_place=in_place,
     )
     return msgspec.structs.replace(base, store=msgspec.structs.replace(base.store,
                                                                        mooncake=mooncake))
@@ -287,13 +292,17 @@ async def run(args: argparse.Namespace, base: Config) -> dict[str, list[dict[str
         raw = RawClient(base.store.mooncake, master, total * widest)
         try:
             with tempfile.TemporaryDirectory(prefix="kvsidecar-bench-") as tmp:
-                for variant in args.checksum:
-                    checksum = variant == "on"
+                for moves, sums in itertools.product(args.in_place, args.checksum):
+                    checksum = sums == "on"
+                    variant = f"{'in place' if moves == 'on' else 'staging'}, checksum {sums}"
                     stored_bytes = engine.value_bytes + (CHECKSUM_BYTES if checksum else 0)
-                    config = sidecar_config(on_master(base, master), checksum, Path(tmp))
+                    config = sidecar_config(on_master(base, master, in_place=moves == "on"),
+                                            checksum, Path(tmp))
+                    config = config.rename(config.with_name(f"in-place-{moves}-{config.name}"))
                     suffix = {"cprofile": "prof", "py-spy": "txt"}.get(args.profile, "")
                     profile_out = (
-                        (RESULTS_DIR / f"bench_mooncake_sidecar.checksum-{variant}.{suffix}")
+                        (RESULTS_DIR / f"bench_mooncake_sidecar.in-place-{moves}.checksum-"
+                                       f"{sums}.{suffix}")
                         if suffix
                         else None
                     )
@@ -318,6 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--in-place", nargs="+", choices=["on", "off"], default=["on", "off"])
     parser.add_argument("--checksum", nargs="+", choices=["on", "off"], default=["on", "off"])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--profile", choices=["cprofile", "py-spy"], default="")
@@ -348,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = anyio.run(run, args, base)
 
     print(
-        f"{'checksum':>8} {'in flight':>9} {'raw save':>9} {'sidecar save':>13} {'ratio':>6} "
+        f"{'values':>22} {'in flight':>9} {'raw save':>9} {'sidecar save':>13} {'ratio':>6} "
         f"{'raw load':>9} {'sidecar load':>13} {'ratio':>6}   (GB/s; ratio of medians)"
     )
     worst = math.inf
@@ -357,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             g = row["gbps"]
             worst = min(worst, row["save_ratio"], row["load_ratio"])
             print(
-                f"{variant:>8} {row['concurrency']:>9} {g['raw_save']:>9.2f} "
+                f"{variant:>22} {row['concurrency']:>9} {g['raw_save']:>9.2f} "
                 f"{g['sidecar_save']:>13.2f} {row['save_ratio']:>6.2f} {g['raw_load']:>9.2f} "
                 f"{g['sidecar_load']:>13.2f} {row['load_ratio']:>6.2f}   (paired: save "
                 f"{row['paired_save_ratio']:.2f}, load {row['paired_load_ratio']:.2f})"

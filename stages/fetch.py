@@ -1,7 +1,7 @@
 """Fetch: bring a batch's stored values within reach of the scatter.
 
 Only blocks the store has travel on; the others settle here as failed, so the engine
-recomputes them and never sees undefined bytes. (Checksums are verified by the
+recomputes them and never uses undefined bytes. (Checksums are verified by the
 scatter, on the bytes the engine ends up holding.)
 """
 
@@ -25,7 +25,7 @@ class FetchStage:
 
     async def process(self, tasks: list[BlockTask]) -> StagedBatch | None:
         values = await self._memory.fetch(
-            [task.key for task in tasks], tasks[0].geometry.stored_bytes
+            tasks[0].geometry, [task.block_id for task in tasks], [task.key for task in tasks]
         )
         batch, missed, outcomes = StagedBatch.split(tasks, values, BlockStatus.LOADED)
         if batch is not None:

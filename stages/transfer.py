@@ -40,7 +40,7 @@ class TransferStage:
             return None
         await self._tracker.yield_to_loads(self._yield_s)
         values = await self._memory.reserve(
-            [task.key for task in tasks], tasks[0].geometry.stored_bytes
+            tasks[0].geometry, [task.block_id for task in tasks], [task.key for task in tasks]
         )
         batch, refused, outcomes = StagedBatch.split(tasks, values, BlockStatus.STORED)
         if refused:

@@ -2,7 +2,10 @@
 opened by ``transport.mooncake_setup.open_mooncake_store``.
 
 Values move zero-copy: staging buffers are registered with Mooncake once, and every put
-and get names byte ranges inside them (``batch_put_from`` / ``batch_get_into``). Every
+and get names byte ranges inside them (``batch_put_from`` / ``batch_get_into``). Engine
+memory is registered too while a session maps it, and a value made of several ranges
+(an engine block's pages, then its checksum) moves in one call
+(``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``). Every
 blocking Mooncake call runs in a worker thread under a ``CapacityLimiter`` and is
 bounded by ``call_timeout_s``. A call that overruns it is abandoned, and since its
 thread may still read or write staging memory later, it raises ``StoreCallAbandoned``
@@ -29,7 +32,11 @@ Mooncake facts this module relies on (0.3.13):
   to -900 are RPC errors.
 - The ``batch_*`` calls release the GIL; ``setup``, ``register_buffer`` and ``close`` hold
   it, so no timeout can interrupt them and they stall the event loop while they run
-  (setup: ~1 s for a 256 MiB segment; close: 1-2 s, longer when the master is gone).
+  (setup: ~1 s for a 256 MiB segment; close: 1-2 s, longer when the master is gone;
+  ``register_buffer`` and ``unregister_buffer`` with tcp: well under a millisecond, so
+  engine memory is registered on the event loop).
+- A multi-buffer put or get moves one value as the concatenation of its buffers, with
+  the codes of the single-buffer calls (a get returns the bytes read, their total).
   Setup retries an unreachable master for ~90 s, hence the TCP probe before it.
 """
 
@@ -40,7 +47,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -52,7 +59,7 @@ from anyio.abc import AsyncResource
 from pipeline.core.config import MooncakeStoreConfig
 from pipeline.core.errors import StoreCallAbandoned, StoreError
 from pipeline.core.outcomes import PRESENT, STORED, KeyOutcome, failed
-from pipeline.core.store import Presence
+from pipeline.core.store import Pieces, Presence
 from transport.mooncake_codes import OK, RPC_ERRORS, get_outcome, put_outcome
 from transport.mooncake_master import EmbeddedMaster
 
@@ -61,6 +68,8 @@ __all__ = ["MooncakeClient", "MooncakeStore"]
 log = structlog.get_logger("kvsidecar.store.mooncake")
 
 T = TypeVar("T")
+P = TypeVar("P", int, list[int])
+"""Where a value lies: one address, or one per piece."""
 
 
 _BUSY_POLL_S = 0.01
@@ -79,6 +88,14 @@ class MooncakeClient(Protocol):
     def batch_get_into(
         self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
     ) -> list[int]: ...
+    def batch_put_from_multi_buffers(
+        self, keys: list[str], all_buffer_ptrs: list[list[int]], all_sizes: list[list[int]],
+        config: Any,
+    ) -> list[int]: ...
+    def batch_get_into_multi_buffers(
+        self, keys: list[str], all_buffer_ptrs: list[list[int]], all_sizes: list[list[int]]
+    ) -> list[int]: ...
+    def unregister_buffer(self, buffer_ptr: int) -> int: ...
     def batch_remove(self, keys: list[str], force: bool = False) -> list[int]: ...
     def close(self) -> int: ...
 
@@ -105,6 +122,7 @@ class MooncakeStore(AsyncResource):
         # calls off anyio's shared default thread pool, whose queue would count as call time.
         self._threads = anyio.CapacityLimiter(config.max_concurrent_calls)
         self._registered: list[tuple[int, int, torch.Tensor]] = []
+        self._memory: dict[tuple[int, int], int] = {}  # engine memory -> registrations
         self._busy = 0  # calls inside the client, abandoned ones included
         self._busy_lock = threading.Lock()
         self._abandoned = 0  # calls past their timeout that have not returned yet
@@ -135,6 +153,36 @@ class MooncakeStore(AsyncResource):
             raise StoreError(f"mooncake register_buffer of {size} bytes failed with code {rc}")
         self._registered.append((start, start + size, buffer))
 
+    def register_memory(self, memory: torch.Tensor) -> None:
+        _check_staging(memory, "engine memory")
+        span = (memory.data_ptr(), memory.numel())
+        if span not in self._memory:
+            if self._closed:
+                raise StoreError("the mooncake store is closed")
+            rc = self._client.register_buffer(*span)
+            if rc != OK:
+                raise StoreError(
+                    f"mooncake register_buffer of {span[1]} bytes of engine memory failed "
+                    f"with code {rc}"
+                )
+            self._registered.append((span[0], span[0] + span[1], memory))
+        self._memory[span] = self._memory.get(span, 0) + 1
+
+    def unregister_memory(self, memory: torch.Tensor) -> None:
+        span = (memory.data_ptr(), memory.numel())
+        count = self._memory.pop(span, 0) - 1
+        if count > 0:
+            self._memory[span] = count
+            return
+        if count < 0:
+            return
+        self._registered = [entry for entry in self._registered
+                            if (entry[0], entry[1] - entry[0]) != span]
+        if not self._closed:
+            rc = self._client.unregister_buffer(span[0])
+            if rc != OK:
+                log.warning("store.mooncake.unregister.failed", bytes=span[1], code=rc)
+
     async def exists(self, keys: Sequence[str], sizes: Sequence[int]) -> list[Presence]:
         if not keys:
             return []
@@ -159,7 +207,21 @@ class MooncakeStore(AsyncResource):
     async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
         batch = self._prepare(keys, values)
         if batch.keys:
-            outcomes = await self._call("batch_put_from", self._put_absent, batch)
+            op = "batch_put_from"
+            outcomes = await self._call(
+                op, self._put_absent, batch, op, self._client.batch_put_from
+            )
+            for i, outcome in zip(batch.index, outcomes, strict=True):
+                batch.outcomes[i] = outcome
+        return _complete(batch.outcomes)
+
+    async def put_pieces(self, keys: Sequence[str], values: Pieces) -> list[KeyOutcome]:
+        batch = self._prepare_pieces(keys, values)
+        if batch.keys:
+            op = "batch_put_from_multi_buffers"
+            outcomes = await self._call(
+                op, self._put_absent, batch, op, self._client.batch_put_from_multi_buffers
+            )
             for i, outcome in zip(batch.index, outcomes, strict=True):
                 batch.outcomes[i] = outcome
         return _complete(batch.outcomes)
@@ -175,6 +237,18 @@ class MooncakeStore(AsyncResource):
             self._raise_if_unreachable("batch_get_into", codes)
             for i, code, size in zip(batch.index, codes, batch.sizes, strict=True):
                 batch.outcomes[i] = get_outcome(code, size)
+        return _complete(batch.outcomes)
+
+    async def get_pieces_into(self, keys: Sequence[str], buffers: Pieces) -> list[KeyOutcome]:
+        batch = self._prepare_pieces(keys, buffers)
+        if batch.keys:
+            codes = await self._call(
+                "batch_get_into_multi_buffers", self._client.batch_get_into_multi_buffers,
+                batch.keys, batch.ptrs, batch.sizes,
+            )
+            self._raise_if_unreachable("batch_get_into_multi_buffers", codes)
+            for i, code, sizes in zip(batch.index, codes, batch.sizes, strict=True):
+                batch.outcomes[i] = get_outcome(code, sum(sizes))
         return _complete(batch.outcomes)
 
     async def remove(self, keys: Sequence[str]) -> int:
@@ -278,7 +352,7 @@ class MooncakeStore(AsyncResource):
     def _registered_range(self, start: int, size: int) -> bool:
         return any(low <= start and start + size <= high for low, high, _ in self._registered)
 
-    def _prepare(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> _Batch:
+    def _prepare(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> _Batch[int]:
         # On the hot path: a few comprehensions over the blocks, no per-block branching
         # unless some value is refused.
         if len(keys) != len(values):
@@ -288,20 +362,37 @@ class MooncakeStore(AsyncResource):
         malformed = [i for i, value in enumerate(values) if not _is_flat_bytes(value)]
         ranges = [(low, high) for low, high, _ in self._registered]
         outside = _outside(ptrs, sizes, ranges)
-        if not malformed and not outside:
-            return _Batch([None] * len(keys), list(range(len(keys))), list(keys), ptrs, sizes)
-        refused: dict[int, KeyOutcome] = {i: failed("unregistered_buffer") for i in outside}
-        refused.update((i, failed("bad_buffer")) for i in malformed)
-        kept = [i for i in range(len(keys)) if i not in refused]
-        return _Batch(
-            [refused.get(i) for i in range(len(keys))],
-            kept,
-            [keys[i] for i in kept],
-            [ptrs[i] for i in kept],
-            [sizes[i] for i in kept],
-        )
+        return _batch(keys, ptrs, sizes, malformed, outside)
 
-    def _put_absent(self, batch: _Batch) -> list[KeyOutcome]:
+    def _prepare_pieces(self, keys: Sequence[str], pieces: Pieces) -> _Batch[list[int]]:
+        """As ``_prepare``, for values of several pieces: a value is refused when any of
+        its pieces is. Addresses are checked as one tensor: a batch has thousands."""
+        if len(keys) != len(pieces):
+            raise ValueError(f"{len(keys)} keys but {len(pieces)} values")
+        starts = pieces.addresses
+        ends = starts + torch.tensor(pieces.sizes, dtype=torch.int64)
+        inside = torch.zeros(starts.shape, dtype=torch.bool)
+        for low, high, _ in self._registered:
+            inside |= (starts >= low) & (ends <= high)
+        outside = set((~inside.all(dim=1)).nonzero().flatten().tolist())
+        ptrs: list[list[int]] = starts.tolist()
+        sizes = [list(pieces.sizes)] * len(keys)
+        malformed: list[int] = []
+        if pieces.trailers is not None:
+            trailer_ptrs = [trailer.data_ptr() for trailer in pieces.trailers]
+            trailer_sizes = [trailer.numel() for trailer in pieces.trailers]
+            malformed = [i for i, t in enumerate(pieces.trailers) if not _is_flat_bytes(t)]
+            ranges = [(low, high) for low, high, _ in self._registered]
+            outside.update(_outside(trailer_ptrs, trailer_sizes, ranges))
+            for value, ptr in zip(ptrs, trailer_ptrs, strict=True):
+                value.append(ptr)
+            sizes = [[*pieces.sizes, size] for size in trailer_sizes]
+        return _batch(keys, ptrs, sizes, malformed, sorted(outside))
+
+    def _put_absent(
+        self, batch: _Batch[P], op: str,
+        put: Callable[[list[str], list[P], list[P], Any], list[int]],
+    ) -> list[KeyOutcome]:
         """In a worker thread: the existence check and the put, in one hop."""
         present = self._client.batch_is_exist(batch.keys)
         self._raise_if_unreachable("batch_is_exist", present)
@@ -312,13 +403,13 @@ class MooncakeStore(AsyncResource):
         outcomes = [PRESENT] * len(batch.keys)
         if first:
             send = list(first.values())
-            codes = self._client.batch_put_from(
+            codes = put(
                 [batch.keys[j] for j in send],
                 [batch.ptrs[j] for j in send],
                 [batch.sizes[j] for j in send],
                 self._replicate_config,
             )
-            self._raise_if_unreachable("batch_put_from", codes)
+            self._raise_if_unreachable(op, codes)
             for j, code in zip(send, codes, strict=True):
                 outcomes[j] = put_outcome(code)
             for j, key in enumerate(batch.keys):
@@ -369,14 +460,32 @@ class _Call:
 
 
 @dataclass(slots=True)
-class _Batch:
+class _Batch(Generic[P]):
     """One call's keys: an outcome slot for each, byte ranges for those that passed checks."""
 
     outcomes: list[KeyOutcome | None]
     index: list[int]
     keys: list[str]
-    ptrs: list[int]
-    sizes: list[int]
+    ptrs: list[P]
+    sizes: list[P]
+
+
+def _batch(
+    keys: Sequence[str], ptrs: list[P], sizes: list[P], malformed: list[int], outside: list[int]
+) -> _Batch[P]:
+    """The keys whose values passed the checks, the others refused with the reason."""
+    if not malformed and not outside:
+        return _Batch([None] * len(keys), list(range(len(keys))), list(keys), ptrs, sizes)
+    refused: dict[int, KeyOutcome] = {i: failed("unregistered_buffer") for i in outside}
+    refused.update((i, failed("bad_buffer")) for i in malformed)
+    kept = [i for i in range(len(keys)) if i not in refused]
+    return _Batch(
+        [refused.get(i) for i in range(len(keys))],
+        kept,
+        [keys[i] for i in kept],
+        [ptrs[i] for i in kept],
+        [sizes[i] for i in kept],
+    )
 
 
 def _is_flat_bytes(value: torch.Tensor) -> bool:

@@ -12,15 +12,15 @@ import torch
 
 from pipeline.backends.beside import ChecksumBesideStore
 from pipeline.backends.breaker import CircuitBreakerStore
-from pipeline.backends.cpu_copy import CpuCopyEngine
+from pipeline.backends.cpu_copy import CpuCopyEngine, InPlaceCopyEngine
 from pipeline.backends.faults import Faults, FaultyStore
-from pipeline.backends.memory import LentMemory, StagingMemory
+from pipeline.backends.memory import InPlaceMemory, LentMemory, StagingMemory
 from pipeline.backends.staging import StagingPool
 from pipeline.backends.threads import WorkerThreads
 from pipeline.core.config import Config, StoreConfig, TransferStageConfig
 from pipeline.core.errors import ConfigError
 from pipeline.core.seams import BatchMemory, CopyEngine
-from pipeline.core.store import KVStore
+from pipeline.core.store import KVStore, PiecewiseKVStore
 
 __all__ = ["Backends", "open_backends", "open_store"]
 
@@ -100,6 +100,17 @@ class Backends:
     """Loads copy on threads of their own: a load never waits behind a save's copy."""
     answers_at_once: bool
     """The store's queries wait on nothing (``OpenStore.answers_at_once``)."""
+    in_place: PiecewiseKVStore | None = None
+    """The store that moves values straight from and into engine memory, which must be
+    registered with it while mapped; None: values are copied."""
+
+
+def moves_in_place(config: Config) -> bool:
+    """Whether values move straight between engine memory and the store: Mooncake's
+    multi-buffer calls, for native values of CPU engines."""
+    return (config.store.backend == "mooncake" and config.store.mooncake.in_place
+            and config.store.value_format == "native"
+            and config.stages.transfer.device == "cpu")
 
 
 @contextlib.asynccontextmanager
@@ -119,7 +130,11 @@ async def open_backends(
             await guarded.register_buffer(pool.buffer)
             store: KVStore = guarded
             memory: BatchMemory
-            if config.store.backend == "embedded":
+            in_place = moves_in_place(config)
+            skip_when_full = transfer.overflow == "skip"
+            if in_place:
+                memory = InPlaceMemory(pool, guarded, skip_when_full=skip_when_full)
+            elif config.store.backend == "embedded":
                 # The embedded store lends its memory: values are copied straight into
                 # and out of it, one copy instead of two through staging. Nobody else
                 # reads it, so a vllm-format value keeps its checksum after it.
@@ -128,20 +143,24 @@ async def open_backends(
                 if config.store.value_format == "vllm" and config.store.checksum:
                     store = ChecksumBesideStore(
                         guarded, require=config.store.verify == "required")
-                memory = StagingMemory(pool, store, skip_when_full=transfer.overflow == "skip")
+                memory = StagingMemory(pool, store, skip_when_full=skip_when_full)
             save_threads = WorkerThreads(transfer.threads, name="kvsidecar-save",
                                          nice=transfer.save_nice)
             load_threads = WorkerThreads(transfer.threads, name="kvsidecar-load")
             held.callback(save_threads.close)
             held.callback(load_threads.close)
             yield Backends(store, guarded, opened.usage, pool, memory,
-                           save_copy=_copy_engine(transfer, save_threads),
-                           load_copy=_copy_engine(transfer, load_threads),
-                           answers_at_once=opened.answers_at_once)
+                           save_copy=_copy_engine(transfer, save_threads, in_place=in_place),
+                           load_copy=_copy_engine(transfer, load_threads, in_place=in_place),
+                           answers_at_once=opened.answers_at_once,
+                           in_place=guarded if in_place else None)
 
 
-def _copy_engine(transfer: TransferStageConfig, threads: WorkerThreads) -> CopyEngine:
+def _copy_engine(transfer: TransferStageConfig, threads: WorkerThreads, *,
+                 in_place: bool) -> CopyEngine:
     """One direction's copy engine, with threads (and streams) of its own."""
+    if in_place:
+        return InPlaceCopyEngine(threads)
     cpu = CpuCopyEngine(threads)
     if transfer.device == "cpu":
         return cpu

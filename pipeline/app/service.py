@@ -25,9 +25,10 @@ from pipeline.app.graph import COMPLETION_PATHS, Resources, build_graph
 from pipeline.app.metrics import BackendGauges, Metrics
 from pipeline.backends.faults import Faults
 from pipeline.core.config import Config
-from pipeline.core.errors import StoreError
+from pipeline.core.errors import StoreError, TransportError
 from pipeline.core.keys import ValueFormat
 from pipeline.core.messages import CudaIpcEvent, TensorHandle
+from pipeline.core.store import PiecewiseKVStore
 from pipeline.state.events import KVEventLog
 from pipeline.state.history import BlockHistory
 from pipeline.state.jobs import Failable, JobTracker, Reply, StorePressure, mark_done
@@ -60,6 +61,49 @@ def map_shared_tensors(handles: Sequence[TensorHandle]) -> tuple[LayerTensors, M
     return tensors, mapper
 
 
+class RegisteredMapping:
+    """An engine's mapped memory, registered with a store that moves values straight
+    from and into it, until the mapping closes (no job of the engine in flight)."""
+
+    def __init__(self, mapping: MappedTensors, store: PiecewiseKVStore,
+                 memory: list[torch.Tensor]) -> None:
+        self._mapping = mapping
+        self._store = store
+        self._memory = memory
+
+    def close(self) -> None:
+        memory, self._memory = self._memory, []
+        for region in memory:
+            self._store.unregister_memory(region)
+        self._mapping.close()
+
+    def owner_exited(self) -> bool:
+        return self._mapping.owner_exited()
+
+
+def map_registered_tensors(
+    store: PiecewiseKVStore, handles: Sequence[TensorHandle]
+) -> tuple[LayerTensors, RegisteredMapping]:
+    """``map_shared_tensors``, and the memory under the tensors registered with ``store``
+    (each mapping once, whole)."""
+    tensors, mapper = map_shared_tensors(handles)
+    storages: dict[int, torch.UntypedStorage] = {}
+    for tensor, _ in tensors.values():
+        storage = tensor.untyped_storage()
+        storages.setdefault(storage.data_ptr(), storage)
+    registered: list[torch.Tensor] = []
+    try:
+        for storage in storages.values():
+            region = torch.empty(0, dtype=torch.uint8).set_(storage)
+            store.register_memory(region)
+            registered.append(region)
+    except StoreError as exc:
+        RegisteredMapping(mapper, store, registered).close()
+        raise TransportError(
+            f"the engine's KV memory could not be registered with the store: {exc}") from exc
+    return tensors, RegisteredMapping(mapper, store, registered)
+
+
 def _step_events(config: Config) -> Callable[[CudaIpcEvent], torch.cuda.Event] | None:
     """How engines' step events are opened, where GPU tensors are served at all."""
     if config.stages.transfer.device != "cuda":
@@ -84,7 +128,8 @@ class Sidecar:
         self.publisher = EventPublisher(config.events, events) if events.enabled else None
         pool = backends.pool
         self.registry = SessionRegistry(
-            map_shared_tensors,
+            map_shared_tensors if backends.in_place is None
+            else functools.partial(map_registered_tensors, backends.in_place),
             checksum=config.store.checksum,
             value_format=ValueFormat(config.store.value_format),
             max_value_bytes=pool.slot_bytes,

@@ -20,12 +20,13 @@ import torch
 
 from pipeline.backends.threads import WorkerThreads
 from pipeline.core.geometry import Segment, StoreGroupGeometry
-from pipeline.core.integrity import seal_rows, verify_rows
+from pipeline.core.integrity import CHECKSUM_BYTES, pages_digest, seal_rows, verify_rows
 from pipeline.core.store import value_span
 
 __all__ = [
     "CopyThreads",
     "CpuCopyEngine",
+    "InPlaceCopyEngine",
     "Piece",
     "gather_and_seal",
     "gather_blocks",
@@ -135,9 +136,11 @@ class CopyThreads:
         self._split_bytes = split_bytes
         self._inline_bytes = inline_bytes
 
-    async def run(self, views: Sequence[torch.Tensor], size: int, work: Work) -> None:
-        """``work`` over every value (each ``size`` bytes), in parts."""
-        nbytes = len(views) * size
+    async def run(self, views: Sequence[torch.Tensor], size: int, work: Work,
+                  *, value_bytes: int | None = None) -> None:
+        """``work`` over every value (each ``size`` bytes), in parts; ``value_bytes``: the
+        bytes the work moves or reads per value, if not ``size``."""
+        nbytes = len(views) * (size if value_bytes is None else value_bytes)
         if nbytes <= self._inline_bytes:
             work(self._pieces(views, size))
             return
@@ -214,3 +217,61 @@ class CpuCopyEngine:
     async def scatter(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                       views: Sequence[torch.Tensor]) -> list[bool]:
         return await verify_and_scatter(self._copy, geometry, _index(block_ids), views)
+
+
+def _digests(geometry: StoreGroupGeometry, block_ids: Sequence[int], seed: int) -> list[int]:
+    """The checksum of each block's pages as they lie in the engine."""
+    pages = [segment.blocks.numpy() for segment in geometry.segments]
+    return [pages_digest([page[block] for page in pages], seed) for block in block_ids]
+
+
+def _seal_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int], seed: int,
+                   pieces: Sequence[Piece]) -> None:
+    for start, rows in pieces:
+        digests = _digests(geometry, block_ids[start : start + rows.shape[0]], seed)
+        rows.copy_(torch.tensor(digests, dtype=torch.uint64).view(torch.uint8).view(-1, 8))
+
+
+def _verify_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int], seed: int,
+                     intact: list[bool], pieces: Sequence[Piece]) -> None:
+    for start, rows in pieces:
+        stored = torch.empty_like(rows)  # aligned, to be read as words
+        stored.copy_(rows)
+        digests = _digests(geometry, block_ids[start : start + rows.shape[0]], seed)
+        expected = stored.view(torch.uint64).view(-1).tolist()
+        intact[start : start + len(digests)] = [a == b for a, b in zip(digests, expected,
+                                                                       strict=True)]
+
+
+class InPlaceCopyEngine:
+    """The copy engine of values the store moves straight out of and into the engine's
+    blocks (``InPlaceMemory``): there is nothing to copy, only checksums, in worker
+    threads (``CopyThreads``). Each value's view is its trailer, the checksum kept with it.
+
+    A save seals each block's checksum over its pages as they lie in the engine. A load
+    checks the pages the store wrote into the engine against the checksum that came with
+    them: a block that fails is reported failed, and the engine recomputes it before it
+    reads it (the bytes did reach its memory, unlike with a copying engine).
+    """
+
+    def __init__(self, threads: WorkerThreads) -> None:
+        self._copy = CopyThreads(threads)
+
+    async def gather(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
+                     views: Sequence[torch.Tensor]) -> None:
+        seed = geometry.checksum_seed
+        if seed is not None:
+            await self._copy.run(views, CHECKSUM_BYTES,
+                                 functools.partial(_seal_in_place, geometry, block_ids, seed),
+                                 value_bytes=geometry.value_bytes)
+
+    async def scatter(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
+                      views: Sequence[torch.Tensor]) -> list[bool]:
+        intact = [True] * len(views)
+        seed = geometry.checksum_seed
+        if seed is not None:
+            await self._copy.run(
+                views, CHECKSUM_BYTES,
+                functools.partial(_verify_in_place, geometry, block_ids, seed, intact),
+                value_bytes=geometry.value_bytes)
+        return intact

@@ -3,8 +3,10 @@
 A point fires with a configured probability (seeded, so a run is reproducible): it may
 delay, raise ``InjectedFault`` (an expected, per-item failure), or — at ``store.put`` /
 ``store.get`` — corrupt a value as stored or as loaded, which the integrity check must
-catch. With no points
-configured every check is a dictionary miss.
+catch. A value moved in pieces straight from and into engine memory is corrupted in its
+trailer, the checksum the sidecar keeps with it, never in the engine's memory: without
+checksums such values are not corrupted. With no points configured every check is a
+dictionary miss.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pipeline.backends.wrapper import StoreWrapper
 from pipeline.core.config import FaultsConfig
 from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import KeyOutcome
-from pipeline.core.store import Extents, KVStore
+from pipeline.core.store import Extents, KVStore, Pieces
 
 __all__ = ["Faults", "FaultyStore", "InjectedFault"]
 
@@ -82,6 +84,15 @@ class FaultyStore(StoreWrapper):
     ) -> list[KeyOutcome]:
         outcomes = await super().get_into(keys, buffers)
         self._faults.corrupt("store.get", buffers)  # the copy this load receives
+        return outcomes
+
+    async def put_pieces(self, keys: Sequence[str], values: Pieces) -> list[KeyOutcome]:
+        self._faults.corrupt("store.put", values.trailers or [])
+        return await super().put_pieces(keys, values)
+
+    async def get_pieces_into(self, keys: Sequence[str], buffers: Pieces) -> list[KeyOutcome]:
+        outcomes = await super().get_pieces_into(keys, buffers)
+        self._faults.corrupt("store.get", buffers.trailers or [])
         return outcomes
 
     def commit(self, extents: Extents, *, written: bool) -> list[KeyOutcome]:

@@ -3,6 +3,9 @@
 ``StagingMemory`` holds them in a staging slot and moves them with the store's batch
 calls (Mooncake: zero-copy from the registered pool). ``LentMemory`` writes and reads
 them in the store's own memory (the embedded store), sparing one copy each way.
+``InPlaceMemory`` leaves them in the engine's blocks: the store moves each value
+straight from its pages and into them (Mooncake's multi-buffer calls), and only the
+checksums live in a staging slot.
 """
 
 from __future__ import annotations
@@ -10,15 +13,18 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import cast
 
+import anyio
 import torch
 
 from pipeline.backends.staging import Slot, StagingPool
 from pipeline.core.errors import StoreCallAbandoned, StoreError
+from pipeline.core.geometry import StoreGroupGeometry
+from pipeline.core.integrity import CHECKSUM_BYTES
 from pipeline.core.outcomes import STORED, BlockStatus, KeyOutcome, store_error_outcome
 from pipeline.core.seams import Values
-from pipeline.core.store import DirectKVStore, Extents, KVStore
+from pipeline.core.store import DirectKVStore, Extents, KVStore, Pieces, PiecewiseKVStore
 
-__all__ = ["STAGING_FULL", "LentMemory", "StagingMemory", "per_key_outcomes"]
+__all__ = ["STAGING_FULL", "InPlaceMemory", "LentMemory", "StagingMemory", "per_key_outcomes"]
 
 STAGING_FULL = KeyOutcome(BlockStatus.SKIPPED, "staging_full")
 
@@ -72,12 +78,13 @@ class StagingMemory:
         self._store = store
         self._skip_when_full = skip_when_full
 
-    async def reserve(self, keys: Sequence[str], size: int) -> Values:
-        pool = self._pool
-        slot = pool.try_take("save") if self._skip_when_full else await pool.take("save")
+    async def reserve(
+        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
+    ) -> Values:
+        slot = await _save_slot(self._pool, skip_when_full=self._skip_when_full)
         if slot is None:
             return _refused(keys, STAGING_FULL)
-        return self._values(slot, keys, size)
+        return self._values(slot, keys, geometry.stored_bytes)
 
     async def store(self, values: Values) -> list[KeyOutcome]:
         hold = cast(_SlotHold, values.hold)
@@ -90,8 +97,10 @@ class StagingMemory:
         finally:
             hold.release()
 
-    async def fetch(self, keys: Sequence[str], size: int) -> Values:
-        values = self._values(await self._pool.take("load"), keys, size)
+    async def fetch(
+        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
+    ) -> Values:
+        values = self._values(await self._pool.take("load"), keys, geometry.stored_bytes)
         hold = cast(_SlotHold, values.hold)
         views = _held(values)
         try:
@@ -112,6 +121,101 @@ class StagingMemory:
 
 def _held(values: Values) -> list[torch.Tensor]:
     return [view for view in values.views if view is not None]
+
+
+async def _save_slot(pool: StagingPool, *, skip_when_full: bool) -> Slot | None:
+    return pool.try_take("save") if skip_when_full else await pool.take("save")
+
+
+class _PiecesHold(_SlotHold):
+    """A slot holding a batch's checksums, and where the batch's values lie."""
+
+    def __init__(self, pool: StagingPool, slot: Slot, pieces: Pieces) -> None:
+        super().__init__(pool, slot)
+        self.pieces = pieces
+
+
+class InPlaceMemory:
+    """Values left in the engine's blocks: the store puts each one from the block's
+    pages and gets it back into the pages of the block it is loaded into, in one call
+    per batch. A batch's checksums (each value's view, its trailer) lie in a staging
+    slot, which also bounds the batches in flight as staging does.
+
+    A store call given up on (``StoreCallAbandoned``) may still read or write engine
+    memory: the batch is answered only once the call has returned, so the engine never
+    reuses, and the sidecar never unmaps, memory the store may still touch.
+    """
+
+    def __init__(self, pool: StagingPool, store: PiecewiseKVStore, *,
+                 skip_when_full: bool) -> None:
+        self._pool = pool
+        self._store = store
+        self._skip_when_full = skip_when_full
+
+    async def reserve(
+        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
+    ) -> Values:
+        slot = await _save_slot(self._pool, skip_when_full=self._skip_when_full)
+        if slot is None:
+            return _refused(keys, STAGING_FULL)
+        return self._values(slot, geometry, block_ids, keys)
+
+    async def store(self, values: Values) -> list[KeyOutcome]:
+        hold = cast(_PiecesHold, values.hold)
+        try:
+            return await self._call(
+                lambda: self._store.put_pieces(values.keys, hold.pieces), hold, saving=True)
+        finally:
+            hold.release()
+
+    async def fetch(
+        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
+    ) -> Values:
+        values = self._values(await self._pool.take("load"), geometry, block_ids, keys)
+        hold = cast(_PiecesHold, values.hold)
+        try:
+            values.outcomes = await self._call(
+                lambda: self._store.get_pieces_into(values.keys, hold.pieces), hold,
+                saving=False)
+        except BaseException:
+            hold.release()
+            raise
+        return values
+
+    async def _call(self, call: Callable[[], Awaitable[list[KeyOutcome]]], hold: _PiecesHold,
+                    *, saving: bool) -> list[KeyOutcome]:
+        gone: list[StoreCallAbandoned] = []
+
+        def abandoned(error: StoreCallAbandoned) -> None:
+            gone.append(error)
+            hold.withhold(error)
+
+        outcomes = await per_key_outcomes(call, len(hold.pieces), saving=saving,
+                                          abandoned=abandoned)
+        if gone:
+            returned = anyio.Event()
+            gone[0].when_returned(returned.set)
+            await returned.wait()
+        return outcomes
+
+    def _values(self, slot: Slot, geometry: StoreGroupGeometry, block_ids: Sequence[int],
+                keys: Sequence[str]) -> Values:
+        """Each key's value in engine block ``block_ids[i]``; its view is its checksum,
+        in the slot's first rows (empty when values carry none)."""
+        sealed = geometry.checksum_seed is not None
+        trailers = list(slot.rows(len(keys), CHECKSUM_BYTES if sealed else 0).unbind(0))
+        segments = geometry.segments
+        bases = torch.tensor([segment.blocks.data_ptr() for segment in segments])
+        strides = torch.tensor([segment.blocks.stride(0) for segment in segments])
+        blocks = torch.tensor(block_ids, dtype=torch.int64)
+        pieces = Pieces(
+            addresses=bases + blocks[:, None] * strides,
+            sizes=tuple(segment.page_bytes for segment in segments),
+            trailers=trailers if sealed else None,
+        )
+        views: list[torch.Tensor | None] = list(trailers)
+        return Values(list(keys), views, [STORED] * len(keys),
+                      _PiecesHold(self._pool, slot, pieces))
 
 
 class _LeaseHold:
@@ -135,8 +239,10 @@ class LentMemory:
     def __init__(self, store: DirectKVStore) -> None:
         self._store = store
 
-    async def reserve(self, keys: Sequence[str], size: int) -> Values:
-        extents = await self._store.reserve(keys, size)
+    async def reserve(
+        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
+    ) -> Values:
+        extents = await self._store.reserve(keys, geometry.stored_bytes)
         return Values(list(keys), extents.views, list(extents.outcomes),
                       _ReservationHold(self._store, extents))
 
@@ -145,9 +251,11 @@ class LentMemory:
         return [outcome for outcome, view in zip(committed, values.views, strict=True)
                 if view is not None]
 
-    async def fetch(self, keys: Sequence[str], size: int) -> Values:
+    async def fetch(
+        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
+    ) -> Values:
         try:
-            extents = await self._store.lease(keys, size)
+            extents = await self._store.lease(keys, geometry.stored_bytes)
         except StoreError as exc:
             return _refused(keys, store_error_outcome(exc, saving=False))
         return Values(list(keys), extents.views, list(extents.outcomes),

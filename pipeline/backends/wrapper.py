@@ -1,5 +1,5 @@
 """The base of store decorators (circuit breaker, fault points): every call of the
-wrapped store goes through one overridable hook."""
+wrapped store goes through one overridable hook, piecewise puts and gets included."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ from typing import TypeVar
 import torch
 
 from pipeline.core.outcomes import KeyOutcome
-from pipeline.core.store import DirectKVStore, Extents, KVStore, Presence
+from pipeline.core.store import (
+    DirectKVStore,
+    Extents,
+    KVStore,
+    Pieces,
+    PiecewiseKVStore,
+    Presence,
+)
 
 __all__ = ["StoreWrapper"]
 
@@ -24,6 +31,7 @@ class StoreWrapper:
         self.inner = inner
         # Resolved once: a runtime protocol check costs more than the calls it guards.
         self._lender = inner if isinstance(inner, DirectKVStore) else None
+        self._piecewise = inner if isinstance(inner, PiecewiseKVStore) else None
 
     async def _around(self, name: str, call: Callable[[], Awaitable[T]]) -> T:
         return await call()
@@ -59,6 +67,23 @@ class StoreWrapper:
 
     def release(self, extents: Extents) -> None:
         self._direct().release(extents)
+
+    def register_memory(self, memory: torch.Tensor) -> None:
+        self._pieces().register_memory(memory)
+
+    def unregister_memory(self, memory: torch.Tensor) -> None:
+        self._pieces().unregister_memory(memory)
+
+    async def put_pieces(self, keys: Sequence[str], values: Pieces) -> list[KeyOutcome]:
+        return await self._around("put", lambda: self._pieces().put_pieces(keys, values))
+
+    async def get_pieces_into(self, keys: Sequence[str], buffers: Pieces) -> list[KeyOutcome]:
+        return await self._around("get", lambda: self._pieces().get_pieces_into(keys, buffers))
+
+    def _pieces(self) -> PiecewiseKVStore:
+        if self._piecewise is None:
+            raise TypeError(f"{type(self.inner).__name__} does not move values in pieces")
+        return self._piecewise
 
     def _direct(self) -> DirectKVStore:
         if self._lender is None:

@@ -194,6 +194,10 @@ class MooncakeStoreConfig(_Section, frozen=True):
     close_timeout_s: PositiveFloat = 5.0
     """How long close waits for in-flight calls; past it the client is left, not closed."""
     max_concurrent_calls: Positive = 4
+    in_place: bool = True
+    """Values move straight between the engine's KV memory (registered with Mooncake
+    while mapped) and the store, with no staging copy: native values of CPU engines.
+    Otherwise, and always for vllm values or a CUDA sidecar, they pass through staging."""
 
 
 class BreakerConfig(_Section, frozen=True):

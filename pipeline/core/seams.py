@@ -1,7 +1,8 @@
 """The two seams the data stages move bytes through, each chosen once at the root.
 
 - ``BatchMemory``: where a batch's values live. The staging pool (values reach the store
-  by its batch calls) or memory the store lends (the embedded store: one copy each way).
+  by its batch calls), memory the store lends (the embedded store: one copy each way),
+  or the engine's blocks themselves (a store that moves values in pieces: no copy).
 - ``CopyEngine``: gathers engine blocks into values and scatters them back, sealing and
   verifying checksums. CPU threads today; a CUDA engine next.
 
@@ -51,20 +52,28 @@ class Values:
 
 
 class BatchMemory(Protocol):
-    async def reserve(self, keys: Sequence[str], size: int) -> Values:
-        """Save: writable room of ``size`` bytes per key (outcome ``STORED`` once
-        stored); keys refused say why (present, store full, staging full)."""
+    async def reserve(
+        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
+    ) -> Values:
+        """Save: room for the value of each key, from engine block ``block_ids[i]``
+        (``geometry.stored_bytes``, outcome ``STORED`` once stored); keys refused say
+        why (present, store full, staging full)."""
 
     async def store(self, values: Values) -> list[KeyOutcome]:
         """Save: store the written values (those with a view, in order) and give their
         memory back. A store error is an outcome per key, never raised."""
 
-    async def fetch(self, keys: Sequence[str], size: int) -> Values:
+    async def fetch(
+        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
+    ) -> Values:
         """Load: each key's stored value, readable (outcome ``LOADED``), or why there is
-        none. A store error is an outcome per key, never raised."""
+        none, on its way to engine block ``block_ids[i]``. A store error is an outcome
+        per key, never raised."""
 
 
 class CopyEngine(Protocol):
+    """Paired at the root with the batch memory whose values it fills and empties."""
+
     async def gather(
         self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
         views: Sequence[torch.Tensor],

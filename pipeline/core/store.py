@@ -17,7 +17,16 @@ import torch
 
 from pipeline.core.outcomes import KeyOutcome
 
-__all__ = ["VALUE_ALIGN", "DirectKVStore", "Extents", "KVStore", "Presence", "value_span"]
+__all__ = [
+    "VALUE_ALIGN",
+    "DirectKVStore",
+    "Extents",
+    "KVStore",
+    "Pieces",
+    "PiecewiseKVStore",
+    "Presence",
+    "value_span",
+]
 
 VALUE_ALIGN = 64
 """Values a store lends side by side start on a cache line. A value with its 8-byte
@@ -105,3 +114,38 @@ class DirectKVStore(Protocol):
     def release(self, extents: Extents) -> None:
         """End a lease; the store may evict those values again."""
 
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pieces:
+    """A batch of values as byte ranges of memory registered with the store. Value i is
+    ``sizes[j]`` bytes at ``addresses[i, j]`` for every j in order (engine pages, read or
+    written in place), then ``trailers[i]``, the sidecar's own bytes (its checksum)."""
+
+    addresses: torch.Tensor
+    """int64 ``[values, pages]``."""
+    sizes: tuple[int, ...]
+    trailers: list[torch.Tensor] | None
+    """1-D uint8 views of a buffer registered with the store; None: values have none."""
+
+    def __len__(self) -> int:
+        return int(self.addresses.shape[0])
+
+
+@runtime_checkable
+class PiecewiseKVStore(Protocol):
+    """A store that moves each value as several byte ranges (scatter-gather), so values
+    go straight from engine memory into the store and back, with no copy in between.
+    Engine memory is registered while a session maps it."""
+
+    def register_memory(self, memory: torch.Tensor) -> None:
+        """Register engine memory (1-D uint8, contiguous) that pages will lie in."""
+
+    def unregister_memory(self, memory: torch.Tensor) -> None:
+        """Forget memory registered with ``register_memory``, before it is unmapped."""
+
+    async def put_pieces(self, keys: Sequence[str], values: Pieces) -> list[KeyOutcome]:
+        """As ``KVStore.put``, each value the concatenation of its pieces."""
+
+    async def get_pieces_into(self, keys: Sequence[str], buffers: Pieces) -> list[KeyOutcome]:
+        """As ``KVStore.get_into``, each value spread over its pieces in order."""

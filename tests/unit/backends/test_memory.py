@@ -12,12 +12,26 @@ import torch
 from pipeline.backends.memory import STAGING_FULL, LentMemory, StagingMemory
 from pipeline.backends.staging import StagingPool
 from pipeline.core.config import EmbeddedStoreConfig
+from pipeline.core.geometry import StoreGroupGeometry, build_lookup_groups
+from pipeline.core.layout import KVCacheLayout
 from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORED, BlockStatus
 from pipeline.core.seams import BatchMemory, Values
 from transport.embedded_store import EmbeddedStore
 
 TIMEOUT_S = 5
 SIZE = 256
+GEOMETRY = dataclasses.replace(
+    build_lookup_groups(KVCacheLayout.from_dict(
+        {"model": "m", "groups": [{"kind": "full_attention", "block_size": 4}]}))[0],
+    value_bytes=SIZE,
+)
+"""A store group whose values are ``SIZE`` bytes (no engine memory: these memories
+copy, and never read the blocks themselves)."""
+
+
+def blocks(keys: list[str]) -> tuple[StoreGroupGeometry, list[int], list[str]]:
+    """What a stage passes a memory for ``keys``: the group, engine blocks 1.., the keys."""
+    return GEOMETRY, list(range(1, len(keys) + 1)), keys
 
 
 @dataclasses.dataclass
@@ -53,10 +67,10 @@ async def test_stored_values_are_fetched_byte_for_byte(setup: Setup) -> None:
     """Values written into reserved memory and stored come back exactly, in key order."""
     keys = ["a", "b", "c"]
     with anyio.fail_after(TIMEOUT_S):
-        reserved = await setup.memory.reserve(keys, SIZE)
+        reserved = await setup.memory.reserve(*blocks(keys))
         written = fill(reserved, seed=1)
         assert await setup.memory.store(reserved) == [STORED] * 3
-        fetched = await setup.memory.fetch(["c", "a", "b"], SIZE)
+        fetched = await setup.memory.fetch(*blocks(["c", "a", "b"]))
     assert fetched.outcomes == [LOADED] * 3
     assert [view is not None and torch.equal(view, written[i])
             for view, i in zip(fetched.views, (2, 0, 1), strict=True)] == [True] * 3
@@ -68,11 +82,11 @@ async def test_released_values_are_not_stored_and_their_memory_comes_back(setup:
     """A reservation given back unstored leaves nothing readable and frees its memory,
     however often it is released."""
     with anyio.fail_after(TIMEOUT_S):
-        reserved = await setup.memory.reserve(["a", "b"], SIZE)
+        reserved = await setup.memory.reserve(*blocks(["a", "b"]))
         fill(reserved, seed=2)
         reserved.release()
         reserved.release()
-        fetched = await setup.memory.fetch(["a", "b"], SIZE)
+        fetched = await setup.memory.fetch(*blocks(["a", "b"]))
         fetched.release()
     assert fetched.outcomes == [MISSING, MISSING]
     assert setup.store.stats().keys == 0
@@ -83,17 +97,17 @@ async def test_a_key_stored_already_ends_present_and_keeps_its_bytes(setup: Setu
     """Saving a stored key again is reported present, whether the memory learns it at
     reservation (lent) or from the store's put (staging), and the first bytes stay."""
     with anyio.fail_after(TIMEOUT_S):
-        first = await setup.memory.reserve(["k"], SIZE)
+        first = await setup.memory.reserve(*blocks(["k"]))
         kept = fill(first, seed=3)
         await setup.memory.store(first)
-        again = await setup.memory.reserve(["k", "new"], SIZE)
+        again = await setup.memory.reserve(*blocks(["k", "new"]))
         if again.views[0] is None:  # known at reservation: no memory for it
             assert again.outcomes[0] == PRESENT
             final = [PRESENT, *await setup.memory.store(again)]
         else:
             fill(again, seed=4)
             final = await setup.memory.store(again)
-        fetched = await setup.memory.fetch(["k"], SIZE)
+        fetched = await setup.memory.fetch(*blocks(["k"]))
     assert final == [PRESENT, STORED]
     assert fetched.views[0] is not None and torch.equal(fetched.views[0], kept[0])
     fetched.release()
@@ -105,7 +119,7 @@ async def test_a_closed_store_gives_one_failure_per_key_and_raises_nothing(
     """A fetch from a store that is down fails every key with the store's reason."""
     await setup.store.aclose()
     with anyio.fail_after(TIMEOUT_S):
-        fetched = await setup.memory.fetch(["a", "b"], SIZE)
+        fetched = await setup.memory.fetch(*blocks(["a", "b"]))
     fetched.release()
     assert [o.status for o in fetched.outcomes] == [BlockStatus.FAILED] * 2
     assert all(o.reason.startswith("store:") for o in fetched.outcomes)
@@ -119,8 +133,8 @@ async def test_staging_that_may_skip_refuses_a_save_when_no_slot_is_free() -> No
     pool = StagingPool(2 * 4096, 4096, load_slots=1)
     memory = StagingMemory(pool, store, skip_when_full=True)
     with anyio.fail_after(TIMEOUT_S):
-        held = await memory.reserve(["a"], SIZE)
-        refused = await memory.reserve(["b", "c"], SIZE)
+        held = await memory.reserve(*blocks(["a"]))
+        refused = await memory.reserve(*blocks(["b", "c"]))
     assert refused.views == [None, None] and refused.outcomes == [STAGING_FULL] * 2
     held.release()
     assert pool.free_slots("save") == 1
