@@ -5,8 +5,9 @@ This process starts a ``mooncake_master`` on loopback (tcp), sets up a raw
 sidecar's), and spawns sidecars (``python -m pipeline.app.cli serve``) whose config is
 ``--config`` pointed at that same master, one after the other: values moved in place
 (straight between engine memory and the store, ``store.mooncake.in_place``) and through
-staging, each with ``store.checksum`` on and off. It plays the engine: KV tensors in shared memory, fresh token ids every
-round (nothing is deduplicated). Each repetition, in alternating order:
+staging, each with ``store.checksum`` on and off. It plays the engine: KV tensors in
+shared memory, fresh token ids every round (nothing is deduplicated). Each repetition,
+in alternating order:
 
 - sidecar: ``save`` the round's requests, then ``load`` them into other engine blocks;
 - raw: ``batch_put_from`` of the same number of values of the same size (one call per

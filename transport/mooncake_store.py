@@ -20,12 +20,15 @@ Mooncake facts this module relies on (0.3.13):
 - A put of a key that already exists returns 0 and keeps the old bytes, so ``PRESENT``
   comes from a ``batch_is_exist`` pre-check; -705 (object already exists) is mapped
   too, for masters that report it.
-- A get returns the value's size on success (a larger buffer is partly filled), -704
-  when the key is missing, -600 when the buffer is too small, and -707 when the read
-  lease expired before the transfer finished.
-- A put and a get both take a lease on the object (``kv_lease_ttl_ms``); removing an
-  object under a lease fails with -706, so ``remove`` never pulls data from under a
-  reader. Objects are also evicted by the master once segments fill up.
+- A get returns the value's size on success (a larger buffer is partly filled; larger
+  pieces of a multi-buffer get fail with -800), -704 when the key is missing, -600 when
+  the buffer is too small, and -707 when the read lease expired before the transfer
+  finished.
+- A put and a get both take a lease on the object (``kv_lease_ttl_ms``), and removing
+  an object under a lease fails with -706 unless forced. ``remove`` is asked only for
+  values that failed their checksum, right after the get that found them (whose lease
+  still holds), so it forces: a reader it pulls the value from under fails the same
+  check. Objects are also evicted by the master once segments fill up.
 - -200 (no available handle) means no segment has room: the put is skipped.
 - When the master is gone, every key of a batch comes back -900 (RPC failure); when it
   hangs, the client's own RPC timeout (30 s) ends the call with -901. Codes from -999
@@ -166,6 +169,7 @@ class MooncakeStore(AsyncResource):
                     f"with code {rc}"
                 )
             self._registered.append((span[0], span[0] + span[1], memory))
+            log.info("store.mooncake.memory.registered", bytes=span[1])
         self._memory[span] = self._memory.get(span, 0) + 1
 
     def unregister_memory(self, memory: torch.Tensor) -> None:
@@ -181,7 +185,9 @@ class MooncakeStore(AsyncResource):
         if not self._closed:
             rc = self._client.unregister_buffer(span[0])
             if rc != OK:
-                log.warning("store.mooncake.unregister.failed", bytes=span[1], code=rc)
+                log.warning("store.mooncake.memory.unregister.failed", bytes=span[1], code=rc)
+                return
+        log.info("store.mooncake.memory.unregistered", bytes=span[1])
 
     async def exists(self, keys: Sequence[str], sizes: Sequence[int]) -> list[Presence]:
         if not keys:
@@ -254,7 +260,7 @@ class MooncakeStore(AsyncResource):
     async def remove(self, keys: Sequence[str]) -> int:
         if not keys:
             return 0
-        codes = await self._call("batch_remove", self._client.batch_remove, list(keys), False)
+        codes = await self._call("batch_remove", self._client.batch_remove, list(keys), True)
         self._raise_if_unreachable("batch_remove", codes)
         return sum(code == OK for code in codes)
 

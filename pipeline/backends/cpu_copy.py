@@ -254,8 +254,8 @@ class InPlaceCopyEngine:
     reads it (the bytes did reach its memory, unlike with a copying engine).
     """
 
-    def __init__(self, threads: WorkerThreads) -> None:
-        self._copy = CopyThreads(threads)
+    def __init__(self, copy: CopyThreads) -> None:
+        self._copy = copy
 
     async def gather(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                      views: Sequence[torch.Tensor]) -> None:

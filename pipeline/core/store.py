@@ -79,7 +79,8 @@ class KVStore(Protocol):
         """
 
     async def remove(self, keys: Sequence[str]) -> int:
-        """Remove keys if present; return how many were removed."""
+        """Remove keys if present, even while being read (only values found corrupt are
+        removed); return how many were removed."""
 
     async def aclose(self) -> None:
         """Release the backend's resources; idempotent."""

@@ -9,6 +9,7 @@ import anyio
 import psutil
 import pytest
 import pytest_asyncio
+import torch
 
 from pipeline.core.config import MooncakeStoreConfig
 from pipeline.testing import run_sidecar_process
@@ -22,9 +23,10 @@ TIMEOUT = 60
 STAGING = {"pool_bytes": 16 * MIB, "slot_bytes": 1 * MIB, "load_slots": 4}
 
 
-def mooncake_overrides(master: EmbeddedMaster | None = None) -> dict[str, Any]:
+def mooncake_overrides(master: EmbeddedMaster | None = None, *,
+                       in_place: bool = True) -> dict[str, Any]:
     mooncake: dict[str, Any] = {"global_segment_bytes": 64 * MIB,
-                                "local_buffer_bytes": 16 * MIB}
+                                "local_buffer_bytes": 16 * MIB, "in_place": in_place}
     if master is not None:
         mooncake["master"] = master.endpoints.master_address
         mooncake["metadata_server"] = master.endpoints.metadata_server
@@ -39,13 +41,17 @@ async def master() -> AsyncIterator[EmbeddedMaster]:
         yield started
 
 
-async def test_save_lookup_load_through_a_sidecar_on_mooncake_is_byte_exact() -> None:
-    """With its own embedded master, a sidecar stores, dedups, finds and loads exactly;
-    on SIGTERM it stops the master too."""
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staging"])
+async def test_save_lookup_load_through_a_sidecar_on_mooncake_is_byte_exact(
+    in_place: bool,
+) -> None:
+    """With its own embedded master, a sidecar stores, dedups, finds and loads exactly,
+    values moved in place or through staging; on SIGTERM it stops the master too, and
+    engine memory registered with Mooncake is unregistered as each engine leaves."""
     layout = hybrid_layout(page_bytes=8192)
     writer, reader = KVEngine(layout), KVEngine(layout)
     tokens = random_tokens(4 * 16 + 3, seed=21)
-    with run_sidecar_process(mooncake_overrides()) as sidecar:
+    with run_sidecar_process(mooncake_overrides(in_place=in_place)) as sidecar:
         with anyio.fail_after(TIMEOUT):
             async with await writer.connect(sidecar.endpoint) as a, \
                     await reader.connect(sidecar.endpoint) as b:
@@ -57,7 +63,11 @@ async def test_save_lookup_load_through_a_sidecar_on_mooncake_is_byte_exact() ->
         masters = [p for p in psutil.Process(sidecar.pid).children(recursive=True)
                    if "mooncake_master" in p.name()]
         assert masters, "the sidecar should run its own master"
-        assert sidecar.terminate() == 0, sidecar.log()
+        log = sidecar.final_log()
+        assert sidecar.terminate() == 0, log
+    registered = log.count("store.mooncake.memory.registered")
+    assert registered == (8 if in_place else 0)  # two engines, each 4 stored layers
+    assert log.count("store.mooncake.memory.unregistered") == registered
     assert (first.stored, first.failed) == (8, 0)
     assert (again.present, again.stored) == (8, 0)
     assert hit == 64 and loaded.loaded_tokens == 64 and not loaded.invalid_block_ids
@@ -67,16 +77,21 @@ async def test_save_lookup_load_through_a_sidecar_on_mooncake_is_byte_exact() ->
         assert not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
 
 
+@pytest.mark.parametrize("writer_in_place", [True, False], ids=["in-place-writer",
+                                                                "staging-writer"])
 async def test_two_sidecars_share_blocks_through_one_mooncake_cluster(
-    master: EmbeddedMaster,
+    master: EmbeddedMaster, writer_in_place: bool,
 ) -> None:
     """Scale-out: engine A saves through sidecar A, engine B loads the same prefix byte
-    for byte through sidecar B; each sidecar contributes its own segment to one master."""
+    for byte through sidecar B; each sidecar contributes its own segment to one master.
+    One moves values in place, the other through staging: the values are the same bytes."""
     layout = hybrid_layout(page_bytes=8192)
     engine_a, engine_b = KVEngine(layout), KVEngine(layout)
     tokens = random_tokens(3 * 16 + 1, seed=22)
-    with run_sidecar_process(mooncake_overrides(master)) as sidecar_a, \
-            run_sidecar_process(mooncake_overrides(master)) as sidecar_b:
+    with run_sidecar_process(mooncake_overrides(master, in_place=writer_in_place)) \
+            as sidecar_a, \
+            run_sidecar_process(mooncake_overrides(master, in_place=not writer_in_place)) \
+            as sidecar_b:
         with anyio.fail_after(TIMEOUT):
             async with await engine_a.connect(sidecar_a.endpoint) as a, \
                     await engine_b.connect(sidecar_b.endpoint) as b:
@@ -247,3 +262,30 @@ async def test_a_block_removed_between_lookup_and_load_is_reported_failed() -> N
     assert loaded.invalid_block_ids == (12,)
     assert loaded.loaded_tokens == 0  # resuming needs block 1, and no earlier mamba state
     assert writer.same_block(0, 1, reader, 11) and writer.same_block(0, 3, reader, 13)
+
+
+async def test_values_corrupted_at_rest_in_place_are_refused_and_dropped() -> None:
+    """Values moved in place and corrupted as stored (in the checksum kept with them,
+    never in the writer's memory) load as failed with checksum_mismatch, and are removed
+    from the store so that a fresh save replaces them."""
+    overrides = mooncake_overrides()
+    overrides["faults"] = {"points": {"store.put": {"corrupt_rate": 1.0}}}
+    layout = hybrid_layout(page_bytes=8192)
+    writer, reader = KVEngine(layout), KVEngine(layout)
+    tokens = random_tokens(2 * 16 + 1, seed=23)
+    written = [writer.pages(0, 1), writer.pages(0, 2), writer.pages(2, 2)]
+    with run_sidecar_process(overrides) as sidecar:
+        with anyio.fail_after(TIMEOUT):
+            async with await writer.connect(sidecar.endpoint) as a, \
+                    await reader.connect(sidecar.endpoint) as b:
+                assert (await a.save("w", tokens, [[1, 2], [3], [1, 2]])).stored == 4
+                assert await b.lookup(tokens) == 32
+                loaded = await b.load("r", tokens, [[7, 8], [5], [7, 8]], 32)
+                dropped = await b.lookup(tokens)
+    assert loaded.loaded_tokens == 0
+    assert sorted(loaded.invalid_block_ids) == [7, 8, 8]
+    assert {r.reason for r in loaded.blocks} == {"checksum_mismatch"}
+    assert dropped == 0
+    after = [writer.pages(0, 1), writer.pages(0, 2), writer.pages(2, 2)]
+    for pages_before, pages_after in zip(written, after, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(pages_before, pages_after, strict=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -19,8 +20,14 @@ import pytest_asyncio
 import torch
 from anyio.streams.text import TextReceiveStream
 
+from pipeline.backends.cpu_copy import CopyThreads, InPlaceCopyEngine
+from pipeline.backends.memory import InPlaceMemory
+from pipeline.backends.staging import StagingPool
+from pipeline.backends.threads import WorkerThreads
 from pipeline.core.config import MooncakeStoreConfig
 from pipeline.core.errors import StoreCallAbandoned, StoreError
+from pipeline.core.geometry import StoreGroupGeometry, build_store_groups
+from pipeline.core.layout import KVCacheLayout
 from pipeline.core.outcomes import (
     LOADED,
     MISSING,
@@ -31,7 +38,7 @@ from pipeline.core.outcomes import (
     KeyOutcome,
     failed,
 )
-from pipeline.core.store import KVStore, Presence
+from pipeline.core.store import KVStore, Pieces, PiecewiseKVStore, Presence
 from tests.kit import stall_proxy
 from transport.mooncake_codes import get_outcome, put_outcome
 from transport.mooncake_master import EmbeddedMaster, open_embedded_master
@@ -157,8 +164,9 @@ async def test_get_codes_map_to_outcomes(code: int, outcome: KeyOutcome) -> None
 
 
 async def test_store_satisfies_the_kvstore_protocol(store: MooncakeStore) -> None:
-    """MooncakeStore is a KVStore."""
+    """MooncakeStore is a KVStore, and moves values in pieces too."""
     assert isinstance(store, KVStore)
+    assert isinstance(store, PiecewiseKVStore)
 
 
 async def test_put_then_exists_then_get_is_byte_exact(
@@ -251,6 +259,98 @@ async def test_values_outside_registered_buffers_fail_per_key(
         stray_outcome, ok_outcome = await store.put(keys, [stray, staging[:4096]])
     assert stray_outcome.status is BlockStatus.FAILED
     assert ok_outcome == STORED
+
+
+def pages_of(memory: torch.Tensor, blocks: list[int], page: int, pages: int) -> torch.Tensor:
+    """Addresses of ``pages`` pages of ``page`` bytes per block, one page per "layer":
+    layer j of block b lies at ``(j * 64 + b) * page`` bytes into ``memory``."""
+    base = memory.data_ptr()
+    return torch.tensor([[base + (j * 64 + b) * page for j in range(pages)] for b in blocks])
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def engine_memory(store: MooncakeStore) -> AsyncIterator[torch.Tensor]:
+    """Memory standing in for an engine's KV tensors, registered while the tests run."""
+    memory = torch.zeros(4 * 64 * 1024, dtype=torch.uint8)
+    fill_random(memory, 11)
+    store.register_memory(memory)
+    yield memory
+    store.unregister_memory(memory)
+
+
+async def test_values_in_pieces_round_trip_and_read_as_one_value(
+    store: MooncakeStore, staging: torch.Tensor, engine_memory: torch.Tensor,
+    request: pytest.FixtureRequest,
+) -> None:
+    """A value put from an engine block's pages and its trailer is the concatenation of
+    them: got back into other blocks' pages byte for byte, and into one staging buffer
+    as the same bytes a contiguous put would have stored."""
+    page = 1024
+    keys = [f"{request.node.name}-{i}" for i in range(3)]
+    trailers = list(staging[:24].view(3, 8).unbind(0))
+    for i, trailer in enumerate(trailers):
+        fill_random(trailer, 20 + i)
+    with anyio.fail_after(10):
+        assert await store.put_pieces(keys, Pieces(
+            pages_of(engine_memory, [1, 2, 3], page, 4), (page,) * 4, trailers)) == [STORED] * 3
+        assert await store.exists(keys, [4 * page + 8] * 3) == [Presence.PRESENT] * 3
+        got = list(staging[4096:4096 + 3 * 8].view(3, 8).unbind(0))
+        assert await store.get_pieces_into(keys, Pieces(
+            pages_of(engine_memory, [11, 12, 13], page, 4), (page,) * 4, got)) == [LOADED] * 3
+        whole = staging[MIB : MIB + 4 * page + 8]
+        assert await store.get_into(keys[1:2], [whole]) == [LOADED]
+    layers = engine_memory.view(4, 64, page)
+    for source, target, trailer, back in zip((1, 2, 3), (11, 12, 13), trailers, got,
+                                             strict=True):
+        assert torch.equal(layers[:, target], layers[:, source])
+        assert torch.equal(back, trailer)
+    assert torch.equal(whole, torch.cat([*layers[:, 2], trailers[1]]))
+
+
+async def test_pieces_outside_registered_memory_fail_per_value_and_store_nothing(
+    store: MooncakeStore, staging: torch.Tensor, engine_memory: torch.Tensor,
+    request: pytest.FixtureRequest,
+) -> None:
+    """A value with any piece outside registered memory (a page past its end, a stray
+    trailer, memory unregistered since) fails alone and is not stored."""
+    page = 1024
+    keys = [f"{request.node.name}-{name}" for name in ("ok", "past-end", "stray")]
+    addresses = pages_of(engine_memory, [1, 2, 3], page, 2)
+    addresses[1, 1] = engine_memory.data_ptr() + engine_memory.numel() - page // 2
+    stray = torch.zeros(8, dtype=torch.uint8)
+    trailers = [staging[:8], staging[8:16], stray]
+    other = torch.zeros(64 * 1024, dtype=torch.uint8)
+    store.register_memory(other)
+    store.register_memory(other)  # twice: registered until unregistered twice
+    store.unregister_memory(other)
+    with anyio.fail_after(10):
+        outcomes = await store.put_pieces(keys, Pieces(addresses, (page, page), trailers))
+        assert await store.put_pieces([f"{request.node.name}-other"], Pieces(
+            pages_of(other, [0], 512, 1), (512,), None)) == [STORED]
+        store.unregister_memory(other)
+        gone = await store.put_pieces([f"{request.node.name}-gone"], Pieces(
+            pages_of(other, [1], 512, 1), (512,), None))
+        assert await store.exists(keys[1:], [2 * page + 8] * 2) == [Presence.ABSENT] * 2
+    assert outcomes == [STORED, failed("unregistered_buffer"), failed("unregistered_buffer")]
+    assert gone == [failed("unregistered_buffer")]
+
+
+async def test_pieces_of_another_total_size_than_the_value_fail(
+    store: MooncakeStore, engine_memory: torch.Tensor, request: pytest.FixtureRequest
+) -> None:
+    """A get into pieces larger or smaller in total than the stored value fails, never
+    LOADED (an engine of another geometry never takes a value as its own)."""
+    key = request.node.name
+    with anyio.fail_after(10):
+        assert await store.put_pieces([key], Pieces(
+            pages_of(engine_memory, [1], 1024, 2), (1024, 1024), None)) == [STORED]
+        larger, smaller = [
+            (await store.get_pieces_into([key], Pieces(
+                pages_of(engine_memory, [20], size, 2), (size, size), None)))[0]
+            for size in (2048, 512)
+        ]
+    assert larger.status is BlockStatus.FAILED
+    assert smaller.status is BlockStatus.FAILED
 
 
 async def test_two_clients_see_each_others_keys(
@@ -432,3 +532,86 @@ async def test_a_hung_master_times_out_and_the_store_serves_again_once_the_call_
                 assert await proxy.command("resume") == "resumed"
                 await returned.wait()
                 assert await store.exists(["after-resume"], [1]) == [Presence.ABSENT]
+
+
+@dataclasses.dataclass
+class InPlace:
+    geometry: StoreGroupGeometry
+    pool: StagingPool
+    memory: InPlaceMemory
+    engine: InPlaceCopyEngine
+    layers: list[torch.Tensor]
+
+
+async def in_place_engine(store: MooncakeStore) -> InPlace:
+    """A two-layer engine's memory registered with ``store``, its store group, and the
+    in-place memory and copy engine over them (checksums on)."""
+    layout = KVCacheLayout.from_dict({"model": "m", "groups": [
+        {"kind": "full_attention", "block_size": 16, "layers": ["a", "b"]}]})
+    layers = [torch.randint(0, 256, (32, 2, 16, 1024), dtype=torch.uint8) for _ in range(2)]
+    for layer in layers:
+        store.register_memory(layer.view(-1))
+    (geometry,) = build_store_groups(
+        layout, {name: (layer, 0) for name, layer in zip("ab", layers, strict=True)})
+    pool = StagingPool(4 * 4096, 4096, load_slots=1)
+    await store.register_buffer(pool.buffer)
+    return InPlace(geometry, pool, InPlaceMemory(pool, store, skip_when_full=False),
+                   InPlaceCopyEngine(CopyThreads(WorkerThreads(1, name="t"))), layers)
+
+
+async def test_values_moved_in_place_load_byte_exact_into_other_blocks(
+    master: EmbeddedMaster, request: pytest.FixtureRequest,
+) -> None:
+    """Saved from engine blocks and loaded into others with no copy in between: every
+    page arrives, every checksum checks, and the staging pool holds only checksums."""
+    keys = [f"{request.node.name}-{i}" for i in range(3)]
+    with anyio.fail_after(30):
+        async with await open_mooncake_store(client_config(master)) as store:
+            kv = await in_place_engine(store)
+            saved = await kv.memory.reserve(kv.geometry, [1, 2, 3], keys)
+            await kv.engine.gather(kv.geometry, [1, 2, 3], saved.views)
+            assert await kv.memory.store(saved) == [STORED] * 3
+            loaded = await kv.memory.fetch(kv.geometry, [7, 8, 9], keys)
+            assert loaded.outcomes == [LOADED] * 3
+            assert await kv.engine.scatter(kv.geometry, [7, 8, 9], loaded.views) == [True] * 3
+            loaded.release()
+            for layer in kv.layers:
+                store.unregister_memory(layer.view(-1))
+    assert kv.pool.free_slots("load") == 1 and kv.pool.free_slots("save") == 3
+    for layer in kv.layers:
+        assert torch.equal(layer[7:10], layer[1:4])
+
+
+async def test_an_abandoned_get_into_engine_memory_is_answered_once_it_returns(
+    master: EmbeddedMaster, request: pytest.FixtureRequest,
+) -> None:
+    """A get into engine blocks past call_timeout_s may still write them: the fetch
+    answers (failed) only once the call has returned, so the engine never reuses blocks
+    the store may still write; its checksum slot is out of use until then too."""
+    keys = [f"{request.node.name}-{i}" for i in range(2)]
+    with anyio.fail_after(30):
+        async with stall_proxy(master.endpoints.master_address) as (proxy, address):
+            config = replace(client_config(master, call_timeout_s=1.0), master=address)
+            async with await open_mooncake_store(config) as store:
+                kv = await in_place_engine(store)
+                saved = await kv.memory.reserve(kv.geometry, [1, 2], keys)
+                await kv.engine.gather(kv.geometry, [1, 2], saved.views)
+                assert await kv.memory.store(saved) == [STORED] * 2
+                assert await proxy.command("stall") == "stalled"
+                answered: list[list[KeyOutcome]] = []
+
+                async def load() -> None:
+                    fetched = await kv.memory.fetch(kv.geometry, [5, 6], keys)
+                    answered.append(fetched.outcomes)
+                    fetched.release()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(load)
+                    await anyio.sleep(2.0)  # past the call timeout
+                    assert not answered
+                    assert kv.pool.withheld == 1
+                    assert await proxy.command("resume") == "resumed"
+                assert kv.pool.withheld == 0 and kv.pool.free_slots("load") == 1
+                for layer in kv.layers:
+                    store.unregister_memory(layer.view(-1))
+    assert [outcome.status for outcome in answered[0]] == [BlockStatus.FAILED] * 2

@@ -15,6 +15,7 @@ from anyio.abc import ObjectReceiveStream
 from pipeline.backends.cpu_copy import (
     CopyThreads,
     CpuCopyEngine,
+    InPlaceCopyEngine,
     Piece,
     gather_and_seal,
     verify_and_scatter,
@@ -27,6 +28,7 @@ from pipeline.core.config import EmbeddedStoreConfig, EventsConfig
 from pipeline.core.errors import StoreCallAbandoned, StoreError
 from pipeline.core.geometry import build_store_groups
 from pipeline.core.hashing import block_hashes
+from pipeline.core.integrity import CHECKSUM_BYTES
 from pipeline.core.keys import store_key
 from pipeline.core.layout import KVCacheLayout
 from pipeline.core.messages import (
@@ -487,6 +489,29 @@ async def test_split_copies_round_trip_and_verify_each_row(
             assert torch.equal(hybrid.block(layer, target), before[layer][:, source])
     for layer in ("attn.0", "attn.1"):
         assert torch.equal(hybrid.block(layer, 14), before[layer][:, 14])
+
+
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 30], ids=["threads", "inline"])
+async def test_checksums_in_place_are_those_of_the_copied_values_and_fail_what_changed(
+    hybrid: Harness, inline_bytes: int
+) -> None:
+    """Checksums sealed over blocks' pages where they lie in the engine are exactly the
+    trailers a copying engine seals after the same values; the check in place fails
+    exactly the block whose pages changed and the one whose checksum did."""
+    geometry = hybrid.session.store_groups[0]  # two K/V-first layers: four segments
+    threads = WorkerThreads(2, name="test")
+    copied = torch.zeros(4, geometry.stored_bytes, dtype=torch.uint8)
+    trailers = torch.zeros(4, CHECKSUM_BYTES, dtype=torch.uint8)
+    engine = InPlaceCopyEngine(CopyThreads(threads, split_bytes=0, inline_bytes=inline_bytes))
+    with anyio.fail_after(TIMEOUT_S):
+        await gather_and_seal(CopyThreads(threads), geometry, torch.tensor([1, 2, 3, 4]),
+                              list(copied))
+        await engine.gather(geometry, [1, 2, 3, 4], list(trailers))
+        assert torch.equal(trailers, copied[:, geometry.value_bytes :])
+        hybrid.block("attn.1", 2)[1, 0, 0] += 1.0  # V of the second layer, block 2
+        trailers[3, 0] ^= 0xFF
+        intact = await engine.scatter(geometry, [1, 2, 3, 4], list(trailers))
+    assert intact == [True, False, True, False]
 
 
 @pytest.mark.parametrize(("threads", "split_bytes", "inline_bytes", "parts"), [
