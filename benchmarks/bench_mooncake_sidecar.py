@@ -3,15 +3,19 @@
 This process starts a ``mooncake_master`` on loopback (tcp), sets up a raw
 ``mooncake.store.MooncakeDistributedStore`` against it (same segment size as the
 sidecar's), and spawns sidecars (``python -m pipeline.app.cli serve``) whose config is
-``--config`` pointed at that same master, one after the other: values moved in place
+``--config`` pointed at that same master: values moved in place
 (straight between engine memory and the store, ``store.mooncake.in_place``) and through
 staging, each with ``store.checksum`` on and off. It plays the engine: KV tensors in
 shared memory, fresh token ids every round (nothing is deduplicated). Each repetition,
 in alternating order:
 
-- sidecar: ``save`` the round's requests, then ``load`` them into other engine blocks;
+- each sidecar: ``save`` a fresh round's requests, then ``load`` them into other engine
+  blocks;
 - raw: ``batch_put_from`` of the same number of values of the same size (one call per
   request, from a registered buffer), then ``batch_get_into`` of them back.
+
+All the sidecars run at once, and each repetition takes turns in a rotated order, so
+that every variant and the raw calls are measured in the same stretch of time.
 
 Both land in the same cluster (the sidecar's segment and the raw client's, placed by the
 master). Every object is removed (forced) after each repetition, so every put lands in
@@ -36,6 +40,8 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import contextlib
+import dataclasses
 import itertools
 import math
 import statistics
@@ -58,6 +64,7 @@ from pipeline.core.integrity import CHECKSUM_BYTES
 from pipeline.core.outcomes import BlockStatus
 from transport.client import EngineClient
 from transport.mooncake_master import EmbeddedMaster, open_embedded_master
+from transport.mooncake_setup import replicate
 
 GOAL = 0.9
 DEFAULT_CONFIG = ROOT / "configs" / "mooncake.yaml"
@@ -67,9 +74,9 @@ class RawClient:
     """A raw Mooncake client on the same master, with one registered buffer of two halves."""
 
     def __init__(self, config: MooncakeStoreConfig, master: EmbeddedMaster, round_bytes: int):
-        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        import mooncake.store
 
-        self.client = MooncakeDistributedStore()
+        self.client = mooncake.store.MooncakeDistributedStore()
         rc = self.client.setup(
             local_hostname=config.local_hostname,
             metadata_server=master.endpoints.metadata_server,
@@ -81,8 +88,7 @@ class RawClient:
         )
         if rc != 0:
             raise RuntimeError(f"raw mooncake setup failed with code {rc}")
-        self.replicate = ReplicateConfig()
-        self.replicate.replica_num = config.replica_num
+        self.replicate = replicate(mooncake.store, config, self.client)  # as the sidecar's
         self.round_bytes = round_bytes
         self.buffer = torch.randint(0, 256, (2 * round_bytes,), dtype=torch.uint8)
         rc = self.client.register_buffer(self.buffer.data_ptr(), self.buffer.numel())
@@ -150,19 +156,23 @@ async def run_raw(concurrency: int, calls: Sequence[Callable[[], None]]) -> floa
     )
 
 
-async def one_round(
-    client: EngineClient,
-    engine: Engine,
-    raw: RawClient,
-    workload: Workload,
-    concurrency: int,
-    stored_bytes: int,
-    *,
-    sidecar_first: bool,
-    verify: bool,
-) -> dict[str, float]:
-    tokens, src, dst, prefix = workload.next_round()
-    raw_puts, raw_gets = raw.calls(prefix, workload.requests, workload.blocks, stored_bytes)
+@dataclasses.dataclass
+class Sidecar:
+    """One variant's sidecar as this engine's client sees it."""
+
+    name: str
+    client: EngineClient
+    stored_bytes: int
+    workload: Workload
+
+
+async def sidecar_side(
+    sidecar: Sidecar, engine: Engine, concurrency: int, *, verify: bool
+) -> tuple[float, float]:
+    """Save a fresh round through ``sidecar``, then load it into other blocks: seconds
+    for each."""
+    tokens, src, dst, prefix = sidecar.workload.next_round()
+    client = sidecar.client
     problems: list[str] = []
 
     async def save(r: int) -> None:
@@ -182,91 +192,78 @@ async def one_round(
         if loaded != len(dst[r]):
             problems.append(f"load {r}: {loaded}/{len(dst[r])} loaded")
 
-    calls = range(workload.requests)
-    sides = {
-        "sidecar": (
-            lambda: run_requests(concurrency, [lambda r=r: save(r) for r in calls]),
-            lambda: run_requests(concurrency, [lambda r=r: load(r) for r in calls]),
-        ),
-        "raw": (lambda: run_raw(concurrency, raw_puts), lambda: run_raw(concurrency, raw_gets)),
-    }
-    times: dict[str, float] = {}
-    for name in ("sidecar", "raw") if sidecar_first else ("raw", "sidecar"):
-        put, get = sides[name]
-        times[f"{name}_save"] = await put()
-        times[f"{name}_load"] = await get()
+    calls = range(sidecar.workload.requests)
+    saved = await run_requests(concurrency, [lambda r=r: save(r) for r in calls])
+    loaded = await run_requests(concurrency, [lambda r=r: load(r) for r in calls])
     if problems:
-        raise RuntimeError("; ".join(problems[:4]))
+        raise RuntimeError(f"{sidecar.name}: " + "; ".join(problems[:4]))
     if verify:
         for r in calls:
             for a, b in zip(src[r], dst[r], strict=True):
                 if not engine.same_bytes(a, b):
-                    raise RuntimeError(f"block {b} does not hold block {a}'s bytes after load")
-        if not raw.same_halves(workload.requests * workload.blocks * stored_bytes):
+                    raise RuntimeError(f"{sidecar.name}: block {b} does not hold block {a}'s "
+                                       "bytes after load")
+    return saved, loaded
+
+
+async def one_round(
+    sidecars: Sequence[Sidecar], engine: Engine, raw: RawClient, concurrency: int,
+    *, rotate: int, verify: bool,
+) -> dict[str, float]:
+    """Each sidecar's save and load of a fresh round, and the raw calls on the same
+    number of values, one after the other in an order rotated by ``rotate``."""
+    workload = sidecars[0].workload
+    times: dict[str, float] = {}
+    sides: list[Sidecar | None] = [None, *sidecars]  # None: the raw calls
+    for side in sides[rotate % len(sides):] + sides[: rotate % len(sides)]:
+        if side is not None:
+            times[f"{side.name} save"], times[f"{side.name} load"] = await sidecar_side(
+                side, engine, concurrency, verify=verify)
+            continue
+        value_bytes = max(sidecar.stored_bytes for sidecar in sidecars)
+        puts, gets = raw.calls(f"r{rotate}", workload.requests, workload.blocks, value_bytes)
+        times["raw save"] = await run_raw(concurrency, puts)
+        times["raw load"] = await run_raw(concurrency, gets)
+        if verify and not raw.same_halves(workload.requests * workload.blocks * value_bytes):
             raise RuntimeError("raw batch_get_into did not return the bytes put")
     # Forced: the puts' and gets' leases would keep the objects for kv_lease_ttl_ms.
     await anyio.to_thread.run_sync(raw.client.remove_all, True)
     return times
 
 
-async def measure_variant(
-    args: argparse.Namespace,
-    endpoint: str,
-    engine: Engine,
-    raw: RawClient,
-    layout: dict[str, Any],
-    stored_bytes: int,
+async def measure(
+    args: argparse.Namespace, sidecars: Sequence[Sidecar], engine: Engine, raw: RawClient
 ) -> list[dict[str, Any]]:
-    workload = Workload(args.requests, args.blocks_per_request, args.engine_blocks)
+    """Per concurrency, every variant's GB/s and its ratios to the raw calls."""
     round_bytes = args.requests * args.blocks_per_request * engine.value_bytes
+    for index in range(args.warmup):
+        await one_round(sidecars, engine, raw, max(args.concurrency), rotate=index,
+                        verify=index == 0)
     rows = []
-    async with await EngineClient.connect(
-        endpoint, layout=layout, kv_caches=engine.kv_caches
-    ) as client:
-        for index in range(args.warmup):
-            await one_round(
-                client,
-                engine,
-                raw,
-                workload,
-                max(args.concurrency),
-                stored_bytes,
-                sidecar_first=index % 2 == 0,
-                verify=index == 0,
-            )
-        for concurrency in args.concurrency:
-            samples = [
-                await one_round(
-                    client,
-                    engine,
-                    raw,
-                    workload,
-                    concurrency,
-                    stored_bytes,
-                    sidecar_first=rep % 2 == 0,
-                    verify=False,
-                )
-                for rep in range(args.repeat)
-            ]
-            gbps = {
-                name: median([round_bytes / s[name] / 1e9 for s in samples]) for name in samples[0]
-            }
+    for concurrency in args.concurrency:
+        samples = [await one_round(sidecars, engine, raw, concurrency, rotate=rep,
+                                   verify=False)
+                   for rep in range(args.repeat)]
+        gbps = {name: median([round_bytes / s[name] / 1e9 for s in samples])
+                for name in samples[0]}
+        for sidecar in sidecars:
             paired = {
-                op: statistics.median(s[f"raw_{op}"] / s[f"sidecar_{op}"] for s in samples)
+                op: statistics.median(s[f"raw {op}"] / s[f"{sidecar.name} {op}"]
+                                      for s in samples)
                 for op in ("save", "load")
             }
-            rows.append(
-                {
-                    "concurrency": concurrency,
-                    "round_bytes": round_bytes,
-                    "gbps": gbps,
-                    "save_ratio": gbps["sidecar_save"] / gbps["raw_save"],
-                    "load_ratio": gbps["sidecar_load"] / gbps["raw_load"],
-                    "paired_save_ratio": paired["save"],
-                    "paired_load_ratio": paired["load"],
-                    "samples_s": samples,
-                }
-            )
+            rows.append({
+                "variant": sidecar.name,
+                "concurrency": concurrency,
+                "round_bytes": round_bytes,
+                "gbps": {op: gbps[f"{sidecar.name} {op}"] for op in ("save", "load")},
+                "raw_gbps": {op: gbps[f"raw {op}"] for op in ("save", "load")},
+                "save_ratio": gbps[f"{sidecar.name} save"] / gbps["raw save"],
+                "load_ratio": gbps[f"{sidecar.name} load"] / gbps["raw load"],
+                "paired_save_ratio": paired["save"],
+                "paired_load_ratio": paired["load"],
+                "samples_s": samples,
+            })
     return rows
 
 
@@ -282,40 +279,43 @@ def on_master(base: Config, master: EmbeddedMaster, *, in_place: bool) -> Config
                                                                        mooncake=mooncake))
 
 
-async def run(args: argparse.Namespace, base: Config) -> dict[str, list[dict[str, Any]]]:
+async def run(args: argparse.Namespace, base: Config) -> list[dict[str, Any]]:
     page_bytes = args.page_kib * 1024
     layout = make_layout(args.layers, page_bytes)
     total = args.requests * args.blocks_per_request
     engine = Engine(args.layers, page_bytes, args.engine_blocks, total)
     widest = engine.value_bytes + CHECKSUM_BYTES
-    results: dict[str, list[dict[str, Any]]] = {}
     async with await open_embedded_master(base.store.mooncake) as master:
         raw = RawClient(base.store.mooncake, master, total * widest)
         try:
-            with tempfile.TemporaryDirectory(prefix="kvsidecar-bench-") as tmp:
-                for moves, sums in itertools.product(args.in_place, args.checksum):
-                    checksum = sums == "on"
-                    variant = f"{'in place' if moves == 'on' else 'staging'}, checksum {sums}"
-                    stored_bytes = engine.value_bytes + (CHECKSUM_BYTES if checksum else 0)
-                    config = sidecar_config(on_master(base, master, in_place=moves == "on"),
-                                            checksum, Path(tmp))
-                    config = config.rename(config.with_name(f"in-place-{moves}-{config.name}"))
-                    suffix = {"cprofile": "prof", "py-spy": "txt"}.get(args.profile, "")
-                    profile_out = (
-                        (RESULTS_DIR / f"bench_mooncake_sidecar.in-place-{moves}.checksum-"
-                                       f"{sums}.{suffix}")
-                        if suffix
-                        else None
-                    )
-                    with spawned_sidecar(
-                        config, profile=args.profile, profile_out=profile_out
-                    ) as endpoint:
-                        results[variant] = await measure_variant(
-                            args, endpoint, engine, raw, layout, stored_bytes
+            with tempfile.TemporaryDirectory(prefix="kvsidecar-bench-") as tmp, \
+                    contextlib.ExitStack() as running:
+                async with contextlib.AsyncExitStack() as clients:
+                    sidecars = []
+                    variants = itertools.product(args.in_place, args.checksum)
+                    for index, (moves, sums) in enumerate(variants):
+                        checksum = sums == "on"
+                        name = f"{'in place' if moves == 'on' else 'staging'}, checksum {sums}"
+                        config = sidecar_config(on_master(base, master, in_place=moves == "on"),
+                                                checksum, Path(tmp))
+                        config = config.rename(config.with_name(f"in-place-{moves}-{config.name}"))
+                        suffix = {"cprofile": "prof", "py-spy": "txt"}.get(args.profile, "")
+                        profile_out = (
+                            RESULTS_DIR / f"bench_mooncake_sidecar.in-place-{moves}.checksum-"
+                                          f"{sums}.{suffix}"
+                            if suffix else None
                         )
+                        endpoint = running.enter_context(
+                            spawned_sidecar(config, profile=args.profile, profile_out=profile_out))
+                        client = await clients.enter_async_context(await EngineClient.connect(
+                            endpoint, layout=layout, kv_caches=engine.kv_caches))
+                        sidecars.append(Sidecar(
+                            name, client, engine.value_bytes + (CHECKSUM_BYTES if checksum else 0),
+                            Workload(args.requests, args.blocks_per_request, args.engine_blocks,
+                                     first_token=1 + index * 2**28)))
+                    return await measure(args, sidecars, engine, raw)
         finally:
             raw.close()
-    return results
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -363,16 +363,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{'raw load':>9} {'sidecar load':>13} {'ratio':>6}   (GB/s; ratio of medians)"
     )
     worst = math.inf
-    for variant, rows in results.items():
-        for row in rows:
-            g = row["gbps"]
-            worst = min(worst, row["save_ratio"], row["load_ratio"])
-            print(
-                f"{variant:>22} {row['concurrency']:>9} {g['raw_save']:>9.2f} "
-                f"{g['sidecar_save']:>13.2f} {row['save_ratio']:>6.2f} {g['raw_load']:>9.2f} "
-                f"{g['sidecar_load']:>13.2f} {row['load_ratio']:>6.2f}   (paired: save "
-                f"{row['paired_save_ratio']:.2f}, load {row['paired_load_ratio']:.2f})"
-            )
+    for row in sorted(results, key=lambda row: (row["variant"], row["concurrency"])):
+        g, r = row["gbps"], row["raw_gbps"]
+        worst = min(worst, row["save_ratio"], row["load_ratio"])
+        print(
+            f"{row['variant']:>22} {row['concurrency']:>9} {r['save']:>9.2f} "
+            f"{g['save']:>13.2f} {row['save_ratio']:>6.2f} {r['load']:>9.2f} "
+            f"{g['load']:>13.2f} {row['load_ratio']:>6.2f}   (paired: save "
+            f"{row['paired_save_ratio']:.2f}, load {row['paired_load_ratio']:.2f})"
+        )
     verdict = "meets" if worst >= GOAL else "misses"
     print(f"worst ratio {worst:.2f} {verdict} the goal of {GOAL}")
     path = write_results(

@@ -121,11 +121,14 @@ def timed(fn: Callable[[], None]) -> float:
 class Workload:
     """Fresh token ids and block ids for each repetition's requests."""
 
-    def __init__(self, requests: int, blocks_per_request: int, num_blocks: int) -> None:
+    def __init__(self, requests: int, blocks_per_request: int, num_blocks: int,
+                 first_token: int = 1) -> None:
+        """``first_token``: where this workload's token ids start (workloads that must
+        never share a key start far apart)."""
         self.requests = requests
         self.blocks = blocks_per_request
         self.num_blocks = num_blocks
-        self._next_token = 1
+        self._next_token = first_token
         self._rng = random.Random(0)
         self._round = 0
 

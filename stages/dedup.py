@@ -7,8 +7,7 @@ is required) is skipped with that reason: never overwritten, never counted prese
 from __future__ import annotations
 
 from pipeline.core.errors import StoreError
-from pipeline.core.outcomes import PRESENT, BlockStatus, KeyOutcome
-from pipeline.core.store import KVStore, Presence
+from pipeline.core.store import PRESENCE_OUTCOMES, KVStore, Presence
 from pipeline.state.jobs import JobTracker, TaskBatch
 
 __all__ = ["DedupStage"]
@@ -35,14 +34,8 @@ class DedupStage:
                 missing.append(task)
             else:
                 settled.append(task)
-                outcomes.append(_OUTCOMES[presence])
+                outcomes.append(PRESENCE_OUTCOMES[presence])
         if settled:
             await self._tracker.settle_each(settled, outcomes)
         return missing or None
 
-
-_OUTCOMES = {
-    Presence.PRESENT: PRESENT,
-    Presence.FOREIGN: KeyOutcome(BlockStatus.SKIPPED, Presence.FOREIGN.value),
-    Presence.UNVERIFIED: KeyOutcome(BlockStatus.SKIPPED, Presence.UNVERIFIED.value),
-}

@@ -17,7 +17,7 @@ from transport.mooncake_codes import OK
 from transport.mooncake_master import MasterEndpoints, open_embedded_master
 from transport.mooncake_store import MooncakeClient, MooncakeStore
 
-__all__ = ["LIBIBVERBS_HINT", "open_mooncake_store"]
+__all__ = ["LIBIBVERBS_HINT", "open_mooncake_store", "replicate"]
 
 log = structlog.get_logger("kvsidecar.store.mooncake")
 
@@ -42,8 +42,7 @@ async def open_mooncake_store(config: MooncakeStoreConfig) -> MooncakeStore:
                 address = f"{metadata.hostname}:{metadata.port or default_port}"
                 await _probe(address, "metadata server", config)
         client = await _setup_client(store_module, config, endpoints)
-        replicate_config = store_module.ReplicateConfig()
-        replicate_config.replica_num = config.replica_num
+        replicate_config = replicate(store_module, config, client)
         store = MooncakeStore(
             client,
             config,
@@ -57,9 +56,23 @@ async def open_mooncake_store(config: MooncakeStoreConfig) -> MooncakeStore:
         master=endpoints.master_address,
         metadata_server=endpoints.metadata_server,
         segment_bytes=config.global_segment_bytes,
+        preferred_segment=replicate_config.preferred_segment,
         embedded=master is not None,
     )
     return store
+
+
+def replicate(store_module: Any, config: MooncakeStoreConfig, client: Any) -> Any:
+    """The ``ReplicateConfig`` of every put: ``replica_num`` replicas, in the preferred
+    segment while it has room (``local``: the client's own, a copy with no network)."""
+    replicate_config = store_module.ReplicateConfig()
+    replicate_config.replica_num = config.replica_num
+    segment = config.preferred_segment
+    if segment == "local":
+        segment = client.get_hostname()
+    if segment:
+        replicate_config.preferred_segment = segment
+    return replicate_config
 
 
 def _import_mooncake() -> Any:

@@ -62,7 +62,7 @@ from anyio.abc import AsyncResource
 from pipeline.core.config import MooncakeStoreConfig
 from pipeline.core.errors import StoreCallAbandoned, StoreError
 from pipeline.core.outcomes import PRESENT, STORED, KeyOutcome, failed
-from pipeline.core.store import Pieces, Presence
+from pipeline.core.store import PRESENCE_OUTCOMES, Pieces, Presence, Seal
 from transport.mooncake_codes import OK, RPC_ERRORS, get_outcome, put_outcome
 from transport.mooncake_master import EmbeddedMaster
 
@@ -129,6 +129,7 @@ class MooncakeStore(AsyncResource):
         self._busy = 0  # calls inside the client, abandoned ones included
         self._busy_lock = threading.Lock()
         self._abandoned = 0  # calls past their timeout that have not returned yet
+        self._when_returned: list[Callable[[], None]] = []
         self._unusable: str | None = None
         self._closed = False
 
@@ -171,6 +172,12 @@ class MooncakeStore(AsyncResource):
             self._registered.append((span[0], span[0] + span[1], memory))
             log.info("store.mooncake.memory.registered", bytes=span[1])
         self._memory[span] = self._memory.get(span, 0) + 1
+
+    def when_calls_returned(self, callback: Callable[[], None]) -> None:
+        if self._abandoned:
+            self._when_returned.append(callback)
+        else:
+            callback()
 
     def unregister_memory(self, memory: torch.Tensor) -> None:
         span = (memory.data_ptr(), memory.numel())
@@ -215,18 +222,21 @@ class MooncakeStore(AsyncResource):
         if batch.keys:
             op = "batch_put_from"
             outcomes = await self._call(
-                op, self._put_absent, batch, op, self._client.batch_put_from
+                op, self._put_absent, batch, batch.sizes, op, self._client.batch_put_from
             )
             for i, outcome in zip(batch.index, outcomes, strict=True):
                 batch.outcomes[i] = outcome
         return _complete(batch.outcomes)
 
-    async def put_pieces(self, keys: Sequence[str], values: Pieces) -> list[KeyOutcome]:
+    async def put_pieces(
+        self, keys: Sequence[str], values: Pieces, *, seal: Seal | None = None
+    ) -> list[KeyOutcome]:
         batch = self._prepare_pieces(keys, values)
         if batch.keys:
             op = "batch_put_from_multi_buffers"
             outcomes = await self._call(
-                op, self._put_absent, batch, op, self._client.batch_put_from_multi_buffers
+                op, self._put_absent, batch, [sum(sizes) for sizes in batch.sizes], op,
+                self._client.batch_put_from_multi_buffers, seal,
             )
             for i, outcome in zip(batch.index, outcomes, strict=True):
                 batch.outcomes[i] = outcome
@@ -347,6 +357,10 @@ class MooncakeStore(AsyncResource):
         if not self._abandoned and self._unusable is not None:
             self._unusable = None
             log.warning("store.mooncake.recovered", master=self._master_address)
+        if not self._abandoned:
+            callbacks, self._when_returned = self._when_returned, []
+            for callback in callbacks:
+                callback()
 
     def _raise_if_unreachable(self, op: str, codes: Sequence[int]) -> None:
         if codes and all(code in RPC_ERRORS for code in codes):
@@ -396,19 +410,23 @@ class MooncakeStore(AsyncResource):
         return _batch(keys, ptrs, sizes, malformed, sorted(outside))
 
     def _put_absent(
-        self, batch: _Batch[P], op: str,
-        put: Callable[[list[str], list[P], list[P], Any], list[int]],
+        self, batch: _Batch[P], totals: list[int], op: str,
+        put: Callable[[list[str], list[P], list[P], Any], list[int]], seal: Seal | None = None,
     ) -> list[KeyOutcome]:
-        """In a worker thread: the existence check and the put, in one hop."""
-        present = self._client.batch_is_exist(batch.keys)
-        self._raise_if_unreachable("batch_is_exist", present)
+        """In a worker thread: the existence check and the put, in one hop. ``totals``:
+        each value's size, which a key held already must hold to count as present;
+        ``seal``: called with the caller's positions of the values to send, first."""
+        present = self._presence(batch.keys, totals)
         first: dict[str, int] = {}  # key -> its first position, for keys to send
-        for j, (key, code) in enumerate(zip(batch.keys, present, strict=True)):
-            if code != 1:
+        for j, (key, presence) in enumerate(zip(batch.keys, present, strict=True)):
+            if presence is Presence.ABSENT:
                 first.setdefault(key, j)
-        outcomes = [PRESENT] * len(batch.keys)
+        # Absent keys are sent; later copies of one in the batch are present once it is.
+        outcomes = [PRESENCE_OUTCOMES.get(presence, PRESENT) for presence in present]
         if first:
             send = list(first.values())
+            if seal is not None:
+                seal([batch.index[j] for j in send])
             codes = put(
                 [batch.keys[j] for j in send],
                 [batch.ptrs[j] for j in send],

@@ -1,6 +1,7 @@
 """The stage graph of a sidecar, declared: one list of stages per path.
 
     save:   group_filter → hashing → dedup → batching → transfer → commit
+            (values moved in place: no dedup; the put checks what the store holds)
     load:   group_filter → hashing → batching → fetch → scatter
     lookup: lookup → sink
     save.completion, load.completion: completion → sink   (every job settles here)
@@ -18,6 +19,7 @@ import anyio
 from rich.console import Console
 from rich.table import Table
 
+from pipeline.app.backends import moves_in_place
 from pipeline.core.config import Config
 from pipeline.core.seams import BatchMemory, CopyEngine, Count
 from pipeline.core.store import KVStore
@@ -105,8 +107,11 @@ def paths(config: Config) -> list[PathSpec[Resources]]:
         f"answer skipped(overloaded) (also past {receive.max_saves_per_engine} per engine)"
         if receive.overflow == "skip" else "wait (stop reading the socket)"
     )
+    # Dedup spares copying what the store holds. A value moved in place is not copied,
+    # and the put checks what the store holds in the same call, without a hop of its own.
+    save = tuple(s for s in SAVE if s.name != "dedup") if moves_in_place(config) else SAVE
     return [
-        PathSpec("save", SAVE, when_full=when_full),
+        PathSpec("save", save, when_full=when_full),
         PathSpec("load", LOAD, when_full="wait (loads are never dropped)"),
         # A lookup with nothing to hash is answered by the receiver itself when it can
         # (Receiver._lookup): the hand-off to a worker would cost more than the lookup.
@@ -132,14 +137,20 @@ def show_graph(config: Config) -> None:
     console = Console()
     console.print(table)
     store = config.store
-    memory = ("lent by the store (one copy each way)" if store.backend == "embedded"
-              else f"staging pool, {config.staging.pool_bytes // config.staging.slot_bytes} "
-                   f"slots of {config.staging.slot_bytes >> 20} MiB "
-                   f"({config.staging.load_slots} for loads); "
-                   f"a save finding none: {config.stages.transfer.overflow}")
+    slots = (f"staging pool, {config.staging.pool_bytes // config.staging.slot_bytes} "
+             f"slots of {config.staging.slot_bytes >> 20} MiB "
+             f"({config.staging.load_slots} for loads); "
+             f"a save finding none: {config.stages.transfer.overflow}")
+    if store.backend == "embedded":
+        memory = "lent by the store (one copy each way)"
+    elif moves_in_place(config):
+        memory = f"the engine's own blocks, moved in place (checksums in a {slots})"
+    else:
+        memory = slots
     console.print(f"store: {store.backend} behind a circuit breaker "
                   f"(call timeout {store.breaker.call_timeout_s:g} s), "
                   f"{store.value_format} values, checksums {'on' if store.checksum else 'off'}")
     console.print(f"batch memory: {memory}")
-    console.print(f"copy engine: cpu, {config.stages.transfer.threads} threads for saves "
+    work = "checksums in place" if moves_in_place(config) else "cpu"
+    console.print(f"copy engine: {work}, {config.stages.transfer.threads} threads for saves "
                   f"and {config.stages.transfer.threads} for loads")

@@ -63,7 +63,9 @@ def map_shared_tensors(handles: Sequence[TensorHandle]) -> tuple[LayerTensors, M
 
 class RegisteredMapping:
     """An engine's mapped memory, registered with a store that moves values straight
-    from and into it, until the mapping closes (no job of the engine in flight)."""
+    from and into it, until the mapping closes (no job of the engine in flight) and no
+    store call given up on may still touch it: only then is it unregistered and
+    unmapped."""
 
     def __init__(self, mapping: MappedTensors, store: PiecewiseKVStore,
                  memory: list[torch.Tensor]) -> None:
@@ -72,6 +74,9 @@ class RegisteredMapping:
         self._memory = memory
 
     def close(self) -> None:
+        self._store.when_calls_returned(self._release)
+
+    def _release(self) -> None:
         memory, self._memory = self._memory, []
         for region in memory:
             self._store.unregister_memory(region)

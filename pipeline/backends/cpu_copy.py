@@ -32,6 +32,7 @@ __all__ = [
     "gather_blocks",
     "runs",
     "scatter_blocks",
+    "seal_in_place",
     "span_of",
     "verify_and_scatter",
 ]
@@ -225,11 +226,16 @@ def _digests(geometry: StoreGroupGeometry, block_ids: Sequence[int], seed: int) 
     return [pages_digest([page[block] for page in pages], seed) for block in block_ids]
 
 
-def _seal_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int], seed: int,
-                   pieces: Sequence[Piece]) -> None:
-    for start, rows in pieces:
-        digests = _digests(geometry, block_ids[start : start + rows.shape[0]], seed)
-        rows.copy_(torch.tensor(digests, dtype=torch.uint64).view(torch.uint8).view(-1, 8))
+def seal_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int],
+                  trailers: Sequence[torch.Tensor], positions: Sequence[int]) -> None:
+    """Seal value i, at each of ``positions``, in place: the checksum of engine block
+    ``block_ids[i]``'s pages into its trailer ``trailers[i]``."""
+    seed = geometry.checksum_seed
+    assert seed is not None, "values without checksums have no trailer to seal"
+    digests = _digests(geometry, [block_ids[i] for i in positions], seed)
+    sealed = torch.tensor(digests, dtype=torch.uint64).view(torch.uint8).view(-1, 8)
+    for i, row in zip(positions, sealed, strict=True):
+        trailers[i].copy_(row)
 
 
 def _verify_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int], seed: int,
@@ -245,13 +251,15 @@ def _verify_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int], see
 
 class InPlaceCopyEngine:
     """The copy engine of values the store moves straight out of and into the engine's
-    blocks (``InPlaceMemory``): there is nothing to copy, only checksums, in worker
-    threads (``CopyThreads``). Each value's view is its trailer, the checksum kept with it.
+    blocks (``InPlaceMemory``): there is nothing to copy, only checksums to check. Each
+    value's view is its trailer, the checksum kept with it.
 
-    A save seals each block's checksum over its pages as they lie in the engine. A load
+    A save has nothing to gather: the put seals each value over its pages where they
+    lie, in its own call, once the store has said it lacks it (``seal_in_place``). A load
     checks the pages the store wrote into the engine against the checksum that came with
-    them: a block that fails is reported failed, and the engine recomputes it before it
-    reads it (the bytes did reach its memory, unlike with a copying engine).
+    them, in worker threads (``CopyThreads``): a block that fails is reported failed,
+    and the engine recomputes it before it reads it (the bytes did reach its memory,
+    unlike with a copying engine).
     """
 
     def __init__(self, copy: CopyThreads) -> None:
@@ -259,11 +267,7 @@ class InPlaceCopyEngine:
 
     async def gather(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                      views: Sequence[torch.Tensor]) -> None:
-        seed = geometry.checksum_seed
-        if seed is not None:
-            await self._copy.run(views, CHECKSUM_BYTES,
-                                 functools.partial(_seal_in_place, geometry, block_ids, seed),
-                                 value_bytes=geometry.value_bytes)
+        pass
 
     async def scatter(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                       views: Sequence[torch.Tensor]) -> list[bool]:

@@ -22,7 +22,7 @@ from pipeline.backends.wrapper import StoreWrapper
 from pipeline.core.config import FaultsConfig
 from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import KeyOutcome
-from pipeline.core.store import Extents, KVStore, Pieces
+from pipeline.core.store import Extents, KVStore, Pieces, Seal
 
 __all__ = ["Faults", "FaultyStore", "InjectedFault"]
 
@@ -86,9 +86,17 @@ class FaultyStore(StoreWrapper):
         self._faults.corrupt("store.get", buffers)  # the copy this load receives
         return outcomes
 
-    async def put_pieces(self, keys: Sequence[str], values: Pieces) -> list[KeyOutcome]:
-        self._faults.corrupt("store.put", values.trailers or [])
-        return await super().put_pieces(keys, values)
+    async def put_pieces(
+        self, keys: Sequence[str], values: Pieces, *, seal: Seal | None = None
+    ) -> list[KeyOutcome]:
+        trailers = values.trailers or []
+
+        def seal_then_corrupt(positions: Sequence[int]) -> None:
+            if seal is not None:
+                seal(positions)
+            self._faults.corrupt("store.put", [trailers[i] for i in positions])
+
+        return await super().put_pieces(keys, values, seal=seal_then_corrupt)
 
     async def get_pieces_into(self, keys: Sequence[str], buffers: Pieces) -> list[KeyOutcome]:
         outcomes = await super().get_pieces_into(keys, buffers)

@@ -10,19 +10,28 @@ checksums live in a staging slot.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import cast
 
 import anyio
 import torch
 
+from pipeline.backends.cpu_copy import seal_in_place
 from pipeline.backends.staging import Slot, StagingPool
 from pipeline.core.errors import StoreCallAbandoned, StoreError
 from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.integrity import CHECKSUM_BYTES
 from pipeline.core.outcomes import STORED, BlockStatus, KeyOutcome, store_error_outcome
 from pipeline.core.seams import Values
-from pipeline.core.store import DirectKVStore, Extents, KVStore, Pieces, PiecewiseKVStore
+from pipeline.core.store import (
+    DirectKVStore,
+    Extents,
+    KVStore,
+    Pieces,
+    PiecewiseKVStore,
+    Seal,
+)
 
 __all__ = ["STAGING_FULL", "InPlaceMemory", "LentMemory", "StagingMemory", "per_key_outcomes"]
 
@@ -130,20 +139,27 @@ async def _save_slot(pool: StagingPool, *, skip_when_full: bool) -> Slot | None:
 class _PiecesHold(_SlotHold):
     """A slot holding a batch's checksums, and where the batch's values lie."""
 
-    def __init__(self, pool: StagingPool, slot: Slot, pieces: Pieces) -> None:
+    def __init__(self, pool: StagingPool, slot: Slot, pieces: Pieces,
+                 seal: Seal | None) -> None:
         super().__init__(pool, slot)
         self.pieces = pieces
+        self.seal = seal
 
 
 class InPlaceMemory:
     """Values left in the engine's blocks: the store puts each one from the block's
     pages and gets it back into the pages of the block it is loaded into, in one call
     per batch. A batch's checksums (each value's view, its trailer) lie in a staging
-    slot, which also bounds the batches in flight as staging does.
+    slot, which also bounds the batches in flight as staging does; the put seals them
+    in its own call, for the values the store lacks.
 
-    A store call given up on (``StoreCallAbandoned``) may still read or write engine
-    memory: the batch is answered only once the call has returned, so the engine never
-    reuses, and the sidecar never unmaps, memory the store may still touch.
+    A store call given up on (``StoreCallAbandoned``) may still touch engine memory.
+    A get may still write it, so its batch is answered only once the call has returned:
+    the engine never reuses blocks the store may still write. A put only reads it, and
+    is answered at once (failed): should the engine write a block again before the put
+    reads it, the value stored disagrees with the checksum sealed before, and no load
+    takes it. Without checksums nothing would tell, so such a put is waited for too.
+    The memory stays mapped until every such call has returned (``RegisteredMapping``).
     """
 
     def __init__(self, pool: StagingPool, store: PiecewiseKVStore, *,
@@ -164,7 +180,8 @@ class InPlaceMemory:
         hold = cast(_PiecesHold, values.hold)
         try:
             return await self._call(
-                lambda: self._store.put_pieces(values.keys, hold.pieces), hold, saving=True)
+                lambda: self._store.put_pieces(values.keys, hold.pieces, seal=hold.seal),
+                hold, saving=True)
         finally:
             hold.release()
 
@@ -192,7 +209,7 @@ class InPlaceMemory:
 
         outcomes = await per_key_outcomes(call, len(hold.pieces), saving=saving,
                                           abandoned=abandoned)
-        if gone:
+        if gone and (not saving or hold.pieces.trailers is None):
             returned = anyio.Event()
             gone[0].when_returned(returned.set)
             await returned.wait()
@@ -214,8 +231,10 @@ class InPlaceMemory:
             trailers=trailers if sealed else None,
         )
         views: list[torch.Tensor | None] = list(trailers)
+        seal = (functools.partial(seal_in_place, geometry, list(block_ids), trailers)
+                if sealed else None)
         return Values(list(keys), views, [STORED] * len(keys),
-                      _PiecesHold(self._pool, slot, pieces))
+                      _PiecesHold(self._pool, slot, pieces, seal))
 
 
 class _LeaseHold:

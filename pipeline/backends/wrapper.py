@@ -16,6 +16,7 @@ from pipeline.core.store import (
     Pieces,
     PiecewiseKVStore,
     Presence,
+    Seal,
 )
 
 __all__ = ["StoreWrapper"]
@@ -74,8 +75,14 @@ class StoreWrapper:
     def unregister_memory(self, memory: torch.Tensor) -> None:
         self._pieces().unregister_memory(memory)
 
-    async def put_pieces(self, keys: Sequence[str], values: Pieces) -> list[KeyOutcome]:
-        return await self._around("put", lambda: self._pieces().put_pieces(keys, values))
+    def when_calls_returned(self, callback: Callable[[], None]) -> None:
+        self._pieces().when_calls_returned(callback)
+
+    async def put_pieces(
+        self, keys: Sequence[str], values: Pieces, *, seal: Seal | None = None
+    ) -> list[KeyOutcome]:
+        return await self._around(
+            "put", lambda: self._pieces().put_pieces(keys, values, seal=seal))
 
     async def get_pieces_into(self, keys: Sequence[str], buffers: Pieces) -> list[KeyOutcome]:
         return await self._around("get", lambda: self._pieces().get_pieces_into(keys, buffers))

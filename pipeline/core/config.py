@@ -172,6 +172,10 @@ class MooncakeStoreConfig(_Section, frozen=True):
     """Memory this sidecar contributes to the cluster (Mooncake's minimum is 16 MiB)."""
     local_buffer_bytes: Annotated[int, msgspec.Meta(ge=0)] = 128 * 1024 * 1024
     replica_num: Positive = 1
+    preferred_segment: str = "local"
+    """Where puts land while it has room, then wherever Mooncake places them: ``local``
+    (this sidecar's own segment: a memory copy, no network), a segment's name
+    (``host:port``), or empty (Mooncake places every put)."""
     tenant_id: str = ""
     """Mooncake tenant namespace; empty means Mooncake's ``default``."""
     master_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0

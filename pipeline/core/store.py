@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from pipeline.core.outcomes import KeyOutcome
+from pipeline.core.outcomes import PRESENT, BlockStatus, KeyOutcome
 
 __all__ = [
+    "PRESENCE_OUTCOMES",
     "VALUE_ALIGN",
     "DirectKVStore",
     "Extents",
@@ -25,6 +26,7 @@ __all__ = [
     "Pieces",
     "PiecewiseKVStore",
     "Presence",
+    "Seal",
     "value_span",
 ]
 
@@ -52,6 +54,15 @@ class Presence(enum.Enum):
     """Stored without the checksum kept beside it, and ``store.verify`` requires one."""
 
 
+PRESENCE_OUTCOMES = {
+    Presence.PRESENT: PRESENT,
+    Presence.FOREIGN: KeyOutcome(BlockStatus.SKIPPED, Presence.FOREIGN.value),
+    Presence.UNVERIFIED: KeyOutcome(BlockStatus.SKIPPED, Presence.UNVERIFIED.value),
+}
+"""What a save of a key the store holds already comes to: present, or skipped when the
+value there is not one this engine could read (never overwritten)."""
+
+
 @runtime_checkable
 class KVStore(Protocol):
     """A byte store keyed by strings; all methods are safe to call from the event loop."""
@@ -65,8 +76,9 @@ class KVStore(Protocol):
     async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
         """Store each value (a 1-D uint8 slice of a registered buffer) under its key.
 
-        Outcomes: ``STORED``, ``PRESENT`` (the key existed: not overwritten),
-        ``STORE_FULL`` (skipped: no room), or ``failed(reason)``.
+        Outcomes: ``STORED``, ``PRESENT`` (the key existed: not overwritten; skipped as
+        ``foreign_value`` where it holds a value of another size), ``STORE_FULL``
+        (skipped: no room), or ``failed(reason)``.
         """
 
     async def get_into(
@@ -133,6 +145,10 @@ class Pieces:
         return int(self.addresses.shape[0])
 
 
+Seal = Callable[[Sequence[int]], None]
+"""Writes the trailers of the values at these positions of a batch (their checksums)."""
+
+
 @runtime_checkable
 class PiecewiseKVStore(Protocol):
     """A store that moves each value as several byte ranges (scatter-gather), so values
@@ -145,8 +161,17 @@ class PiecewiseKVStore(Protocol):
     def unregister_memory(self, memory: torch.Tensor) -> None:
         """Forget memory registered with ``register_memory``, before it is unmapped."""
 
-    async def put_pieces(self, keys: Sequence[str], values: Pieces) -> list[KeyOutcome]:
-        """As ``KVStore.put``, each value the concatenation of its pieces."""
+    def when_calls_returned(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the event loop) once no call given up on is left that
+        may still touch registered memory; at once if there is none."""
+
+    async def put_pieces(
+        self, keys: Sequence[str], values: Pieces, *, seal: Seal | None = None
+    ) -> list[KeyOutcome]:
+        """As ``KVStore.put``, each value the concatenation of its pieces. ``seal`` is
+        called within the call, once the store has said which keys it lacks, with the
+        positions of the values about to be sent: a value already stored is never read,
+        and no hop of its own is spent on it."""
 
     async def get_pieces_into(self, keys: Sequence[str], buffers: Pieces) -> list[KeyOutcome]:
         """As ``KVStore.get_into``, each value spread over its pieces in order."""

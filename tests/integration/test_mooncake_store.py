@@ -605,13 +605,44 @@ async def test_an_abandoned_get_into_engine_memory_is_answered_once_it_returns(
                     answered.append(fetched.outcomes)
                     fetched.release()
 
+                returned = anyio.Event()
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(load)
                     await anyio.sleep(2.0)  # past the call timeout
                     assert not answered
                     assert kv.pool.withheld == 1
+                    store.when_calls_returned(returned.set)
+                    assert not returned.is_set()
                     assert await proxy.command("resume") == "resumed"
+                assert returned.is_set()
                 assert kv.pool.withheld == 0 and kv.pool.free_slots("load") == 1
                 for layer in kv.layers:
                     store.unregister_memory(layer.view(-1))
     assert [outcome.status for outcome in answered[0]] == [BlockStatus.FAILED] * 2
+
+
+async def test_an_abandoned_put_from_engine_memory_is_answered_at_once(
+    master: EmbeddedMaster, request: pytest.FixtureRequest,
+) -> None:
+    """A put past call_timeout_s only reads engine memory, under checksums sealed
+    before: its batch is answered (failed) at once, while the memory is reported in use
+    until the call has returned (it must stay mapped until then)."""
+    keys = [f"{request.node.name}-{i}" for i in range(2)]
+    with anyio.fail_after(30):
+        async with stall_proxy(master.endpoints.master_address) as (proxy, address):
+            config = replace(client_config(master, call_timeout_s=1.0), master=address)
+            async with await open_mooncake_store(config) as store:
+                kv = await in_place_engine(store)
+                saved = await kv.memory.reserve(kv.geometry, [1, 2], keys)
+                assert await proxy.command("stall") == "stalled"
+                with anyio.fail_after(3):
+                    outcomes = await kv.memory.store(saved)
+                returned = anyio.Event()
+                store.when_calls_returned(returned.set)
+                assert not returned.is_set() and kv.pool.withheld == 1
+                assert await proxy.command("resume") == "resumed"
+                await returned.wait()
+                for layer in kv.layers:
+                    store.unregister_memory(layer.view(-1))
+    assert [outcome.status for outcome in outcomes] == [BlockStatus.FAILED] * 2
+    assert kv.pool.withheld == 0

@@ -18,6 +18,7 @@ from pipeline.backends.cpu_copy import (
     InPlaceCopyEngine,
     Piece,
     gather_and_seal,
+    seal_in_place,
     verify_and_scatter,
 )
 from pipeline.backends.memory import LentMemory, StagingMemory
@@ -495,9 +496,10 @@ async def test_split_copies_round_trip_and_verify_each_row(
 async def test_checksums_in_place_are_those_of_the_copied_values_and_fail_what_changed(
     hybrid: Harness, inline_bytes: int
 ) -> None:
-    """Checksums sealed over blocks' pages where they lie in the engine are exactly the
-    trailers a copying engine seals after the same values; the check in place fails
-    exactly the block whose pages changed and the one whose checksum did."""
+    """Checksums sealed over blocks' pages where they lie in the engine, for the values
+    asked for only, are exactly the trailers a copying engine seals after the same
+    values; the check in place fails exactly the block whose pages changed and the one
+    whose checksum did."""
     geometry = hybrid.session.store_groups[0]  # two K/V-first layers: four segments
     threads = WorkerThreads(2, name="test")
     copied = torch.zeros(4, geometry.stored_bytes, dtype=torch.uint8)
@@ -506,7 +508,9 @@ async def test_checksums_in_place_are_those_of_the_copied_values_and_fail_what_c
     with anyio.fail_after(TIMEOUT_S):
         await gather_and_seal(CopyThreads(threads), geometry, torch.tensor([1, 2, 3, 4]),
                               list(copied))
-        await engine.gather(geometry, [1, 2, 3, 4], list(trailers))
+        seal_in_place(geometry, [1, 2, 3, 4], list(trailers), [1, 3])
+        assert not trailers[0].any() and not trailers[2].any()
+        seal_in_place(geometry, [1, 2, 3, 4], list(trailers), [0, 2])
         assert torch.equal(trailers, copied[:, geometry.value_bytes :])
         hybrid.block("attn.1", 2)[1, 0, 0] += 1.0  # V of the second layer, block 2
         trailers[3, 0] ^= 0xFF
