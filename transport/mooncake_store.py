@@ -386,23 +386,24 @@ class MooncakeStore(AsyncResource):
 
     def _prepare_pieces(self, keys: Sequence[str], pieces: Pieces) -> _Batch[list[int]]:
         """As ``_prepare``, for values of several pieces: a value is refused when any of
-        its pieces is. Addresses are checked as one tensor: a batch has thousands."""
+        its pieces is. A batch has thousands of pages, so they are checked a column at a
+        time (one page of every value): a column whose lowest and highest page lie in
+        one registered range is inside it whole."""
         if len(keys) != len(pieces):
             raise ValueError(f"{len(keys)} keys but {len(pieces)} values")
+        ranges = [(low, high) for low, high, _ in self._registered]
         starts = pieces.addresses
-        ends = starts + torch.tensor(pieces.sizes, dtype=torch.int64)
-        inside = torch.zeros(starts.shape, dtype=torch.bool)
-        for low, high, _ in self._registered:
-            inside |= (starts >= low) & (ends <= high)
-        outside = set((~inside.all(dim=1)).nonzero().flatten().tolist())
         ptrs: list[list[int]] = starts.tolist()
+        outside: set[int] = set()
+        if ptrs and not _columns_inside(starts, pieces.sizes, ranges):
+            outside.update(i for i, value in enumerate(ptrs)
+                           if _outside(value, list(pieces.sizes), ranges))
         sizes = [list(pieces.sizes)] * len(keys)
         malformed: list[int] = []
         if pieces.trailers is not None:
             trailer_ptrs = [trailer.data_ptr() for trailer in pieces.trailers]
             trailer_sizes = [trailer.numel() for trailer in pieces.trailers]
             malformed = [i for i, t in enumerate(pieces.trailers) if not _is_flat_bytes(t)]
-            ranges = [(low, high) for low, high, _ in self._registered]
             outside.update(_outside(trailer_ptrs, trailer_sizes, ranges))
             for value, ptr in zip(ptrs, trailer_ptrs, strict=True):
                 value.append(ptr)
@@ -529,6 +530,17 @@ def _outside(ptrs: list[int], sizes: list[int], ranges: list[tuple[int, int]]) -
         for i, (ptr, n) in enumerate(zip(ptrs, sizes, strict=True))
         if not any(low <= ptr and ptr + n <= high for low, high in ranges)
     ]
+
+
+def _columns_inside(
+    starts: torch.Tensor, sizes: Sequence[int], ranges: list[tuple[int, int]]
+) -> bool:
+    """Whether every column of ``starts`` (each page j of every value, ``sizes[j]``
+    bytes) lies within one registered range, judged by its lowest and highest page."""
+    columns = zip(starts.amin(dim=0).tolist(), starts.amax(dim=0).tolist(), sizes,
+                  strict=True)
+    return all(any(low <= first and last + size <= high for low, high in ranges)
+               for first, last, size in columns)
 
 
 def _complete(outcomes: list[KeyOutcome | None]) -> list[KeyOutcome]:

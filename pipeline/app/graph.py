@@ -144,7 +144,7 @@ def show_graph(config: Config) -> None:
     if store.backend == "embedded":
         memory = "lent by the store (one copy each way)"
     elif moves_in_place(config):
-        memory = f"the engine's own blocks, moved in place (checksums in a {slots})"
+        memory = f"engine blocks moved in place; their checksums in a {slots}"
     else:
         memory = slots
     console.print(f"store: {store.backend} behind a circuit breaker "

@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import yaml
+
 KVSIDECAR = [sys.executable, "-m", "pipeline.app.cli"]
 WIDE = {**os.environ, "COLUMNS": "160"}
 
@@ -139,11 +142,25 @@ def test_graph_prints_every_stage_as_the_config_wires_it(tmp_path: Path) -> None
     assert "batch memory: lent by the store" in result.stdout
 
 
-def test_graph_of_the_mooncake_config_stages_through_the_pool() -> None:
-    """With Mooncake the batch memory is the staging pool, as configs/mooncake.yaml sizes it."""
-    config = Path(__file__).resolve().parents[2] / "configs" / "mooncake.yaml"
-    result = subprocess.run([*KVSIDECAR, "graph", "--config", str(config)],
-                            capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "staging"])
+def test_graph_of_the_mooncake_config_moves_values_in_place_or_through_the_pool(
+    in_place: bool, tmp_path: Path
+) -> None:
+    """With Mooncake, values move in place (no dedup stage: the put checks the store),
+    their checksums in the staging pool as configs/mooncake.yaml sizes it; or, with
+    in_place off, through that pool, after dedup."""
+    config = yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "configs" / "mooncake.yaml").read_text())
+    config["store"]["mooncake"]["in_place"] = in_place
+    path = tmp_path / "mooncake.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = subprocess.run([*KVSIDECAR, "graph", "--config", str(path)],
+                            capture_output=True, text=True, timeout=60, env=WIDE)
     assert result.returncode == 0, result.stderr
     assert "store: mooncake" in result.stdout
-    assert "batch memory: staging pool, 16 slots of 64 MiB (4 for loads)" in result.stdout
+    if in_place:
+        assert "batch memory: engine blocks moved in place" in result.stdout
+        assert "dedup" not in result.stdout
+    else:
+        assert "batch memory: staging pool, 16 slots of 64 MiB (4 for loads)" in result.stdout
+        assert "dedup" in result.stdout
