@@ -12,7 +12,7 @@ import torch
 
 from pipeline.backends.beside import ChecksumBesideStore
 from pipeline.backends.breaker import CircuitBreakerStore
-from pipeline.backends.cpu_copy import CopyThreads, CpuCopyEngine, InPlaceCopyEngine
+from pipeline.backends.cpu_copy import CpuCopyEngine, InPlaceCopyEngine
 from pipeline.backends.faults import Faults, FaultyStore
 from pipeline.backends.memory import InPlaceMemory, LentMemory, StagingMemory
 from pipeline.backends.staging import StagingPool
@@ -160,7 +160,7 @@ def _copy_engine(transfer: TransferStageConfig, threads: WorkerThreads, *,
                  in_place: bool) -> CopyEngine:
     """One direction's copy engine, with threads (and streams) of its own."""
     if in_place:
-        return InPlaceCopyEngine(CopyThreads(threads))
+        return InPlaceCopyEngine()
     cpu = CpuCopyEngine(threads)
     if transfer.device == "cpu":
         return cpu

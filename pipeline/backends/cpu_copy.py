@@ -137,11 +137,9 @@ class CopyThreads:
         self._split_bytes = split_bytes
         self._inline_bytes = inline_bytes
 
-    async def run(self, views: Sequence[torch.Tensor], size: int, work: Work,
-                  *, value_bytes: int | None = None) -> None:
-        """``work`` over every value (each ``size`` bytes), in parts; ``value_bytes``: the
-        bytes the work moves or reads per value, if not ``size``."""
-        nbytes = len(views) * (size if value_bytes is None else value_bytes)
+    async def run(self, views: Sequence[torch.Tensor], size: int, work: Work) -> None:
+        """``work`` over every value (each ``size`` bytes), in parts."""
+        nbytes = len(views) * size
         if nbytes <= self._inline_bytes:
             work(self._pieces(views, size))
             return
@@ -229,41 +227,27 @@ def _digests(geometry: StoreGroupGeometry, block_ids: Sequence[int], seed: int) 
 def seal_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int],
                   trailers: Sequence[torch.Tensor], positions: Sequence[int]) -> None:
     """Seal value i, at each of ``positions``, in place: the checksum of engine block
-    ``block_ids[i]``'s pages into its trailer ``trailers[i]``."""
+    ``block_ids[i]``'s pages into the first 8 bytes of ``trailers[i]``. (A load measures
+    what arrived the same way, into the 8 bytes after the trailer that came with it.)"""
     seed = geometry.checksum_seed
     assert seed is not None, "values without checksums have no trailer to seal"
     digests = _digests(geometry, [block_ids[i] for i in positions], seed)
     sealed = torch.tensor(digests, dtype=torch.uint64).view(torch.uint8).view(-1, 8)
     for i, row in zip(positions, sealed, strict=True):
-        trailers[i].copy_(row)
-
-
-def _verify_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int], seed: int,
-                     intact: list[bool], pieces: Sequence[Piece]) -> None:
-    for start, rows in pieces:
-        stored = torch.empty_like(rows)  # aligned, to be read as words
-        stored.copy_(rows)
-        digests = _digests(geometry, block_ids[start : start + rows.shape[0]], seed)
-        expected = stored.view(torch.uint64).view(-1).tolist()
-        intact[start : start + len(digests)] = [a == b for a, b in zip(digests, expected,
-                                                                       strict=True)]
+        trailers[i][:CHECKSUM_BYTES].copy_(row)
 
 
 class InPlaceCopyEngine:
     """The copy engine of values the store moves straight out of and into the engine's
-    blocks (``InPlaceMemory``): there is nothing to copy, only checksums to check. Each
-    value's view is its trailer, the checksum kept with it.
+    blocks (``InPlaceMemory``): there is nothing to copy, and checksums are worked out
+    within the store's own calls, where the pages lie (``seal_in_place``).
 
-    A save has nothing to gather: the put seals each value over its pages where they
-    lie, in its own call, once the store has said it lacks it (``seal_in_place``). A load
-    checks the pages the store wrote into the engine against the checksum that came with
-    them, in worker threads (``CopyThreads``): a block that fails is reported failed,
-    and the engine recomputes it before it reads it (the bytes did reach its memory,
-    unlike with a copying engine).
+    A save has nothing to gather: the put seals each value the store lacks. A load's
+    view is the value's sealed trailer, then the checksum its pages measured where they
+    landed, so the check compares the two: a block that fails is reported failed, and
+    the engine recomputes it before it reads it (the bytes did reach its memory, unlike
+    with a copying engine).
     """
-
-    def __init__(self, copy: CopyThreads) -> None:
-        self._copy = copy
 
     async def gather(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                      views: Sequence[torch.Tensor]) -> None:
@@ -271,11 +255,6 @@ class InPlaceCopyEngine:
 
     async def scatter(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                       views: Sequence[torch.Tensor]) -> list[bool]:
-        intact = [True] * len(views)
-        seed = geometry.checksum_seed
-        if seed is not None:
-            await self._copy.run(
-                views, CHECKSUM_BYTES,
-                functools.partial(_verify_in_place, geometry, block_ids, seed, intact),
-                value_bytes=geometry.value_bytes)
-        return intact
+        if geometry.checksum_seed is None:
+            return [True] * len(views)
+        return [torch.equal(view[:CHECKSUM_BYTES], view[CHECKSUM_BYTES:]) for view in views]

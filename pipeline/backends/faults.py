@@ -98,8 +98,10 @@ class FaultyStore(StoreWrapper):
 
         return await super().put_pieces(keys, values, seal=seal_then_corrupt)
 
-    async def get_pieces_into(self, keys: Sequence[str], buffers: Pieces) -> list[KeyOutcome]:
-        outcomes = await super().get_pieces_into(keys, buffers)
+    async def get_pieces_into(
+        self, keys: Sequence[str], buffers: Pieces, *, measure: Seal | None = None
+    ) -> list[KeyOutcome]:
+        outcomes = await super().get_pieces_into(keys, buffers, measure=measure)
         self._faults.corrupt("store.get", buffers.trailers or [])
         return outcomes
 

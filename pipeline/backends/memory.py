@@ -137,21 +137,24 @@ async def _save_slot(pool: StagingPool, *, skip_when_full: bool) -> Slot | None:
 
 
 class _PiecesHold(_SlotHold):
-    """A slot holding a batch's checksums, and where the batch's values lie."""
+    """A slot holding a batch's checksums, where the batch's values lie, and what works
+    them out within the store's call (``Seal``: before a put, after a get)."""
 
     def __init__(self, pool: StagingPool, slot: Slot, pieces: Pieces,
-                 seal: Seal | None) -> None:
+                 checksums: Seal | None) -> None:
         super().__init__(pool, slot)
         self.pieces = pieces
-        self.seal = seal
+        self.checksums = checksums
 
 
 class InPlaceMemory:
     """Values left in the engine's blocks: the store puts each one from the block's
     pages and gets it back into the pages of the block it is loaded into, in one call
-    per batch. A batch's checksums (each value's view, its trailer) lie in a staging
-    slot, which also bounds the batches in flight as staging does; the put seals them
-    in its own call, for the values the store lacks.
+    per batch. A batch's checksums lie in a staging slot, which also bounds the batches
+    in flight as staging does. A saved value's view is its trailer, which the put seals
+    in its own call for the values the store lacks; a loaded value's view is the
+    trailer that came with it, then the checksum of its pages as they landed, which the
+    get measures in its own call (``InPlaceCopyEngine`` compares the two).
 
     A store call given up on (``StoreCallAbandoned``) may still touch engine memory.
     A get may still write it, so its batch is answered only once the call has returned:
@@ -174,13 +177,13 @@ class InPlaceMemory:
         slot = await _save_slot(self._pool, skip_when_full=self._skip_when_full)
         if slot is None:
             return _refused(keys, STAGING_FULL)
-        return self._values(slot, geometry, block_ids, keys)
+        return self._values(slot, geometry, block_ids, keys, loading=False)
 
     async def store(self, values: Values) -> list[KeyOutcome]:
         hold = cast(_PiecesHold, values.hold)
         try:
             return await self._call(
-                lambda: self._store.put_pieces(values.keys, hold.pieces, seal=hold.seal),
+                lambda: self._store.put_pieces(values.keys, hold.pieces, seal=hold.checksums),
                 hold, saving=True)
         finally:
             hold.release()
@@ -188,12 +191,14 @@ class InPlaceMemory:
     async def fetch(
         self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
     ) -> Values:
-        values = self._values(await self._pool.take("load"), geometry, block_ids, keys)
+        values = self._values(await self._pool.take("load"), geometry, block_ids, keys,
+                              loading=True)
         hold = cast(_PiecesHold, values.hold)
         try:
             values.outcomes = await self._call(
-                lambda: self._store.get_pieces_into(values.keys, hold.pieces), hold,
-                saving=False)
+                lambda: self._store.get_pieces_into(values.keys, hold.pieces,
+                                                    measure=hold.checksums),
+                hold, saving=False)
         except BaseException:
             hold.release()
             raise
@@ -216,11 +221,13 @@ class InPlaceMemory:
         return outcomes
 
     def _values(self, slot: Slot, geometry: StoreGroupGeometry, block_ids: Sequence[int],
-                keys: Sequence[str]) -> Values:
-        """Each key's value in engine block ``block_ids[i]``; its view is its checksum,
-        in the slot's first rows (empty when values carry none)."""
+                keys: Sequence[str], *, loading: bool) -> Values:
+        """Each key's value in engine block ``block_ids[i]``; its view, in the slot's
+        first rows, is its trailer (and, loading, the checksum measured on arrival), or
+        empty when values carry no checksum."""
         sealed = geometry.checksum_seed is not None
-        trailers = list(slot.rows(len(keys), CHECKSUM_BYTES if sealed else 0).unbind(0))
+        width = (2 if loading else 1) * CHECKSUM_BYTES if sealed else 0
+        rows = slot.rows(len(keys), width)
         segments = geometry.segments
         bases = torch.tensor([segment.blocks.data_ptr() for segment in segments])
         strides = torch.tensor([segment.blocks.stride(0) for segment in segments])
@@ -228,13 +235,16 @@ class InPlaceMemory:
         pieces = Pieces(
             addresses=bases + blocks[:, None] * strides,
             sizes=tuple(segment.page_bytes for segment in segments),
-            trailers=trailers if sealed else None,
+            trailers=list(rows[:, :CHECKSUM_BYTES].unbind(0)) if sealed else None,
         )
-        views: list[torch.Tensor | None] = list(trailers)
-        seal = (functools.partial(seal_in_place, geometry, list(block_ids), trailers)
-                if sealed else None)
+        checksums = None
+        if sealed:
+            into = rows[:, CHECKSUM_BYTES:] if loading else rows
+            checksums = functools.partial(seal_in_place, geometry, list(block_ids),
+                                          list(into.unbind(0)))
+        views: list[torch.Tensor | None] = list(rows.unbind(0))
         return Values(list(keys), views, [STORED] * len(keys),
-                      _PiecesHold(self._pool, slot, pieces, seal))
+                      _PiecesHold(self._pool, slot, pieces, checksums))
 
 
 class _LeaseHold:

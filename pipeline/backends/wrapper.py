@@ -84,8 +84,11 @@ class StoreWrapper:
         return await self._around(
             "put", lambda: self._pieces().put_pieces(keys, values, seal=seal))
 
-    async def get_pieces_into(self, keys: Sequence[str], buffers: Pieces) -> list[KeyOutcome]:
-        return await self._around("get", lambda: self._pieces().get_pieces_into(keys, buffers))
+    async def get_pieces_into(
+        self, keys: Sequence[str], buffers: Pieces, *, measure: Seal | None = None
+    ) -> list[KeyOutcome]:
+        return await self._around(
+            "get", lambda: self._pieces().get_pieces_into(keys, buffers, measure=measure))
 
     def _pieces(self) -> PiecewiseKVStore:
         if self._piecewise is None:

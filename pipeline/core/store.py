@@ -146,7 +146,8 @@ class Pieces:
 
 
 Seal = Callable[[Sequence[int]], None]
-"""Writes the trailers of the values at these positions of a batch (their checksums)."""
+"""Works on the values at these positions of a batch where they lie, within a store's
+call: seals their trailers (checksums) before a put, or measures them after a get."""
 
 
 @runtime_checkable
@@ -173,5 +174,9 @@ class PiecewiseKVStore(Protocol):
         positions of the values about to be sent: a value already stored is never read,
         and no hop of its own is spent on it."""
 
-    async def get_pieces_into(self, keys: Sequence[str], buffers: Pieces) -> list[KeyOutcome]:
-        """As ``KVStore.get_into``, each value spread over its pieces in order."""
+    async def get_pieces_into(
+        self, keys: Sequence[str], buffers: Pieces, *, measure: Seal | None = None
+    ) -> list[KeyOutcome]:
+        """As ``KVStore.get_into``, each value spread over its pieces in order.
+        ``measure`` is called within the call with the positions of the values got whole
+        (to checksum them where they landed, with no hop of its own)."""

@@ -20,10 +20,9 @@ import pytest_asyncio
 import torch
 from anyio.streams.text import TextReceiveStream
 
-from pipeline.backends.cpu_copy import CopyThreads, InPlaceCopyEngine
+from pipeline.backends.cpu_copy import InPlaceCopyEngine
 from pipeline.backends.memory import InPlaceMemory
 from pipeline.backends.staging import StagingPool
-from pipeline.backends.threads import WorkerThreads
 from pipeline.core.config import MooncakeStoreConfig
 from pipeline.core.errors import StoreCallAbandoned, StoreError
 from pipeline.core.geometry import StoreGroupGeometry, build_store_groups
@@ -556,7 +555,7 @@ async def in_place_engine(store: MooncakeStore) -> InPlace:
     pool = StagingPool(4 * 4096, 4096, load_slots=1)
     await store.register_buffer(pool.buffer)
     return InPlace(geometry, pool, InPlaceMemory(pool, store, skip_when_full=False),
-                   InPlaceCopyEngine(CopyThreads(WorkerThreads(1, name="t"))), layers)
+                   InPlaceCopyEngine(), layers)
 
 
 async def test_values_moved_in_place_load_byte_exact_into_other_blocks(
@@ -646,3 +645,31 @@ async def test_an_abandoned_put_from_engine_memory_is_answered_at_once(
                     store.unregister_memory(layer.view(-1))
     assert [outcome.status for outcome in outcomes] == [BlockStatus.FAILED] * 2
     assert kv.pool.withheld == 0
+
+
+async def test_a_value_whose_pages_changed_in_the_store_fails_where_it_landed(
+    master: EmbeddedMaster, request: pytest.FixtureRequest,
+) -> None:
+    """A value stored in place, then replaced by the same bytes with one page byte
+    flipped (its sealed checksum kept), is measured where it lands in the engine and
+    fails its check; its neighbour in the batch loads intact."""
+    keys = [f"{request.node.name}-{i}" for i in range(2)]
+    with anyio.fail_after(30):
+        async with await open_mooncake_store(client_config(master)) as store:
+            kv = await in_place_engine(store)
+            size = kv.geometry.stored_bytes
+            whole = torch.zeros(size, dtype=torch.uint8)
+            await store.register_buffer(whole)
+            saved = await kv.memory.reserve(kv.geometry, [1, 2], keys)
+            assert await kv.memory.store(saved) == [STORED] * 2
+            assert await store.get_into(keys[:1], [whole]) == [LOADED]
+            whole[100] ^= 0xFF
+            assert await store.remove(keys[:1]) == 1
+            assert await store.put(keys[:1], [whole]) == [STORED]
+            loaded = await kv.memory.fetch(kv.geometry, [7, 8], keys)
+            assert loaded.outcomes == [LOADED] * 2
+            intact = await kv.engine.scatter(kv.geometry, [7, 8], loaded.views)
+            loaded.release()
+            for layer in kv.layers:
+                store.unregister_memory(layer.view(-1))
+    assert intact == [False, True]

@@ -492,29 +492,29 @@ async def test_split_copies_round_trip_and_verify_each_row(
         assert torch.equal(hybrid.block(layer, 14), before[layer][:, 14])
 
 
-@pytest.mark.parametrize("inline_bytes", [0, 1 << 30], ids=["threads", "inline"])
 async def test_checksums_in_place_are_those_of_the_copied_values_and_fail_what_changed(
-    hybrid: Harness, inline_bytes: int
+    hybrid: Harness,
 ) -> None:
     """Checksums sealed over blocks' pages where they lie in the engine, for the values
     asked for only, are exactly the trailers a copying engine seals after the same
-    values; the check in place fails exactly the block whose pages changed and the one
-    whose checksum did."""
+    values; measured again where they landed, the check fails exactly the block whose
+    pages changed and the one whose trailer did."""
     geometry = hybrid.session.store_groups[0]  # two K/V-first layers: four segments
-    threads = WorkerThreads(2, name="test")
     copied = torch.zeros(4, geometry.stored_bytes, dtype=torch.uint8)
-    trailers = torch.zeros(4, CHECKSUM_BYTES, dtype=torch.uint8)
-    engine = InPlaceCopyEngine(CopyThreads(threads, split_bytes=0, inline_bytes=inline_bytes))
+    views = torch.zeros(4, 2 * CHECKSUM_BYTES, dtype=torch.uint8)  # [sealed | measured]
+    sealed, measured = list(views[:, :CHECKSUM_BYTES]), list(views[:, CHECKSUM_BYTES:])
     with anyio.fail_after(TIMEOUT_S):
-        await gather_and_seal(CopyThreads(threads), geometry, torch.tensor([1, 2, 3, 4]),
-                              list(copied))
-        seal_in_place(geometry, [1, 2, 3, 4], list(trailers), [1, 3])
-        assert not trailers[0].any() and not trailers[2].any()
-        seal_in_place(geometry, [1, 2, 3, 4], list(trailers), [0, 2])
-        assert torch.equal(trailers, copied[:, geometry.value_bytes :])
-        hybrid.block("attn.1", 2)[1, 0, 0] += 1.0  # V of the second layer, block 2
-        trailers[3, 0] ^= 0xFF
-        intact = await engine.scatter(geometry, [1, 2, 3, 4], list(trailers))
+        await gather_and_seal(CopyThreads(WorkerThreads(2, name="test")), geometry,
+                              torch.tensor([1, 2, 3, 4]), list(copied))
+    seal_in_place(geometry, [1, 2, 3, 4], sealed, [1, 3])
+    assert not views[0].any() and not views[2].any()
+    seal_in_place(geometry, [1, 2, 3, 4], sealed, [0, 2])
+    assert torch.equal(views[:, :CHECKSUM_BYTES], copied[:, geometry.value_bytes :])
+    hybrid.block("attn.1", 2)[1, 0, 0] += 1.0  # V of the second layer, block 2
+    views[3, 0] ^= 0xFF
+    seal_in_place(geometry, [1, 2, 3, 4], measured, [0, 1, 2, 3])
+    with anyio.fail_after(TIMEOUT_S):
+        intact = await InPlaceCopyEngine().scatter(geometry, [1, 2, 3, 4], list(views))
     assert intact == [True, False, True, False]
 
 
