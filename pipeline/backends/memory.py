@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable, Sequence
-from typing import cast
+from typing import Generic, TypeVar, cast
 
 import anyio
 import torch
@@ -36,6 +36,8 @@ from pipeline.core.store import (
 __all__ = ["STAGING_FULL", "InPlaceMemory", "LentMemory", "StagingMemory", "per_key_outcomes"]
 
 STAGING_FULL = KeyOutcome(BlockStatus.SKIPPED, "staging_full")
+
+S = TypeVar("S", KVStore, PiecewiseKVStore)
 
 
 async def per_key_outcomes(
@@ -76,24 +78,32 @@ class _SlotHold:
             self._slot = None
 
 
-class StagingMemory:
-    """Values in a staging slot, one slot a batch; ``store`` takes only values this
-    memory handed out."""
+class _SlotMemory(Generic[S]):
+    """A memory that holds each batch in a staging slot of its own; ``skip_when_full``: a
+    save finding no free slot is refused (staging_full) instead of waiting for one."""
 
-    def __init__(self, pool: StagingPool, store: KVStore, *, skip_when_full: bool) -> None:
-        """``skip_when_full``: a save finding no free slot is refused (staging_full)
-        instead of waiting for one."""
+    def __init__(self, pool: StagingPool, store: S, *, skip_when_full: bool) -> None:
         self._pool = pool
-        self._store = store
+        self._store: S = store
         self._skip_when_full = skip_when_full
 
     async def reserve(
         self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
     ) -> Values:
-        slot = await _save_slot(self._pool, skip_when_full=self._skip_when_full)
+        pool = self._pool
+        slot = pool.try_take("save") if self._skip_when_full else await pool.take("save")
         if slot is None:
             return _refused(keys, STAGING_FULL)
-        return self._values(slot, keys, geometry.stored_bytes)
+        return self._values(slot, geometry, block_ids, keys, loading=False)
+
+    def _values(self, slot: Slot, geometry: StoreGroupGeometry, block_ids: Sequence[int],
+                keys: Sequence[str], *, loading: bool) -> Values:
+        raise NotImplementedError
+
+
+class StagingMemory(_SlotMemory[KVStore]):
+    """Values in a staging slot, one slot a batch; ``store`` takes only values this
+    memory handed out."""
 
     async def store(self, values: Values) -> list[KeyOutcome]:
         hold = cast(_SlotHold, values.hold)
@@ -109,7 +119,8 @@ class StagingMemory:
     async def fetch(
         self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
     ) -> Values:
-        values = self._values(await self._pool.take("load"), keys, geometry.stored_bytes)
+        values = self._values(await self._pool.take("load"), geometry, block_ids, keys,
+                              loading=True)
         hold = cast(_SlotHold, values.hold)
         views = _held(values)
         try:
@@ -122,18 +133,16 @@ class StagingMemory:
             raise
         return values
 
-    def _values(self, slot: Slot, keys: Sequence[str], size: int) -> Values:
+    def _values(self, slot: Slot, geometry: StoreGroupGeometry, block_ids: Sequence[int],
+                keys: Sequence[str], *, loading: bool) -> Values:
         """The slot's first rows, one value per key (outcome ``STORED`` once stored)."""
-        views: list[torch.Tensor | None] = list(slot.rows(len(keys), size).unbind(0))
+        rows = slot.rows(len(keys), geometry.stored_bytes)
+        views: list[torch.Tensor | None] = list(rows.unbind(0))
         return Values(list(keys), views, [STORED] * len(keys), _SlotHold(self._pool, slot))
 
 
 def _held(values: Values) -> list[torch.Tensor]:
     return [view for view in values.views if view is not None]
-
-
-async def _save_slot(pool: StagingPool, *, skip_when_full: bool) -> Slot | None:
-    return pool.try_take("save") if skip_when_full else await pool.take("save")
 
 
 class _PiecesHold(_SlotHold):
@@ -147,7 +156,7 @@ class _PiecesHold(_SlotHold):
         self.checksums = checksums
 
 
-class InPlaceMemory:
+class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
     """Values left in the engine's blocks: the store puts each one from the block's
     pages and gets it back into the pages of the block it is loaded into, in one call
     per batch. A batch's checksums lie in a staging slot, which also bounds the batches
@@ -164,20 +173,6 @@ class InPlaceMemory:
     takes it. Without checksums nothing would tell, so such a put is waited for too.
     The memory stays mapped until every such call has returned (``RegisteredMapping``).
     """
-
-    def __init__(self, pool: StagingPool, store: PiecewiseKVStore, *,
-                 skip_when_full: bool) -> None:
-        self._pool = pool
-        self._store = store
-        self._skip_when_full = skip_when_full
-
-    async def reserve(
-        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
-    ) -> Values:
-        slot = await _save_slot(self._pool, skip_when_full=self._skip_when_full)
-        if slot is None:
-            return _refused(keys, STAGING_FULL)
-        return self._values(slot, geometry, block_ids, keys, loading=False)
 
     async def store(self, values: Values) -> list[KeyOutcome]:
         hold = cast(_PiecesHold, values.hold)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -38,7 +39,7 @@ from pipeline.core.outcomes import (
     failed,
 )
 from pipeline.core.store import KVStore, Pieces, PiecewiseKVStore, Presence
-from tests.kit import stall_proxy
+from tests.kit import StallProxy, stall_proxy
 from transport.mooncake_codes import get_outcome, put_outcome
 from transport.mooncake_master import EmbeddedMaster, open_embedded_master
 from transport.mooncake_setup import open_mooncake_store
@@ -581,6 +582,21 @@ async def test_values_moved_in_place_load_byte_exact_into_other_blocks(
         assert torch.equal(layer[7:10], layer[1:4])
 
 
+@contextlib.asynccontextmanager
+async def stalling_in_place(
+    master: EmbeddedMaster,
+) -> AsyncIterator[tuple[StallProxy, MooncakeStore, InPlace]]:
+    """A store whose master sits behind a relay that can stall it (call_timeout_s 1 s),
+    and an in-place engine on it."""
+    async with stall_proxy(master.endpoints.master_address) as (proxy, address):
+        config = replace(client_config(master, call_timeout_s=1.0), master=address)
+        async with await open_mooncake_store(config) as store:
+            kv = await in_place_engine(store)
+            yield proxy, store, kv
+            for layer in kv.layers:
+                store.unregister_memory(layer.view(-1))
+
+
 async def test_an_abandoned_get_into_engine_memory_is_answered_once_it_returns(
     master: EmbeddedMaster, request: pytest.FixtureRequest,
 ) -> None:
@@ -589,34 +605,28 @@ async def test_an_abandoned_get_into_engine_memory_is_answered_once_it_returns(
     the store may still write; its checksum slot is out of use until then too."""
     keys = [f"{request.node.name}-{i}" for i in range(2)]
     with anyio.fail_after(30):
-        async with stall_proxy(master.endpoints.master_address) as (proxy, address):
-            config = replace(client_config(master, call_timeout_s=1.0), master=address)
-            async with await open_mooncake_store(config) as store:
-                kv = await in_place_engine(store)
-                saved = await kv.memory.reserve(kv.geometry, [1, 2], keys)
-                await kv.engine.gather(kv.geometry, [1, 2], saved.views)
-                assert await kv.memory.store(saved) == [STORED] * 2
-                assert await proxy.command("stall") == "stalled"
-                answered: list[list[KeyOutcome]] = []
+        async with stalling_in_place(master) as (proxy, store, kv):
+            saved = await kv.memory.reserve(kv.geometry, [1, 2], keys)
+            assert await kv.memory.store(saved) == [STORED] * 2
+            assert await proxy.command("stall") == "stalled"
+            answered: list[list[KeyOutcome]] = []
 
-                async def load() -> None:
-                    fetched = await kv.memory.fetch(kv.geometry, [5, 6], keys)
-                    answered.append(fetched.outcomes)
-                    fetched.release()
+            async def load() -> None:
+                fetched = await kv.memory.fetch(kv.geometry, [5, 6], keys)
+                answered.append(fetched.outcomes)
+                fetched.release()
 
-                returned = anyio.Event()
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(load)
-                    await anyio.sleep(2.0)  # past the call timeout
-                    assert not answered
-                    assert kv.pool.withheld == 1
-                    store.when_calls_returned(returned.set)
-                    assert not returned.is_set()
-                    assert await proxy.command("resume") == "resumed"
-                assert returned.is_set()
-                assert kv.pool.withheld == 0 and kv.pool.free_slots("load") == 1
-                for layer in kv.layers:
-                    store.unregister_memory(layer.view(-1))
+            returned = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(load)
+                await anyio.sleep(2.0)  # past the call timeout
+                assert not answered
+                assert kv.pool.withheld == 1
+                store.when_calls_returned(returned.set)
+                assert not returned.is_set()
+                assert await proxy.command("resume") == "resumed"
+            assert returned.is_set()
+            assert kv.pool.withheld == 0 and kv.pool.free_slots("load") == 1
     assert [outcome.status for outcome in answered[0]] == [BlockStatus.FAILED] * 2
 
 
@@ -628,21 +638,16 @@ async def test_an_abandoned_put_from_engine_memory_is_answered_at_once(
     until the call has returned (it must stay mapped until then)."""
     keys = [f"{request.node.name}-{i}" for i in range(2)]
     with anyio.fail_after(30):
-        async with stall_proxy(master.endpoints.master_address) as (proxy, address):
-            config = replace(client_config(master, call_timeout_s=1.0), master=address)
-            async with await open_mooncake_store(config) as store:
-                kv = await in_place_engine(store)
-                saved = await kv.memory.reserve(kv.geometry, [1, 2], keys)
-                assert await proxy.command("stall") == "stalled"
-                with anyio.fail_after(3):
-                    outcomes = await kv.memory.store(saved)
-                returned = anyio.Event()
-                store.when_calls_returned(returned.set)
-                assert not returned.is_set() and kv.pool.withheld == 1
-                assert await proxy.command("resume") == "resumed"
-                await returned.wait()
-                for layer in kv.layers:
-                    store.unregister_memory(layer.view(-1))
+        async with stalling_in_place(master) as (proxy, store, kv):
+            saved = await kv.memory.reserve(kv.geometry, [1, 2], keys)
+            assert await proxy.command("stall") == "stalled"
+            with anyio.fail_after(3):
+                outcomes = await kv.memory.store(saved)
+            returned = anyio.Event()
+            store.when_calls_returned(returned.set)
+            assert not returned.is_set() and kv.pool.withheld == 1
+            assert await proxy.command("resume") == "resumed"
+            await returned.wait()
     assert [outcome.status for outcome in outcomes] == [BlockStatus.FAILED] * 2
     assert kv.pool.withheld == 0
 
