@@ -619,9 +619,10 @@ async def test_an_abandoned_get_into_engine_memory_is_answered_once_it_returns(
             returned = anyio.Event()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(load)
-                await anyio.sleep(2.0)  # past the call timeout
+                while not kv.pool.withheld:  # noqa: ASYNC110 - until the call is given up on
+                    await anyio.sleep(0.05)
+                await anyio.sleep(0.5)
                 assert not answered
-                assert kv.pool.withheld == 1
                 store.when_calls_returned(returned.set)
                 assert not returned.is_set()
                 assert await proxy.command("resume") == "resumed"
@@ -641,7 +642,7 @@ async def test_an_abandoned_put_from_engine_memory_is_answered_at_once(
         async with stalling_in_place(master) as (proxy, store, kv):
             saved = await kv.memory.reserve(kv.geometry, [1, 2], keys)
             assert await proxy.command("stall") == "stalled"
-            with anyio.fail_after(3):
+            with anyio.fail_after(10):  # well before Mooncake's own 30 s
                 outcomes = await kv.memory.store(saved)
             returned = anyio.Event()
             store.when_calls_returned(returned.set)
