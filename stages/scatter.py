@@ -1,8 +1,8 @@
 """Scatter (load side): verified values into engine blocks.
 
-A value that does not match its checksum is never copied: its block is reported failed
-(the engine recomputes it) and the value is removed from the store, so that a fresh
-save can replace it.
+A value that does not match its checksum is never copied (one moved in place already
+lies in the block, unread): its block is reported failed (the engine recomputes it) and
+the value is removed from the store, so that a fresh save can replace it.
 """
 
 from __future__ import annotations

@@ -141,9 +141,10 @@ def show_graph(config: Config) -> None:
              f"slots of {config.staging.slot_bytes >> 20} MiB "
              f"({config.staging.load_slots} for loads); "
              f"a save finding none: {config.stages.transfer.overflow}")
+    in_place = moves_in_place(config)
     if store.backend == "embedded":
         memory = "lent by the store (one copy each way)"
-    elif moves_in_place(config):
+    elif in_place:
         memory = f"engine blocks moved in place; their checksums in a {slots}"
     else:
         memory = slots
@@ -151,6 +152,6 @@ def show_graph(config: Config) -> None:
                   f"(call timeout {store.breaker.call_timeout_s:g} s), "
                   f"{store.value_format} values, checksums {'on' if store.checksum else 'off'}")
     console.print(f"batch memory: {memory}")
-    work = "checksums in place" if moves_in_place(config) else "cpu"
+    work = "checksums in place" if in_place else "cpu"
     console.print(f"copy engine: {work}, {config.stages.transfer.threads} threads for saves "
                   f"and {config.stages.transfer.threads} for loads")

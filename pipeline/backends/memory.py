@@ -96,8 +96,37 @@ class _SlotMemory(Generic[S]):
             return _refused(keys, STAGING_FULL)
         return self._values(slot, geometry, block_ids, keys, loading=False)
 
+    async def store(self, values: Values) -> list[KeyOutcome]:
+        """Store the values; the slot goes back (or is withheld) whatever happens."""
+        try:
+            return await self._put(values)
+        finally:
+            values.release()
+
+    async def fetch(
+        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
+    ) -> Values:
+        """Fetch into a load slot, which goes back only on failure: the values are
+        returned readable, and released by whoever reads them."""
+        values = self._values(await self._pool.take("load"), geometry, block_ids, keys,
+                              loading=True)
+        try:
+            values.outcomes = await self._get(values)
+        except BaseException:
+            values.release()
+            raise
+        return values
+
     def _values(self, slot: Slot, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                 keys: Sequence[str], *, loading: bool) -> Values:
+        raise NotImplementedError
+
+    async def _put(self, values: Values) -> list[KeyOutcome]:
+        """The store call of ``store``, one outcome per value with a view."""
+        raise NotImplementedError
+
+    async def _get(self, values: Values) -> list[KeyOutcome]:
+        """The store call of ``fetch``, one outcome per key."""
         raise NotImplementedError
 
 
@@ -105,33 +134,19 @@ class StagingMemory(_SlotMemory[KVStore]):
     """Values in a staging slot, one slot a batch; ``store`` takes only values this
     memory handed out."""
 
-    async def store(self, values: Values) -> list[KeyOutcome]:
-        hold = cast(_SlotHold, values.hold)
+    async def _put(self, values: Values) -> list[KeyOutcome]:
         views = _held(values)
-        try:
-            return await per_key_outcomes(
-                lambda: self._store.put(values.keys, views), len(views), saving=True,
-                abandoned=hold.withhold,
-            )
-        finally:
-            hold.release()
+        return await per_key_outcomes(
+            lambda: self._store.put(values.keys, views), len(views), saving=True,
+            abandoned=cast(_SlotHold, values.hold).withhold,
+        )
 
-    async def fetch(
-        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
-    ) -> Values:
-        values = self._values(await self._pool.take("load"), geometry, block_ids, keys,
-                              loading=True)
-        hold = cast(_SlotHold, values.hold)
+    async def _get(self, values: Values) -> list[KeyOutcome]:
         views = _held(values)
-        try:
-            values.outcomes = await per_key_outcomes(
-                lambda: self._store.get_into(values.keys, views), len(views), saving=False,
-                abandoned=hold.withhold,
-            )
-        except BaseException:
-            hold.release()
-            raise
-        return values
+        return await per_key_outcomes(
+            lambda: self._store.get_into(values.keys, views), len(views), saving=False,
+            abandoned=cast(_SlotHold, values.hold).withhold,
+        )
 
     def _values(self, slot: Slot, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                 keys: Sequence[str], *, loading: bool) -> Values:
@@ -174,30 +189,18 @@ class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
     The memory stays mapped until every such call has returned (``RegisteredMapping``).
     """
 
-    async def store(self, values: Values) -> list[KeyOutcome]:
+    async def _put(self, values: Values) -> list[KeyOutcome]:
         hold = cast(_PiecesHold, values.hold)
-        try:
-            return await self._call(
-                lambda: self._store.put_pieces(values.keys, hold.pieces, seal=hold.checksums),
-                hold, saving=True)
-        finally:
-            hold.release()
+        return await self._call(
+            lambda: self._store.put_pieces(values.keys, hold.pieces, seal=hold.checksums),
+            hold, saving=True)
 
-    async def fetch(
-        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
-    ) -> Values:
-        values = self._values(await self._pool.take("load"), geometry, block_ids, keys,
-                              loading=True)
+    async def _get(self, values: Values) -> list[KeyOutcome]:
         hold = cast(_PiecesHold, values.hold)
-        try:
-            values.outcomes = await self._call(
-                lambda: self._store.get_pieces_into(values.keys, hold.pieces,
-                                                    measure=hold.checksums),
-                hold, saving=False)
-        except BaseException:
-            hold.release()
-            raise
-        return values
+        return await self._call(
+            lambda: self._store.get_pieces_into(values.keys, hold.pieces,
+                                                measure=hold.checksums),
+            hold, saving=False)
 
     async def _call(self, call: Callable[[], Awaitable[list[KeyOutcome]]], hold: _PiecesHold,
                     *, saving: bool) -> list[KeyOutcome]:

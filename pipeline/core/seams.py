@@ -86,4 +86,6 @@ class CopyEngine(Protocol):
     ) -> list[bool]:
         """Check each value against its checksum, then copy only the intact ones into
         their engine blocks: the engine never receives a corrupted byte. Returns whether
-        each value was intact."""
+        each value was intact. (Values a store moved in place reached the engine's blocks
+        before the check: one that fails is reported failed, and the engine recomputes
+        its block before reading it.)"""
