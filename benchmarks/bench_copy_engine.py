@@ -87,10 +87,10 @@ async def measure(g: Geometry, checksum: bool, repeat: int) -> dict[str, float]:
         views: Sequence[torch.Tensor] = [v for v in extents.views if v is not None]
 
         async def gather() -> None:
-            await gather_and_seal(inline, geometry, ids, views)
+            await gather_and_seal(inline, geometry, ids.tolist(), views)
 
         async def scatter() -> None:
-            intact = await verify_and_scatter(inline, geometry, ids, views)
+            intact = await verify_and_scatter(inline, geometry, ids.tolist(), views)
             assert all(intact), "a value failed its checksum"
 
         figures = await cpu_ms({"bare_gather": bare_gather, "gather": gather,

@@ -4,23 +4,31 @@ Saves gather engine blocks into the values and seal each value's checksum; loads
 each value, then scatter the intact ones into engine blocks. A batch is cut into parts
 of adjacent values, one worker thread each (``CopyThreads``): a thread checksums exactly
 the values it copied, so a batch costs one hand-off per part, and a small batch none (it
-is copied on the event loop, quicker than a hand-off). Per run of adjacent values, one
-``index_select`` / ``index_copy_`` per segment moves every block, both sides seen as the
-widest integer words the geometry allows (torch moves uint8 rows element by element,
-several times slower than words)."""
+is copied on the event loop, quicker than a hand-off).
+
+A run of adjacent values is one call into ``_blockcopy`` (``native/blockcopy.c``), which
+copies every page and hashes it without the GIL. Copy threads that called torch once
+per segment took the GIL back after each call, and behind a busy event loop each such
+return waited for the loop's switch interval; the loop waited for them in turn.
+A saved page is hashed in chunks while still in L1, so a checksum costs no second pass
+over memory; a loaded value is hashed whole before any of it is copied, then copied
+from cache."""
 
 from __future__ import annotations
 
 import functools
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import anyio
+import numpy
 import torch
 
+from pipeline.backends import _blockcopy
 from pipeline.backends.threads import WorkerThreads
-from pipeline.core.geometry import Segment, StoreGroupGeometry
-from pipeline.core.integrity import CHECKSUM_BYTES, pages_digest, seal_rows, verify_rows
+from pipeline.core.geometry import StoreGroupGeometry
+from pipeline.core.integrity import CHECKSUM_BYTES, pages_digest
 from pipeline.core.store import value_span
 
 __all__ = [
@@ -29,20 +37,13 @@ __all__ = [
     "InPlaceCopyEngine",
     "Piece",
     "gather_and_seal",
-    "gather_blocks",
     "runs",
-    "scatter_blocks",
     "seal_in_place",
-    "span_of",
     "verify_and_scatter",
 ]
 
 Piece = tuple[int, torch.Tensor]
 """Adjacent values as one matrix: (index of the first, a ``[count, size]`` view)."""
-
-
-def _index(block_ids: Sequence[int]) -> torch.Tensor:
-    return torch.tensor(block_ids, dtype=torch.int64)
 
 
 def runs(views: Sequence[torch.Tensor], size: int) -> list[Piece]:
@@ -63,49 +64,6 @@ def runs(views: Sequence[torch.Tensor], size: int) -> list[Piece]:
         result.append((start, matrix))
         start, stride = index, size
     return result
-
-
-def span_of(rows: torch.Tensor) -> torch.Tensor:
-    """A run's rows with the padding after each (a direct store's own bytes) as one
-    contiguous matrix, for copies that need one (to and from a GPU)."""
-    count, stride = rows.shape[0], rows.stride(0)
-    return torch.as_strided(rows, (count, stride), (stride, 1))
-
-
-_WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
-
-
-def _words(blocks: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both byte matrices as the widest integer type whose view fits both (same bytes):
-    the word must divide the page, both row strides and both start offsets."""
-    sizes = (blocks.shape[1], blocks.stride(0), blocks.storage_offset(),
-             columns.stride(0), columns.storage_offset())
-    for dtype, width in _WORDS:
-        if all(size % width == 0 for size in sizes):
-            return blocks.view(dtype), columns.view(dtype)
-    return blocks, columns
-
-
-def gather_blocks(
-    segments: Sequence[Segment], block_ids: torch.Tensor, rows: torch.Tensor
-) -> None:
-    """rows[i] = the pages of engine block block_ids[i] in these segments."""
-    for segment in segments:
-        blocks, out = _words(
-            segment.blocks, rows[:, segment.offset : segment.offset + segment.page_bytes]
-        )
-        torch.index_select(blocks, 0, block_ids, out=out)
-
-
-def scatter_blocks(
-    segments: Sequence[Segment], block_ids: torch.Tensor, rows: torch.Tensor
-) -> None:
-    """Engine block block_ids[i] = rows[i] in these segments (the inverse of gather)."""
-    for segment in segments:
-        blocks, source = _words(
-            segment.blocks, rows[:, segment.offset : segment.offset + segment.page_bytes]
-        )
-        blocks.index_copy_(0, block_ids, source)
 
 
 SPLIT_BYTES = 8 << 20
@@ -158,64 +116,85 @@ class CopyThreads:
         return [(start + first, rows) for first, rows in runs(views[start:stop], size)]
 
 
-def _gather_and_seal(geometry: StoreGroupGeometry, block_ids: torch.Tensor,
+def _page_addresses(geometry: StoreGroupGeometry, block_ids: Sequence[int]) -> Any:
+    """Where block ``block_ids[i]``'s page in segment ``j`` lies: an int64 ``[blocks,
+    segments]`` array. Refused unless every id names a block of every segment: the
+    native copies address pages without bounds of their own."""
+    if block_ids and not 0 <= min(block_ids) <= max(block_ids) < geometry.num_blocks:
+        raise IndexError(f"block ids out of range 0..{geometry.num_blocks - 1}: "
+                         f"{list(block_ids)}")
+    segments = geometry.segments
+    bases = numpy.fromiter((s.blocks.data_ptr() for s in segments), numpy.int64, len(segments))
+    strides = numpy.fromiter((s.blocks.stride(0) for s in segments), numpy.int64, len(segments))
+    return bases + numpy.asarray(block_ids, dtype=numpy.int64)[:, None] * strides
+
+
+def _value_layout(geometry: StoreGroupGeometry) -> tuple[Any, Any]:
+    """Where each segment's page lies in a value: offsets and bytes, int64 arrays."""
+    segments = geometry.segments
+    return (numpy.fromiter((s.offset for s in segments), numpy.int64, len(segments)),
+            numpy.fromiter((s.page_bytes for s in segments), numpy.int64, len(segments)))
+
+
+def _gather_and_seal(geometry: StoreGroupGeometry, pages: Any,
                      pieces: Sequence[Piece]) -> None:
+    offsets, sizes = _value_layout(geometry)
     seed = geometry.checksum_seed
     for start, rows in pieces:
-        gather_blocks(geometry.segments, block_ids[start : start + rows.shape[0]], rows)
-        if seed is not None:
-            seal_rows(rows, geometry.value_bytes, seed)
+        _blockcopy.gather(pages[start : start + rows.shape[0]], rows.data_ptr(),
+                          rows.stride(0), offsets, sizes, seed is not None, seed or 0,
+                          geometry.value_bytes)
 
 
-def _verify_and_scatter(geometry: StoreGroupGeometry, block_ids: torch.Tensor,
-                        intact: list[bool], pieces: Sequence[Piece]) -> None:
+def _verify_and_scatter(geometry: StoreGroupGeometry, pages: Any, intact: list[bool],
+                        pieces: Sequence[Piece]) -> None:
+    offsets, sizes = _value_layout(geometry)
     seed = geometry.checksum_seed
     for start, rows in pieces:
-        ids = block_ids[start : start + rows.shape[0]]
-        if seed is not None:
-            checked = verify_rows(rows, geometry.value_bytes, seed)
-            intact[start : start + len(checked)] = checked
-            if not all(checked):
-                keep = torch.tensor([i for i, ok in enumerate(checked) if ok], dtype=torch.int64)
-                ids, rows = ids[keep], rows[keep]  # rows[keep] copies only the intact values
-        scatter_blocks(geometry.segments, ids, rows)
+        checked = bytearray(rows.shape[0])
+        _blockcopy.scatter(pages[start : start + len(checked)], rows.data_ptr(),
+                           rows.stride(0), offsets, sizes, seed is not None, seed or 0,
+                           geometry.value_bytes, checked)
+        intact[start : start + len(checked)] = map(bool, checked)
 
 
 async def gather_and_seal(
-    copy: CopyThreads, geometry: StoreGroupGeometry, block_ids: torch.Tensor,
+    copy: CopyThreads, geometry: StoreGroupGeometry, block_ids: Sequence[int],
     views: Sequence[torch.Tensor],
 ) -> None:
-    """Fill each value from its engine block, then seal its checksum."""
+    """Fill each value from its engine block, sealing its checksum as its pages pass."""
+    pages = _page_addresses(geometry, block_ids)
     await copy.run(views, geometry.stored_bytes,
-                   functools.partial(_gather_and_seal, geometry, block_ids))
+                   functools.partial(_gather_and_seal, geometry, pages))
 
 
 async def verify_and_scatter(
-    copy: CopyThreads, geometry: StoreGroupGeometry, block_ids: torch.Tensor,
+    copy: CopyThreads, geometry: StoreGroupGeometry, block_ids: Sequence[int],
     views: Sequence[torch.Tensor],
 ) -> list[bool]:
     """Check each value against its sealed checksum, then copy only the intact ones into
     their engine blocks: the engine never receives a corrupted byte. Whether each is intact.
     """
+    pages = _page_addresses(geometry, block_ids)
     intact = [True] * len(views)
     await copy.run(views, geometry.stored_bytes,
-                   functools.partial(_verify_and_scatter, geometry, block_ids, intact))
+                   functools.partial(_verify_and_scatter, geometry, pages, intact))
     return intact
 
 
 class CpuCopyEngine:
-    """The copy engine of CPU memory: torch copies in worker threads (``CopyThreads``)."""
+    """The copy engine of CPU memory: native copies in worker threads (``CopyThreads``)."""
 
     def __init__(self, threads: WorkerThreads) -> None:
         self._copy = CopyThreads(threads)
 
     async def gather(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                      views: Sequence[torch.Tensor]) -> None:
-        await gather_and_seal(self._copy, geometry, _index(block_ids), views)
+        await gather_and_seal(self._copy, geometry, block_ids, views)
 
     async def scatter(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                       views: Sequence[torch.Tensor]) -> list[bool]:
-        return await verify_and_scatter(self._copy, geometry, _index(block_ids), views)
+        return await verify_and_scatter(self._copy, geometry, block_ids, views)
 
 
 def _digests(geometry: StoreGroupGeometry, block_ids: Sequence[int], seed: int) -> list[int]:

@@ -26,13 +26,56 @@ from collections.abc import Iterator, Sequence
 import anyio
 import torch
 
-from pipeline.backends.cpu_copy import Piece, gather_blocks, runs, scatter_blocks, span_of
+from pipeline.backends.cpu_copy import Piece, runs
 from pipeline.core.errors import ConfigError
-from pipeline.core.geometry import StoreGroupGeometry
+from pipeline.core.geometry import Segment, StoreGroupGeometry
 from pipeline.core.integrity import seal_rows, verify_rows
 from pipeline.core.seams import CopyEngine
 
-__all__ = ["CudaCopyEngine", "pinned"]
+__all__ = ["CudaCopyEngine", "gather_blocks", "pinned", "scatter_blocks", "span_of"]
+
+
+def span_of(rows: torch.Tensor) -> torch.Tensor:
+    """A run's rows with the padding after each (a direct store's own bytes) as one
+    contiguous matrix, for copies that need one (to and from a GPU)."""
+    count, stride = rows.shape[0], rows.stride(0)
+    return torch.as_strided(rows, (count, stride), (stride, 1))
+
+
+_WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
+
+
+def _words(blocks: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both byte matrices as the widest integer type whose view fits both (same bytes):
+    the word must divide the page, both row strides and both start offsets."""
+    sizes = (blocks.shape[1], blocks.stride(0), blocks.storage_offset(),
+             columns.stride(0), columns.storage_offset())
+    for dtype, width in _WORDS:
+        if all(size % width == 0 for size in sizes):
+            return blocks.view(dtype), columns.view(dtype)
+    return blocks, columns
+
+
+def gather_blocks(
+    segments: Sequence[Segment], block_ids: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """rows[i] = the pages of engine block block_ids[i] in these segments."""
+    for segment in segments:
+        blocks, out = _words(
+            segment.blocks, rows[:, segment.offset : segment.offset + segment.page_bytes]
+        )
+        torch.index_select(blocks, 0, block_ids, out=out)
+
+
+def scatter_blocks(
+    segments: Sequence[Segment], block_ids: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """Engine block block_ids[i] = rows[i] in these segments (the inverse of gather)."""
+    for segment in segments:
+        blocks, source = _words(
+            segment.blocks, rows[:, segment.offset : segment.offset + segment.page_bytes]
+        )
+        blocks.index_copy_(0, block_ids, source)
 
 
 @contextlib.contextmanager

@@ -479,10 +479,10 @@ async def test_split_copies_round_trip_and_verify_each_row(
     values = torch.zeros(5, geometry.stored_bytes, dtype=torch.uint8)
     before = hybrid.snapshot()
     with anyio.fail_after(TIMEOUT_S):
-        await gather_and_seal(copy, geometry, torch.tensor([1, 2, 3, 4, 5]), list(values))
+        await gather_and_seal(copy, geometry, [1, 2, 3, 4, 5], list(values))
         values[3, 0] ^= 0xFF
         intact = await verify_and_scatter(
-            copy, geometry, torch.tensor([11, 12, 13, 14, 15]), list(values)
+            copy, geometry, [11, 12, 13, 14, 15], list(values)
         )
     assert intact == [True, True, True, False, True]
     for source, target in ((1, 11), (2, 12), (3, 13), (5, 15)):
@@ -490,6 +490,23 @@ async def test_split_copies_round_trip_and_verify_each_row(
             assert torch.equal(hybrid.block(layer, target), before[layer][:, source])
     for layer in ("attn.0", "attn.1"):
         assert torch.equal(hybrid.block(layer, 14), before[layer][:, 14])
+
+
+async def test_block_ids_out_of_range_are_refused_before_any_copy(hybrid: Harness) -> None:
+    """An id past the engine's blocks, or a negative one, raises IndexError and leaves
+    the values and the engine's blocks as they were."""
+    geometry = hybrid.session.store_groups[0]
+    copy = CopyThreads(WorkerThreads(1, name="test"))
+    values = torch.zeros(2, geometry.stored_bytes, dtype=torch.uint8)
+    before = hybrid.snapshot()
+    for ids in ([1, geometry.num_blocks], [-1, 2]):
+        with pytest.raises(IndexError, match="out of range"):
+            await gather_and_seal(copy, geometry, ids, list(values))
+        with pytest.raises(IndexError, match="out of range"):
+            await verify_and_scatter(copy, geometry, ids, list(values))
+    assert int(values.count_nonzero()) == 0
+    after = hybrid.snapshot()
+    assert all(torch.equal(after[layer], before[layer]) for layer in before)
 
 
 async def test_checksums_in_place_are_those_of_the_copied_values_and_fail_what_changed(
@@ -505,7 +522,7 @@ async def test_checksums_in_place_are_those_of_the_copied_values_and_fail_what_c
     sealed, measured = list(views[:, :CHECKSUM_BYTES]), list(views[:, CHECKSUM_BYTES:])
     with anyio.fail_after(TIMEOUT_S):
         await gather_and_seal(CopyThreads(WorkerThreads(2, name="test")), geometry,
-                              torch.tensor([1, 2, 3, 4]), list(copied))
+                              [1, 2, 3, 4], list(copied))
     seal_in_place(geometry, [1, 2, 3, 4], sealed, [1, 3])
     assert not views[0].any() and not views[2].any()
     seal_in_place(geometry, [1, 2, 3, 4], sealed, [0, 2])
@@ -846,7 +863,8 @@ def test_runs_group_adjacent_values_into_matrices() -> None:
 def test_runs_take_values_one_padded_span_apart_as_one_strided_matrix() -> None:
     """A direct store's values sit value_span(size) apart: one run per stride, and the
     copies through such a run move the values' bytes, never the padding."""
-    from pipeline.backends.cpu_copy import gather_blocks, runs, scatter_blocks, span_of
+    from pipeline.backends.cpu_copy import runs
+    from pipeline.backends.cuda_copy import gather_blocks, scatter_blocks, span_of
     from pipeline.core.geometry import Segment
     from pipeline.core.store import value_span
 

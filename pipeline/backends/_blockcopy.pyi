@@ -1,0 +1,18 @@
+"""Block copies with their checksums, without the GIL (``native/blockcopy.c``).
+
+``pages``: int64 ``[values, segments]``, the address of each value's page in each
+segment; ``offsets`` and ``sizes``: int64 ``[segments]``, where each page lies in a
+value. Value ``v``'s row starts at ``rows + v * row_stride``; its checksum (xxh3-64 of
+its ``payload_bytes`` with ``seed``) follows the payload.
+"""
+
+from typing_extensions import Buffer
+
+def gather(pages: Buffer, rows: int, row_stride: int, offsets: Buffer, sizes: Buffer,
+           seal: bool, seed: int, payload_bytes: int) -> None:
+    """Copy each value's pages into its row, then (``seal``) its checksum after them."""
+
+def scatter(pages: Buffer, rows: int, row_stride: int, offsets: Buffer, sizes: Buffer,
+            check: bool, seed: int, payload_bytes: int, intact: Buffer) -> None:
+    """Copy each intact value's row into its pages; ``intact[v]``: whether value ``v``
+    was (always, unless ``check``). A value that fails is not copied at all."""
