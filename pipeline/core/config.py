@@ -122,16 +122,19 @@ class TransferStageConfig(StageConfig, frozen=True):
 
 
 class StagesConfig(_Section, frozen=True):
+    """Each stage's inbox and workers. A batch stage's inbox holds whole batches (each up
+    to a staging slot): a few are enough to keep its workers busy."""
+
     receive: ReceiveStageConfig = ReceiveStageConfig()
     group_filter: StageConfig = StageConfig()
     hashing: StageConfig = StageConfig()
-    dedup: StageConfig = StageConfig()
+    dedup: StageConfig = StageConfig(workers=2)
     batching: BatchingStageConfig = BatchingStageConfig()
-    transfer: TransferStageConfig = TransferStageConfig()
-    commit: StageConfig = StageConfig()
-    fetch: StageConfig = StageConfig()
-    scatter: StageConfig = StageConfig()
-    completion: StageConfig = StageConfig()
+    transfer: TransferStageConfig = TransferStageConfig(inbox_size=8, workers=2)
+    commit: StageConfig = StageConfig(inbox_size=8, workers=2)
+    fetch: StageConfig = StageConfig(inbox_size=8, workers=2)
+    scatter: StageConfig = StageConfig(inbox_size=8, workers=2)
+    completion: StageConfig = StageConfig(inbox_size=256)
     lookup: StageConfig = StageConfig(workers=4)
 
 

@@ -51,6 +51,12 @@ def test_default_yaml_reads_octal_permissions_and_the_embedded_store() -> None:
     assert config.server.endpoint == default_endpoint()
 
 
+def test_default_yaml_holds_every_default_and_nothing_else() -> None:
+    """default.yaml is "every knob, with its default": a sidecar started without a
+    config runs exactly as one started with it."""
+    assert load_config(CONFIGS / "default.yaml") == Config()
+
+
 # -- defaults and overrides --------------------------------------------------------------------
 
 
