@@ -123,22 +123,13 @@ def _page_addresses(geometry: StoreGroupGeometry, block_ids: Sequence[int]) -> A
     if block_ids and not 0 <= min(block_ids) <= max(block_ids) < geometry.num_blocks:
         raise IndexError(f"block ids out of range 0..{geometry.num_blocks - 1}: "
                          f"{list(block_ids)}")
-    segments = geometry.segments
-    bases = numpy.fromiter((s.blocks.data_ptr() for s in segments), numpy.int64, len(segments))
-    strides = numpy.fromiter((s.blocks.stride(0) for s in segments), numpy.int64, len(segments))
-    return bases + numpy.asarray(block_ids, dtype=numpy.int64)[:, None] * strides
-
-
-def _value_layout(geometry: StoreGroupGeometry) -> tuple[Any, Any]:
-    """Where each segment's page lies in a value: offsets and bytes, int64 arrays."""
-    segments = geometry.segments
-    return (numpy.fromiter((s.offset for s in segments), numpy.int64, len(segments)),
-            numpy.fromiter((s.page_bytes for s in segments), numpy.int64, len(segments)))
+    first, stride = geometry.segment_table[:2]
+    return first + numpy.asarray(block_ids, dtype=numpy.int64)[:, None] * stride
 
 
 def _gather_and_seal(geometry: StoreGroupGeometry, pages: Any,
                      pieces: Sequence[Piece]) -> None:
-    offsets, sizes = _value_layout(geometry)
+    offsets, sizes = geometry.segment_table[2:]
     seed = geometry.checksum_seed
     for start, rows in pieces:
         _blockcopy.gather(pages[start : start + rows.shape[0]], rows.data_ptr(),
@@ -148,7 +139,7 @@ def _gather_and_seal(geometry: StoreGroupGeometry, pages: Any,
 
 def _verify_and_scatter(geometry: StoreGroupGeometry, pages: Any, intact: list[bool],
                         pieces: Sequence[Piece]) -> None:
-    offsets, sizes = _value_layout(geometry)
+    offsets, sizes = geometry.segment_table[2:]
     seed = geometry.checksum_seed
     for start, rows in pieces:
         checked = bytearray(rows.shape[0])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+import numpy
 import torch
 
 from pipeline.core.errors import LayoutError
@@ -53,6 +54,17 @@ class StoreGroupGeometry:
     step_event: torch.cuda.Event | None = None
     """GPU blocks only: the event the engine records after each forward; a copy out of
     its blocks waits on it."""
+    segment_table: numpy.ndarray = dataclasses.field(init=False, repr=False, compare=False)
+    """The segments as four int64 rows, one column each: the address of block 0's page,
+    the stride between pages, where a page lies in a value, and its bytes: for copies
+    that address pages themselves (``pipeline.backends.cpu_copy``)."""
+
+    def __post_init__(self) -> None:
+        table = numpy.array(
+            [[s.blocks.data_ptr(), s.blocks.stride(0), s.offset, s.page_bytes]
+             for s in self.segments], dtype=numpy.int64,
+        ).reshape(-1, 4)
+        object.__setattr__(self, "segment_table", numpy.ascontiguousarray(table.T))
 
     @property
     def key_prefix(self) -> str:
