@@ -6,7 +6,10 @@ value. Value ``v``'s row starts at ``rows + v * row_stride``; its checksum (xxh3
 its ``payload_bytes`` with ``seed``) follows the payload.
 """
 
-from typing_extensions import Buffer
+from typing import Any
+
+Buffer = Any
+"""Any C-contiguous buffer (numpy arrays, bytearray): numpy declares none in its stubs."""
 
 def gather(pages: Buffer, rows: int, row_stride: int, offsets: Buffer, sizes: Buffer,
            seal: bool, seed: int, payload_bytes: int) -> None:
@@ -16,3 +19,7 @@ def scatter(pages: Buffer, rows: int, row_stride: int, offsets: Buffer, sizes: B
             check: bool, seed: int, payload_bytes: int, intact: Buffer) -> None:
     """Copy each intact value's row into its pages; ``intact[v]``: whether value ``v``
     was (always, unless ``check``). A value that fails is not copied at all."""
+
+def digests(pages: Buffer, sizes: Buffer, seed: int, out: Buffer) -> None:
+    """Each value's checksum over its pages where they lie (engine memory), as ``gather``
+    would seal it: 8 native-order bytes per value into ``out``."""

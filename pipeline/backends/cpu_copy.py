@@ -28,7 +28,7 @@ import torch
 from pipeline.backends import _blockcopy
 from pipeline.backends.threads import WorkerThreads
 from pipeline.core.geometry import StoreGroupGeometry
-from pipeline.core.integrity import CHECKSUM_BYTES, pages_digest
+from pipeline.core.integrity import CHECKSUM_BYTES
 from pipeline.core.store import value_span
 
 __all__ = [
@@ -188,10 +188,12 @@ class CpuCopyEngine:
         return await verify_and_scatter(self._copy, geometry, block_ids, views)
 
 
-def _digests(geometry: StoreGroupGeometry, block_ids: Sequence[int], seed: int) -> list[int]:
-    """The checksum of each block's pages as they lie in the engine."""
-    pages = [segment.blocks.numpy() for segment in geometry.segments]
-    return [pages_digest([page[block] for page in pages], seed) for block in block_ids]
+def _digests(geometry: StoreGroupGeometry, block_ids: Sequence[int], seed: int) -> Any:
+    """The checksum of each block's pages as they lie in the engine: uint64 each."""
+    digests = numpy.empty(len(block_ids), dtype=numpy.uint64)
+    _blockcopy.digests(_page_addresses(geometry, block_ids), geometry.segment_table[3], seed,
+                       digests)
+    return digests
 
 
 def seal_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int],
@@ -202,7 +204,7 @@ def seal_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int],
     seed = geometry.checksum_seed
     assert seed is not None, "values without checksums have no trailer to seal"
     digests = _digests(geometry, [block_ids[i] for i in positions], seed)
-    sealed = torch.tensor(digests, dtype=torch.uint64).view(torch.uint8).view(-1, 8)
+    sealed = torch.from_numpy(digests.view(numpy.uint8).reshape(-1, CHECKSUM_BYTES))
     for i, row in zip(positions, sealed, strict=True):
         trailers[i][:CHECKSUM_BYTES].copy_(row)
 

@@ -9,8 +9,6 @@ and the block is reported failed instead.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
-from typing import Any
 
 import torch
 import xxhash
@@ -20,7 +18,6 @@ __all__ = [
     "VLLM_FORMAT_SEED",
     "checksum",
     "fingerprint_seed",
-    "pages_digest",
     "seal_rows",
     "verify_rows",
 ]
@@ -39,15 +36,6 @@ def fingerprint_seed(fingerprint: str) -> int:
 def _digest(payload: torch.Tensor, seed: int) -> int:
     digest: int = xxhash.xxh3_64_intdigest(payload.numpy().data, seed)
     return digest
-
-
-def pages_digest(pages: Iterable[Any], seed: int) -> int:
-    """The checksum of the pages' concatenation (buffers, such as numpy arrays), as an
-    integer, without concatenating them: a value kept in engine memory is its pages."""
-    state = xxhash.xxh3_64(seed=seed)
-    for page in pages:
-        state.update(page)
-    return state.intdigest()
 
 
 def checksum(payload: torch.Tensor, seed: int) -> bytes:

@@ -27,7 +27,7 @@
 
 typedef struct {
     Py_buffer pages;   /* int64 [values * segments]: each value's page in each segment */
-    Py_buffer offsets; /* int64 [segments]: where each page lies in a value */
+    Py_buffer offsets; /* int64 [segments]: where each page lies in a value (copies only) */
     Py_buffer sizes;   /* int64 [segments]: each page's bytes */
     Py_ssize_t values;
     Py_ssize_t segments;
@@ -42,8 +42,8 @@ static void plan_release(Plan *plan) {
 /* Checks the tables' shapes; on failure, the buffers are released and an error set. */
 static int plan_check(Plan *plan) {
     const Py_ssize_t word = (Py_ssize_t)sizeof(int64_t);
-    plan->segments = plan->offsets.len / word;
-    if (plan->offsets.len % word || plan->sizes.len != plan->offsets.len ||
+    plan->segments = plan->sizes.len / word;
+    if (plan->sizes.len % word || (plan->offsets.obj && plan->offsets.len != plan->sizes.len) ||
         plan->segments == 0 || plan->pages.len % (plan->segments * word)) {
         PyErr_SetString(PyExc_ValueError,
                         "pages, offsets and sizes must be int64 tables of one segment count");
@@ -134,6 +134,40 @@ static PyObject *scatter(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *digests(PyObject *module, PyObject *args) {
+    Plan plan = {0}; /* no offsets: a digest reads pages where they lie */
+    Py_buffer out;
+    unsigned long long seed;
+    if (!PyArg_ParseTuple(args, "y*y*Kw*:digests", &plan.pages, &plan.sizes, &seed, &out))
+        return NULL;
+    if (plan_check(&plan) < 0) {
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    if (out.len != plan.values * (Py_ssize_t)sizeof(uint64_t)) {
+        PyErr_SetString(PyExc_ValueError, "out must hold 8 bytes per value");
+        plan_release(&plan);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    const int64_t *pages = plan.pages.buf, *sizes = plan.sizes.buf;
+    char *digest_at = out.buf;
+    Py_BEGIN_ALLOW_THREADS
+    XXH3_state_t state;
+    for (Py_ssize_t v = 0; v < plan.values; v++) {
+        XXH3_64bits_reset_withSeed(&state, seed);
+        for (Py_ssize_t s = 0; s < plan.segments; s++)
+            XXH3_64bits_update(&state, (const void *)(uintptr_t)pages[v * plan.segments + s],
+                               (size_t)sizes[s]);
+        uint64_t digest = XXH3_64bits_digest(&state);
+        memcpy(digest_at + v * CHECKSUM_BYTES, &digest, CHECKSUM_BYTES);
+    }
+    Py_END_ALLOW_THREADS
+    plan_release(&plan);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
      "gather(pages, rows, row_stride, offsets, sizes, seal, seed, payload_bytes)\n"
@@ -141,6 +175,9 @@ static PyMethodDef methods[] = {
     {"scatter", scatter, METH_VARARGS,
      "scatter(pages, rows, row_stride, offsets, sizes, check, seed, payload_bytes, intact)\n"
      "Copy each intact value's row into its pages; intact[v]: whether value v was."},
+    {"digests", digests, METH_VARARGS,
+     "digests(pages, sizes, seed, out)\n"
+     "Each value's checksum over its pages where they lie, into out (8 bytes each)."},
     {NULL, NULL, 0, NULL},
 };
 

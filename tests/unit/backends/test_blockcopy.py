@@ -85,6 +85,24 @@ def test_a_value_that_fails_its_checksum_writes_no_byte_and_the_others_land() ->
     assert all(torch.equal(t[[0, 2]], p[[0, 2]]) for t, p in zip(targets, pages, strict=True))
 
 
+def test_digests_of_pages_where_they_lie_are_the_checksums_gather_seals() -> None:
+    """A value kept in engine memory (pages in place, any order of blocks) digests to
+    the checksum a copy of it is sealed with."""
+    pages = engine_pages(3, 5, 20000, seed=2)
+    payload = 3 * 20000
+    ids = [4, 0, 2]
+    rows = torch.zeros(3, payload + CHECKSUM_BYTES, dtype=torch.uint8)
+    offsets, sizes = layout(pages)
+    _blockcopy.gather(addresses(pages, ids), rows.data_ptr(), rows.stride(0), offsets, sizes,
+                      True, 123, payload)
+    digests = numpy.zeros(3, dtype=numpy.uint64)
+    _blockcopy.digests(addresses(pages, ids), sizes, 123, digests)
+    assert torch.equal(torch.from_numpy(digests.view(numpy.uint8).reshape(3, 8)),
+                       rows[:, payload:])
+    with pytest.raises(ValueError, match="8 bytes per value"):
+        _blockcopy.digests(addresses(pages, ids), sizes, 123, numpy.zeros(2, numpy.uint64))
+
+
 def test_tables_of_mismatched_shapes_are_refused() -> None:
     """Offsets and sizes of different segment counts, or a page table that is not a whole
     number of values, raise ValueError before any byte moves."""
