@@ -17,8 +17,9 @@ costs.
 
 A geometry is layers x page KiB x blocks per request; each runs with checksums on and
 off (one sidecar each). Ratios are sidecar GB/s over bare-copy GB/s (goal, with the
-default config's checksums on: >= 0.8). Results are also written to
-benchmarks/results/bench_sidecar_throughput.json.
+default config's checksums on: >= 0.8); where both variants ran, what integrity costs is
+printed too: sidecar GB/s with checksums on over off (1.0: free). Results are also
+written to benchmarks/results/bench_sidecar_throughput.json.
 """
 
 from __future__ import annotations
@@ -283,6 +284,19 @@ def measure_geometry(args: argparse.Namespace, geometry: Geometry, base: Config,
     return rows
 
 
+def integrity_ratios(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, int], tuple[float, float]]:
+    """What checksums cost, where both variants ran: sidecar GB/s with checksums on over
+    off, for saves and loads, by (geometry, concurrency). 1.0: integrity is free."""
+    by_variant = {(row["geometry"], row["concurrency"], row["checksum"]): row["gbps"]
+                  for row in rows}
+    return {
+        (geometry, concurrency): (on["sidecar_save"] / off["sidecar_save"],
+                                  on["sidecar_load"] / off["sidecar_load"])
+        for (geometry, concurrency, variant), on in by_variant.items()
+        if variant == "on" and (off := by_variant.get((geometry, concurrency, "off")))
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--geometry", type=Geometry.parse, nargs="+",
@@ -324,11 +338,18 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{g['sidecar_load'] / g['bare_load_each']:>6.2f}")
     verdict = "meets" if worst >= GOAL else "misses"
     print(f"worst ratio with checksums on {worst:.2f} {verdict} the goal of {GOAL}")
+    integrity = integrity_ratios(rows)
+    for (geometry, concurrency), (save, load) in integrity.items():
+        print(f"integrity at {geometry}, {concurrency} in flight: checksums on / off "
+              f"= {save:.2f} for saves, {load:.2f} for loads")
     path = write_results("bench_sidecar_throughput", {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                  if k != "geometry"},
         "geometries": [str(g) for g in args.geometry],
         "goal": GOAL, "worst_ratio": worst, "rows": rows,
+        "integrity": [{"geometry": g, "concurrency": c, "save_on_over_off": save,
+                       "load_on_over_off": load}
+                      for (g, c), (save, load) in integrity.items()],
     })
     print(f"results: {path.relative_to(ROOT)}")
     return 0 if worst >= GOAL else 1
