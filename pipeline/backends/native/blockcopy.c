@@ -6,7 +6,7 @@
    bytes and hashes them, so a copy thread takes the GIL once per run instead of once
    per page, and a saved page is hashed chunk by chunk while it is still in L1.
 
-   Both calls trust the addresses: pipeline.backends.cpu_copy checks block ids against
+   Every call trusts the addresses: pipeline.backends.cpu_copy checks block ids against
    every segment before it calls. */
 
 #define PY_SSIZE_T_CLEAN
