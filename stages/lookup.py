@@ -3,7 +3,10 @@
 The prompt is hashed and checked in growing chunks: a miss in a full-attention group
 bounds every possible hit, so a miss costs one small chunk, not the whole prompt.
 Hashing runs inline, yielding to the event loop between chunks (no thread hop). When
-the engine sends its own block hashes there is nothing to hash: one query checks all.
+the engine sends its own block hashes there is nothing to hash: a store answering
+in-process is asked about a first small chunk of a long prompt, then about the rest in
+one query (a miss spells and checks a chunk's keys, not the prompt's); a remote store,
+in one query.
 
 Asked to explain, the stage also checks every full block of every stored group and asks
 the block history why each one absent is absent.
@@ -30,6 +33,10 @@ __all__ = ["FIRST_CHUNK_BLOCKS", "LookupStage"]
 
 FIRST_CHUNK_BLOCKS = 16
 """Fine blocks hashed and checked first; each later chunk is 8x larger."""
+PROBE_KNOWN_ABOVE = 256
+"""Known hashes beyond this many fine blocks are checked after a first chunk, when the
+store answers in-process: a query's fixed cost is worth about 200 keys' spelling and
+checking (measured), so only a longer prompt is worth probing."""
 _NEEDS_PREFIX = (GroupKind.FULL_ATTENTION, GroupKind.MLA_ATTENTION,
                  GroupKind.CHUNKED_LOCAL_ATTENTION)
 
@@ -44,15 +51,17 @@ def _leading_present(presence: Sequence[Presence]) -> int:
 class LookupStage:
     def __init__(
         self, store: KVStore, value_sizes: Mapping[str, int],
-        history: BlockHistory | None = None,
+        history: BlockHistory | None = None, *, probe_first: bool = False,
     ) -> None:
         """``value_sizes``: the stored bytes of a value under each key prefix, as the
         engines registered them; a key under a prefix of unknown size is a miss.
         ``history`` explains absent blocks (without it every absent block is
-        never_stored)."""
+        never_stored). ``probe_first``: the store answers in-process, so a query costs
+        its keys, not a round trip: known hashes are checked chunk by chunk too."""
         self._store = store
         self._value_sizes = value_sizes
         self._history = history or BlockHistory(0)
+        self._probe_first = probe_first
 
     async def hit_tokens(self, session: EngineSession, message: Lookup) -> int:
         bound = max_hit_tokens(session.layout, len(message.token_ids))
@@ -82,10 +91,11 @@ class LookupStage:
         present: list[list[bool]] = [[] for _ in groups]  # of store group g, blocks 0..n-1
         checked = [0] * len(groups)  # blocks of each store group looked at so far
         done = 0  # fine blocks hashed and checked
-        # Chunks pay off only when hashing is the cost: hashes already known (the engine's,
-        # or a repeated request's) are checked in one query.
+        # Hashes already known (the engine's, or a repeated request's) are checked in one
+        # query, after a first chunk where a query costs only its keys (probe_first).
         known = len(message.block_hashes or ()) if hasher is None else len(hasher.hashes)
-        chunk = max(FIRST_CHUNK_BLOCKS, known)
+        probe = self._probe_first and known > PROBE_KNOWN_ABOVE
+        chunk = FIRST_CHUNK_BLOCKS if probe else max(FIRST_CHUNK_BLOCKS, known)
         while done * hbs < bound:
             end = min(bound // hbs, done + chunk)
             if hasher is not None:
@@ -129,7 +139,7 @@ class LookupStage:
                     bound = min(bound, (checked[g] + run) * geometry.group.block_size)
                 checked[g] += count
             done = end
-            chunk *= 8
+            chunk = max(chunk * 8, known - done)
             if hasher is not None:
                 await anyio.lowlevel.checkpoint()  # let others run between hashing chunks
         if prefix_only:

@@ -10,7 +10,6 @@ flood the lines would cost the loop more than the refusals.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 
@@ -113,7 +112,7 @@ class Receiver:
                 message, save_credits=self._save_credits(reply.session)
             )
         await self._send(reply.to, message)
-        reply = dataclasses.replace(reply, message=message)
+        reply = Reply(reply.session, message, reply.request)
         outcomes = outcome_counts(message.blocks) if isinstance(
             message, SaveDone | LoadDone) else collections.Counter()
         self._metrics.replied(reply, outcomes)

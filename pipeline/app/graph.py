@@ -60,6 +60,8 @@ class Resources:
     moved: Callable[[str, str], Count]
     """What counts the bytes moved on a path (save, load) via copies or store calls."""
     history: BlockHistory
+    answers_at_once: bool
+    """The store's queries wait on nothing (in-process): a query costs only its keys."""
 
 
 Spec = StageSpec[Resources]
@@ -95,7 +97,9 @@ LOAD = (
         r.store, r.load_copy, r.tracker, r.events, copied=r.moved("load", "copy"),
     ), "scatter"),
 )
-LOOKUP = (Spec("lookup", lambda r: LookupStage(r.store, r.value_sizes, r.history), "lookup"),)
+LOOKUP = (Spec("lookup", lambda r: LookupStage(
+    r.store, r.value_sizes, r.history, probe_first=r.answers_at_once,
+), "lookup"),)
 
 COMPLETION_PATHS = ("save.completion", "load.completion")
 """Finished jobs' lanes: a load's reply never queues behind a backlog of save replies."""

@@ -190,6 +190,7 @@ class Sidecar:
             value_sizes=self.registry.value_sizes,
             moved=self.metrics.mover,
             history=self.history,
+            answers_at_once=backends.answers_at_once,
         )
 
     async def _fail_item(self, item: Failable, error: StoreError) -> Reply | None:

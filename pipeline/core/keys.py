@@ -85,7 +85,8 @@ def store_key(
 
 def keys_for(prefix: str, block_hashes: Iterable[bytes]) -> list[str]:
     """The store keys of blocks under a ``key_prefix`` (the one place keys are spelled)."""
-    return [f"{prefix}@{block_hash.hex()}" for block_hash in block_hashes]
+    # Both loops in C: a lookup spells a key for every block of the prompt.
+    return list(map(f"{prefix}@".__add__, map(bytes.hex, block_hashes)))
 
 
 def parse_key(key: str) -> tuple[int, bytes] | None:

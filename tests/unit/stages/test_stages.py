@@ -30,7 +30,7 @@ from pipeline.core.errors import StoreCallAbandoned, StoreError
 from pipeline.core.geometry import build_store_groups
 from pipeline.core.hashing import block_hashes
 from pipeline.core.integrity import CHECKSUM_BYTES
-from pipeline.core.keys import store_key
+from pipeline.core.keys import keys_for, store_key
 from pipeline.core.layout import KVCacheLayout
 from pipeline.core.messages import (
     BlockReport,
@@ -44,7 +44,7 @@ from pipeline.core.messages import (
 )
 from pipeline.core.outcomes import STORE_FULL, STORED, BlockStatus
 from pipeline.core.seams import BatchMemory
-from pipeline.core.store import KVStore
+from pipeline.core.store import KVStore, Presence
 from pipeline.state.events import KVEventLog
 from pipeline.state.jobs import (
     BlockTask,
@@ -62,7 +62,7 @@ from stages.dedup import DedupStage
 from stages.fetch import FetchStage
 from stages.group_filter import GroupFilterStage
 from stages.hashing import HashingStage
-from stages.lookup import LookupStage
+from stages.lookup import FIRST_CHUNK_BLOCKS, PROBE_KNOWN_ABOVE, LookupStage
 from stages.scatter import ScatterStage
 from stages.transfer import TransferStage
 from transport.embedded_store import EmbeddedStore
@@ -827,6 +827,50 @@ async def test_lookup_reports_the_hybrid_hit_and_keeps_the_last_token(hybrid: Ha
     assert hits == {4: 0, 12: 0, 13: 12, 16: 12}
     assert reply.session is hybrid.session
     assert reply.message == LookupReply(5, 12)
+
+
+class CountingStore(StoreWrapper):
+    """The real store, counting the keys of each ``exists`` query."""
+
+    def __init__(self, inner: KVStore) -> None:
+        super().__init__(inner)
+        self.queries: list[int] = []
+
+    async def exists(self, keys: Sequence[str], sizes: Sequence[int]) -> list[Presence]:
+        self.queries.append(len(keys))
+        return await super().exists(keys, sizes)
+
+
+@pytest.mark.parametrize("stored_blocks", [0, 5, 100, PROBE_KNOWN_ABOVE + 40])
+async def test_known_hashes_of_a_long_prompt_are_probed_first_in_process(
+    stored_blocks: int,
+) -> None:
+    """With the engine's hashes of a prompt longer than PROBE_KNOWN_ABOVE blocks, a store
+    answering in-process is asked about a first chunk, then about the rest in one query;
+    a miss in the first chunk ends the lookup there. A remote store is asked once. Both
+    find the same hit."""
+    dense = harness([full(4, "a")])
+    [geometry] = dense.session.store_groups
+    blocks = PROBE_KNOWN_ABOVE + 40
+    prompt = tokens(blocks * 4 + 1)
+    hashes = block_hashes(prompt, 4)
+    [prefix] = geometry.keys.lookup
+    sizes = {prefix: 8}
+    with anyio.fail_after(TIMEOUT_S):
+        stored_keys = keys_for(prefix, hashes[:stored_blocks])
+        await dense.store.put(stored_keys, [torch.zeros(8, dtype=torch.uint8)] * stored_blocks)
+        hits = []
+        for probe_first in (True, False):
+            store = CountingStore(dense.store)
+            lookup = LookupStage(store, sizes, probe_first=probe_first)
+            hits.append(await lookup.hit_tokens(
+                dense.session, Lookup(0, pack_tokens(prompt), block_hashes=tuple(hashes))))
+            first_miss_in_probe = stored_blocks < FIRST_CHUNK_BLOCKS
+            assert store.queries == (
+                [blocks] if not probe_first
+                else [FIRST_CHUNK_BLOCKS] if first_miss_in_probe
+                else [FIRST_CHUNK_BLOCKS, blocks - FIRST_CHUNK_BLOCKS])
+    assert hits == [stored_blocks * 4] * 2
 
 
 async def test_a_full_store_puts_the_request_under_pressure_until_a_batch_is_stored(

@@ -328,6 +328,39 @@ async def test_cancelled_put_releases_its_reservation() -> None:
             assert await stored(store, ["a"]) == [False]
 
 
+async def test_a_key_removed_while_its_value_is_copied_in_stays_absent() -> None:
+    """A put whose key is removed before its copy lands leaves the key absent (and not
+    loadable) once the copy is done; putting it again stores it anew. The same holds for
+    a reservation removed before its commit."""
+    limiter = anyio.CapacityLimiter(1)
+    with anyio.fail_after(WAIT_S):
+        async with make_store(64, limiter) as store:
+            await limiter.acquire()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(store.put, ["a"], [value(16, 1)])
+                await wait_for_waiters(limiter, 1)
+                assert await store.remove(["a"]) == 1
+                limiter.release()
+            assert await store.exists(["a"], [16]) == [Presence.ABSENT]
+            assert await read(store, "a", 16) is None
+            assert await store.put(["a"], [value(16, 2)]) == [STORED]
+            assert await store.exists(["a"], [16]) == [Presence.PRESENT]
+
+            extents = await store.reserve(["b"], 16)
+            assert await store.remove(["b"]) == 1
+            store.commit(extents, written=True)
+            assert await store.exists(["a", "b"], [16, 16]) == [
+                Presence.PRESENT, Presence.ABSENT]
+            assert store.stats().used_bytes == 16
+
+
+async def test_exists_checks_keys_against_sizes_one_for_one() -> None:
+    """As many sizes as keys, or a ValueError naming both counts."""
+    async with make_store(64) as store:
+        with pytest.raises(ValueError, match="2 keys and 1 sizes"):
+            await store.exists(["a", "b"], [16])
+
+
 async def test_concurrent_puts_and_gets_load_only_exact_bytes() -> None:
     """Many tasks hammering a small arena never load a byte that was not put."""
     sizes = [8, 24, 40]
@@ -426,6 +459,10 @@ def test_any_sequence_stays_in_budget_and_loads_exact_bytes(
                     if here
                 )
                 assert stats.keys == sum(present)
+                # At the size each was put with, every value readable is present.
+                exact = await store.exists(list(model), [d.numel() for d in model.values()])
+                assert exact == [Presence.PRESENT if here else Presence.ABSENT
+                                 for here in present]
 
     async def main() -> None:
         with anyio.fail_after(WAIT_S):
