@@ -29,7 +29,7 @@ from pipeline.state.history import BlockHistory, Prompt, Verdict, content_prints
 from pipeline.state.jobs import LookupRequest, Reply
 from pipeline.state.sessions import EngineSession
 
-__all__ = ["FIRST_CHUNK_BLOCKS", "LookupStage"]
+__all__ = ["FIRST_CHUNK_BLOCKS", "PROBE_KNOWN_ABOVE", "LookupStage"]
 
 FIRST_CHUNK_BLOCKS = 16
 """Fine blocks hashed and checked first; each later chunk is 8x larger."""
@@ -57,7 +57,7 @@ class LookupStage:
         engines registered them; a key under a prefix of unknown size is a miss.
         ``history`` explains absent blocks (without it every absent block is
         never_stored). ``probe_first``: the store answers in-process, so a query costs
-        its keys, not a round trip: known hashes are checked chunk by chunk too."""
+        its keys, not a round trip: a long prompt's known hashes are probed first."""
         self._store = store
         self._value_sizes = value_sizes
         self._history = history or BlockHistory(0)
@@ -92,7 +92,7 @@ class LookupStage:
         checked = [0] * len(groups)  # blocks of each store group looked at so far
         done = 0  # fine blocks hashed and checked
         # Hashes already known (the engine's, or a repeated request's) are checked in one
-        # query, after a first chunk where a query costs only its keys (probe_first).
+        # query; of a long prompt, after a first chunk, where a query costs only its keys.
         known = len(message.block_hashes or ()) if hasher is None else len(hasher.hashes)
         probe = self._probe_first and known > PROBE_KNOWN_ABOVE
         chunk = FIRST_CHUNK_BLOCKS if probe else max(FIRST_CHUNK_BLOCKS, known)

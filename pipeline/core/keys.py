@@ -85,7 +85,7 @@ def store_key(
 
 def keys_for(prefix: str, block_hashes: Iterable[bytes]) -> list[str]:
     """The store keys of blocks under a ``key_prefix`` (the one place keys are spelled)."""
-    # Both loops in C: a lookup spells a key for every block of the prompt.
+    # map runs both loops in C: a lookup spells a key for every block of the prompt.
     return list(map(f"{prefix}@".__add__, map(bytes.hex, block_hashes)))
 
 
