@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.core.keys import ValueFormat, key_prefix, layout_keys, parse_key, store_key
+from pipeline.core import keys as keys_module
+from pipeline.core.keys import (
+    ValueFormat,
+    key_prefix,
+    keys_for,
+    layout_keys,
+    parse_key,
+    store_key,
+)
 from pipeline.core.layout import KVCacheLayout
 
 HASH = bytes(range(32))
@@ -104,3 +113,41 @@ def test_parse_key_reads_the_group_and_hash_back() -> None:
     key = store_key("m", HASH, store_group=3, namespace="@store_format:x", tp_rank=1)
     assert parse_key(key) == (3, HASH)
     assert parse_key("not-a-key") is None
+
+
+block_hash = st.binary(min_size=32, max_size=32)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["m@group:0", "m@group:1", "other"]),
+                          st.lists(st.sampled_from([bytes([b]) * 32 for b in range(12)])
+                                   | block_hash, max_size=12)),
+                max_size=12),
+       st.integers(1, 30))
+def test_keys_are_spelled_the_same_whatever_was_remembered(
+    calls: list[tuple[str, list[bytes]]], remembered: int,
+) -> None:
+    """Whatever was asked before, and however few keys are remembered, every key is
+    ``{prefix}@{hex}``: all new, all remembered, or some of each, from a list, a tuple
+    or any iterable."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(keys_module, "SPELLED_KEYS", remembered)
+        patch.setattr(keys_module, "_spelled", {})
+        patch.setattr(keys_module, "_spelled_count", 0)
+        longest = 0
+        for number, (prefix, hashes) in enumerate(calls):
+            given_as = (list, tuple, iter)[number % 3](hashes)
+            assert keys_for(prefix, given_as) == [f"{prefix}@{h.hex()}" for h in hashes]
+            # At most the bound, or one call's keys when a call alone exceeds it.
+            longest = max(longest, len(hashes))
+            assert keys_module._spelled_count <= max(remembered, longest)
+            assert keys_module._spelled_count == sum(
+                len(spelled) for spelled in keys_module._spelled.values())
+
+
+def test_a_remembered_key_is_the_same_string() -> None:
+    """Asked again, even with equal hashes in new objects, the keys are the very strings
+    spelled the first time (their string hash already computed)."""
+    hashes = [bytes([b]) * 32 for b in range(40, 48)]
+    first = keys_for("m@group:7", hashes)
+    again = keys_for("m@group:7", [bytes(bytearray(h)) for h in hashes])
+    assert all(a is b for a, b in zip(first, again, strict=True))
