@@ -3,16 +3,23 @@
 ``h_i = sha256(cbor(parent, tuple(tokens_i), extra_keys_i))`` with ``parent = h_{i-1}``
 or ``NONE_HASH`` for the first block. ``NONE_HASH`` is ``sha256_cbor(seed)`` where the
 seed is ``"vllm-none-hash"`` unless the engine set ``PYTHONHASHSEED``.
+
+A block with no extra keys whose token ids fit in uint32 (every request without LoRA,
+multimodal items or a cache salt) is hashed by ``_blockhash.chain``, in C without the
+GIL; the same bytes as the Python spelling below, which hashes everything else.
 """
 
 from __future__ import annotations
 
+import array
 import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 import cbor2
+
+from pipeline.core._blockhash import chain as _chain
 
 __all__ = [
     "DEFAULT_SEED",
@@ -31,6 +38,8 @@ MMItem = tuple[str, int, int]
 
 _sha256 = hashlib.sha256
 _dumps = cbor2.dumps
+_UINT32 = "I"
+assert array.array(_UINT32).itemsize == 4
 
 
 def sha256_cbor(value: Any) -> bytes:
@@ -97,7 +106,12 @@ class RequestHasher:
             return hashes
         parent = self._parent
         sha256, dumps, append = _sha256, _dumps, hashes.append
-        if self._simple:
+        end = first + (len(token_ids) - first) // size * size
+        if self._simple and (ids := _uint32s(token_ids, first, end)) is not None:
+            new = _chain(parent, ids, size)  # the usual request: natively, ~6x quicker
+            hashes.extend(new)
+            parent = new[-1]
+        elif self._simple:
             for start in range(first, stop, size):
                 tokens = tuple(token_ids[start : start + size])
                 parent = sha256(dumps((parent, tokens, None), canonical=True)).digest()
@@ -130,6 +144,20 @@ class RequestHasher:
         if start == 0 and self._salt:
             keys.append(("cache_salt", self._salt))
         return tuple(keys) if keys else None
+
+
+def _uint32s(
+    token_ids: Sequence[int], start: int, end: int,
+) -> memoryview | array.array[int] | None:
+    """``token_ids[start:end]`` as native uint32s for the native chain (an ``array('I')``,
+    as received, without a copy); None when one is out of that range (hashed in Python,
+    as CBOR spells any integer)."""
+    if isinstance(token_ids, array.array) and token_ids.typecode == _UINT32:
+        return memoryview(token_ids)[start:end]
+    try:
+        return array.array(_UINT32, token_ids[start:end])
+    except (OverflowError, TypeError):
+        return None
 
 
 def block_hashes(

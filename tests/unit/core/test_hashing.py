@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import hashlib
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pipeline.core._blockhash import chain
 from pipeline.core.hashing import (
     DEFAULT_SEED,
     RequestHasher,
@@ -27,6 +29,9 @@ def reference(parent: bytes, tokens: list[int], extra: Any = None) -> bytes:
 
 tokens_st = st.lists(st.integers(0, 2**31 - 1), max_size=120)
 block_st = st.integers(1, 17)
+# Every width a CBOR unsigned integer takes, at its edges.
+uint32_st = st.sampled_from([0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1]) | st.integers(
+    0, 2**32 - 1)
 
 
 def test_none_hash_is_sha256_cbor_of_the_seed() -> None:
@@ -196,3 +201,66 @@ def test_group_view_rejects_non_multiple() -> None:
     """A group block size that is not a multiple of hash_block_size is refused."""
     with pytest.raises(ValueError, match="not a multiple of hash_block_size 16"):
         group_block_hashes([], 16, 24)
+
+
+@given(st.binary(max_size=40), st.lists(uint32_st, max_size=80),
+       st.sampled_from([1, 2, 16, 23, 24, 25]))
+def test_the_native_chain_spells_every_width_as_cbor_does(
+    parent: bytes, tokens: list[int], size: int,
+) -> None:
+    """``_blockhash.chain`` hashes each full block exactly as the contract's Python
+    spelling does: any parent length, token ids of every CBOR width, array heads short
+    and long."""
+    expected = []
+    previous = parent
+    for start in range(0, len(tokens) - size + 1, size):
+        previous = reference(previous, tokens[start : start + size])
+        expected.append(previous)
+    assert chain(parent, array.array("I", tokens), size) == expected
+
+
+def test_the_native_chain_refuses_what_is_not_whole_blocks_of_uint32() -> None:
+    """A block size below 1, or bytes that are not whole uint32s: a ValueError."""
+    with pytest.raises(ValueError, match="block_size must be positive"):
+        chain(none_hash(), array.array("I", [1, 2]), 0)
+    with pytest.raises(ValueError, match="6 bytes of tokens"):
+        chain(none_hash(), b"\0" * 6, 1)
+
+
+@pytest.mark.parametrize("size", [255, 256, 300])
+def test_blocks_longer_than_a_one_byte_array_head_hash_alike(size: int) -> None:
+    """Blocks of 256 tokens and more take a two-byte array head."""
+    tokens = list(range(70_000, 70_000 + 3 * size))
+    expected = []
+    parent = none_hash()
+    for start in range(0, len(tokens) - size + 1, size):
+        parent = reference(parent, tokens[start : start + size])
+        expected.append(parent)
+    assert block_hashes(tokens, size) == expected
+
+
+@given(st.lists(st.integers(-(2**40), 2**40), max_size=40), block_st)
+def test_token_ids_beyond_uint32_are_hashed_in_python_alike(
+    tokens: list[int], size: int,
+) -> None:
+    """A token id the native chain cannot take (negative, or past uint32) leaves the
+    request to the Python spelling, with the same bytes as the contract."""
+    expected = []
+    parent = none_hash()
+    for start in range(0, len(tokens) - size + 1, size):
+        parent = reference(parent, tokens[start : start + size])
+        expected.append(parent)
+    assert block_hashes(tokens, size) == expected
+
+
+@given(st.lists(uint32_st, max_size=120), block_st, st.lists(st.integers(0, 120), max_size=4))
+def test_token_ids_as_received_hash_as_a_list_does(
+    tokens: list[int], size: int, cuts: list[int],
+) -> None:
+    """Token ids as the sidecar receives them (``array('I')``), extended a prefix at a
+    time, hash exactly as the same ids in a list."""
+    hasher = RequestHasher(size)
+    received = array.array("I", tokens)
+    for cut in sorted(cuts):
+        assert hasher.extend(received[:cut]) == block_hashes(tokens[:cut], size)
+    assert hasher.extend(received) == block_hashes(tokens, size)
