@@ -108,7 +108,7 @@ class RequestHasher:
         sha256, dumps, append = _sha256, _dumps, hashes.append
         end = first + (len(token_ids) - first) // size * size
         if self._simple and (ids := _uint32s(token_ids, first, end)) is not None:
-            new = _chain(parent, ids, size)  # the usual request: natively, ~6x quicker
+            new = _chain(parent, ids, size)  # the usual request: natively, ~4x quicker
             hashes.extend(new)
             parent = new[-1]
         elif self._simple:
