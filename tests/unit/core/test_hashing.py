@@ -27,6 +27,17 @@ def reference(parent: bytes, tokens: list[int], extra: Any = None) -> bytes:
     return hashlib.sha256(cbor2.dumps((parent, tuple(tokens), extra), canonical=True)).digest()
 
 
+def reference_chain(tokens: list[int], size: int, parent: bytes | None = None) -> list[bytes]:
+    """Every full block's hash, each chained from the one before (the first from
+    ``parent``, NONE_HASH by default), written out from the contract."""
+    hashes = []
+    parent = none_hash() if parent is None else parent
+    for start in range(0, len(tokens) - size + 1, size):
+        parent = reference(parent, tokens[start : start + size])
+        hashes.append(parent)
+    return hashes
+
+
 tokens_st = st.lists(st.integers(0, 2**31 - 1), max_size=120)
 block_st = st.integers(1, 17)
 # Every width a CBOR unsigned integer takes, at its edges.
@@ -44,11 +55,7 @@ def test_none_hash_is_sha256_cbor_of_the_seed() -> None:
 @given(tokens_st, block_st)
 def test_block_hashes_chain_over_full_blocks(tokens: list[int], size: int) -> None:
     """h_i = sha256(cbor(h_{i-1}, tokens_i, None)) from NONE_HASH, full blocks only."""
-    expected: list[bytes] = []
-    parent = none_hash()
-    for start in range(0, len(tokens) - size + 1, size):
-        parent = reference(parent, tokens[start : start + size])
-        expected.append(parent)
+    expected = reference_chain(tokens, size)
     assert block_hashes(tokens, size) == expected
     assert len(expected) == len(tokens) // size
 
@@ -211,12 +218,7 @@ def test_the_native_chain_spells_every_width_as_cbor_does(
     """``_blockhash.chain`` hashes each full block exactly as the contract's Python
     spelling does: any parent length, token ids of every CBOR width, array heads short
     and long."""
-    expected = []
-    previous = parent
-    for start in range(0, len(tokens) - size + 1, size):
-        previous = reference(previous, tokens[start : start + size])
-        expected.append(previous)
-    assert chain(parent, array.array("I", tokens), size) == expected
+    assert chain(parent, array.array("I", tokens), size) == reference_chain(tokens, size, parent)
 
 
 def test_the_native_chain_refuses_what_is_not_whole_blocks_of_uint32() -> None:
@@ -231,12 +233,7 @@ def test_the_native_chain_refuses_what_is_not_whole_blocks_of_uint32() -> None:
 def test_blocks_longer_than_a_one_byte_array_head_hash_alike(size: int) -> None:
     """Blocks of 256 tokens and more take a two-byte array head."""
     tokens = list(range(70_000, 70_000 + 3 * size))
-    expected = []
-    parent = none_hash()
-    for start in range(0, len(tokens) - size + 1, size):
-        parent = reference(parent, tokens[start : start + size])
-        expected.append(parent)
-    assert block_hashes(tokens, size) == expected
+    assert block_hashes(tokens, size) == reference_chain(tokens, size)
 
 
 @given(st.lists(st.integers(-(2**40), 2**40), max_size=40), block_st)
@@ -245,12 +242,7 @@ def test_token_ids_beyond_uint32_are_hashed_in_python_alike(
 ) -> None:
     """A token id the native chain cannot take (negative, or past uint32) leaves the
     request to the Python spelling, with the same bytes as the contract."""
-    expected = []
-    parent = none_hash()
-    for start in range(0, len(tokens) - size + 1, size):
-        parent = reference(parent, tokens[start : start + size])
-        expected.append(parent)
-    assert block_hashes(tokens, size) == expected
+    assert block_hashes(tokens, size) == reference_chain(tokens, size)
 
 
 @given(st.lists(uint32_st, max_size=120), block_st, st.lists(st.integers(0, 120), max_size=4))
