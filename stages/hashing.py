@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import anyio
 
-from pipeline.core.keys import keys_for
 from pipeline.core.outcomes import BlockStatus, KeyOutcome
 from pipeline.state.jobs import Job, JobTracker, TaskBatch
 
@@ -37,7 +36,7 @@ class HashingStage:
                 limiter=self._limiter,
             )
         hashes = [session.group_hashes(g, fine) for g in range(len(session.store_groups))]
-        keys = [keys_for(geometry.key_prefix, group_hashes)
+        keys = [session.speller.keys(geometry.key_prefix, group_hashes)
                 for geometry, group_hashes in zip(session.store_groups, hashes, strict=True)]
         named, unnamed = TaskBatch(), []
         for task in job.planned:

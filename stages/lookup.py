@@ -112,7 +112,7 @@ class LookupStage:
                 k = size // hbs
                 new = group_block_hashes(fine[done // k * k : end // k * k], hbs, size)
                 for prefix in geometry.keys.lookup:
-                    keys.extend(keys_for(prefix, new))
+                    keys.extend(session.speller.keys(prefix, new))
                     sizes.extend([self._value_sizes.get(prefix, 0)] * len(new))
                 counts.append(len(new))
             try:

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import cast
 
 from pipeline.core.layout import GroupKind, KVCacheGroup, KVCacheLayout
 
 __all__ = [
     "GroupKeys",
+    "KeySpeller",
     "ValueFormat",
     "key_prefix",
     "keys_for",
@@ -84,44 +85,50 @@ def store_key(
     return keys_for(prefix, (block_hash,))[0]
 
 
-SPELLED_KEYS = 65536
-"""Keys remembered once spelled, across every key prefix (about 250 bytes each: 16 MiB
-at most). Called on the event loop only, as every caller does."""
-
-_spelled: dict[str, dict[bytes, str]] = {}
-"""Key prefix -> block hash -> key: a block saved and then looked up, or a prompt looked
-up at every scheduler step while it waits, is spelled once. A remembered key also
-carries its string hash, so a store's index finds it without hashing it again."""
-_spelled_count = 0
-
-
 def keys_for(prefix: str, block_hashes: Iterable[bytes]) -> list[str]:
     """The store keys of blocks under a ``key_prefix`` (the one place keys are spelled)."""
-    global _spelled_count
-    hashes = block_hashes if isinstance(block_hashes, list | tuple) else list(block_hashes)
-    spelled = _spelled.get(prefix)
-    if spelled is None:
-        spelled = _spelled.setdefault(prefix, {})
-    # C loops throughout: a lookup asks for a key for every block of the prompt.
-    found = list(map(spelled.get, hashes))
-    if all(found):  # every one remembered (a key is never empty)
-        return cast(list[str], found)
-    if _spelled_count + len(hashes) > SPELLED_KEYS:  # forget them all, start over
-        for remembered in _spelled.values():
-            remembered.clear()
-        _spelled_count = 0
-    keys: list[str]
-    if not any(found):
-        keys = list(map(f"{prefix}@".__add__, map(bytes.hex, hashes)))
-        fresh = dict(zip(hashes, keys, strict=True))
-    else:
-        fresh = {block_hash: f"{prefix}@{block_hash.hex()}"
-                 for block_hash, key in zip(hashes, found, strict=True) if key is None}
-        keys = [key or fresh[block_hash] for block_hash, key in zip(hashes, found, strict=True)]
-    before = len(spelled)
-    spelled.update(fresh)
-    _spelled_count += len(spelled) - before
-    return keys
+    # map runs both loops in C: a lookup spells a key for every block of the prompt.
+    return list(map(f"{prefix}@".__add__, map(bytes.hex, block_hashes)))
+
+
+class KeySpeller:
+    """``keys_for``, remembering the keys it spelled: a block saved and then looked up,
+    or a prompt looked up at every scheduler step while it waits, is spelled once. A
+    remembered key also carries its string hash, so a store's index finds it without
+    hashing it again. Past ``capacity`` keys (about 250 bytes each) it forgets them all
+    and starts over. Not thread-safe: one event loop spells."""
+
+    def __init__(self, capacity: int = 16384) -> None:
+        self.capacity = capacity
+        self._spelled: dict[str, dict[bytes, str]] = {}
+        """Key prefix -> block hash -> key."""
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def keys(self, prefix: str, block_hashes: Sequence[bytes]) -> list[str]:
+        spelled = self._spelled.get(prefix)
+        if spelled is None:
+            spelled = self._spelled[prefix] = {}
+        found = list(map(spelled.get, block_hashes))  # C loops throughout
+        if all(found):  # every one remembered (a key is never empty)
+            return cast(list[str], found)
+        if self._count + len(block_hashes) > self.capacity:
+            for remembered in self._spelled.values():
+                remembered.clear()
+            self._count = 0
+        if not any(found):
+            keys = keys_for(prefix, block_hashes)
+            fresh = dict(zip(block_hashes, keys, strict=True))
+        else:
+            missing = [h for h, key in zip(block_hashes, found, strict=True) if key is None]
+            fresh = dict(zip(missing, keys_for(prefix, missing), strict=True))
+            keys = [key or fresh[h] for h, key in zip(block_hashes, found, strict=True)]
+        before = len(spelled)
+        spelled.update(fresh)
+        self._count += len(spelled) - before
+        return keys
 
 
 def parse_key(key: str) -> tuple[int, bytes] | None:

@@ -14,6 +14,7 @@ import structlog
 from pipeline.core.errors import ProtocolError
 from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.hashing import RequestHasher, group_block_hashes
+from pipeline.core.keys import KeySpeller
 from pipeline.core.layout import NULL_BLOCK_ID, KVCacheLayout
 from pipeline.core.messages import RequestKeys
 
@@ -69,6 +70,8 @@ class EngineSession:
             tuple[str, RequestKeys], tuple[RequestHasher, Sequence[int]]
         ] = collections.OrderedDict()
         self._hashers_lock = threading.Lock()
+        self.speller = KeySpeller()
+        """Spells this engine's keys, remembering them (the event loop's alone)."""
         self.first_block_hash = functools.lru_cache(FIRST_HASH_CACHE_SIZE)(self._first_block_hash)
         """``(keys, the first block's tokens)`` -> its hash: how every request's engine
         hashes are checked, remembered since prompts tend to open with the same block

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import re
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.core import keys as keys_module
 from pipeline.core.keys import (
+    KeySpeller,
     ValueFormat,
     key_prefix,
     keys_for,
@@ -123,31 +122,27 @@ block_hash = st.binary(min_size=32, max_size=32)
                                    | block_hash, max_size=12)),
                 max_size=12),
        st.integers(1, 30))
-def test_keys_are_spelled_the_same_whatever_was_remembered(
-    calls: list[tuple[str, list[bytes]]], remembered: int,
+def test_a_speller_spells_as_keys_for_whatever_it_remembers(
+    calls: list[tuple[str, list[bytes]]], capacity: int,
 ) -> None:
-    """Whatever was asked before, and however few keys are remembered, every key is
-    ``{prefix}@{hex}``: all new, all remembered, or some of each, from a list, a tuple
-    or any iterable."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(keys_module, "SPELLED_KEYS", remembered)
-        patch.setattr(keys_module, "_spelled", {})
-        patch.setattr(keys_module, "_spelled_count", 0)
-        longest = 0
-        for number, (prefix, hashes) in enumerate(calls):
-            given_as = (list, tuple, iter)[number % 3](hashes)
-            assert keys_for(prefix, given_as) == [f"{prefix}@{h.hex()}" for h in hashes]
-            # At most the bound, or one call's keys when a call alone exceeds it.
-            longest = max(longest, len(hashes))
-            assert keys_module._spelled_count <= max(remembered, longest)
-            assert keys_module._spelled_count == sum(
-                len(spelled) for spelled in keys_module._spelled.values())
+    """Whatever was asked before, and however few keys it may remember, a speller's keys
+    are ``keys_for``'s: all new, all remembered, or some of each; it holds at most its
+    capacity, or one call's keys when a call alone exceeds it."""
+    speller = KeySpeller(capacity)
+    longest = 0
+    for prefix, hashes in calls:
+        assert speller.keys(prefix, hashes) == keys_for(prefix, hashes) == [
+            f"{prefix}@{h.hex()}" for h in hashes]
+        longest = max(longest, len(hashes))
+        assert len(speller) <= max(capacity, longest)
 
 
 def test_a_remembered_key_is_the_same_string() -> None:
     """Asked again, even with equal hashes in new objects, the keys are the very strings
     spelled the first time (their string hash already computed)."""
+    speller = KeySpeller()
     hashes = [bytes([b]) * 32 for b in range(40, 48)]
-    first = keys_for("m@group:7", hashes)
-    again = keys_for("m@group:7", [bytes(bytearray(h)) for h in hashes])
+    first = speller.keys("m@group:7", hashes)
+    again = speller.keys("m@group:7", [bytes(bytearray(h)) for h in hashes])
     assert all(a is b for a, b in zip(first, again, strict=True))
+    assert len(speller) == len(hashes)
