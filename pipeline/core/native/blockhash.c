@@ -126,7 +126,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_blockhash",
+    PyModuleDef_HEAD_INIT, "pipeline.core._blockhash",
     "Block hashes byte-identical to vLLM's sha256_cbor, without the GIL.", -1, methods,
 };
 
