@@ -58,8 +58,6 @@ class _Entry:
     span: int
     """The arena bytes it occupies: its size, padded (``value_align``)."""
     pins: int = 0
-    ready: bool = False
-    """False while the put that created it is still copying the value in."""
     removed: bool = False
     """Out of the index; the extent is freed when the last pin goes."""
 
@@ -126,7 +124,8 @@ class EmbeddedStore(AsyncResource):
         self._allocator = ArenaAllocator(config.capacity_bytes)
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._ready_sizes: dict[str, int] = {}
-        """The size of every readable entry, by key: what ``exists`` asks, in C loops."""
+        """The size of every readable entry, by key (an entry whose value is still being
+        copied in is not yet here): what ``exists`` asks, in C loops."""
         self._pinned_bytes = 0
         self._evictions = 0
         self._limiter = copy_limiter or anyio.CapacityLimiter(DEFAULT_COPY_THREADS)
@@ -199,9 +198,9 @@ class EmbeddedStore(AsyncResource):
         outcomes: list[KeyOutcome] = []
         reads: list[tuple[int, _Entry, torch.Tensor]] = []
         for key, buffer in zip(keys, buffers, strict=True):
-            entry = self._entries.get(key)
+            entry = self._readable(key)
             problem = _check_bytes(buffer)
-            if entry is None or not entry.ready:
+            if entry is None:
                 outcomes.append(MISSING)
             elif problem is not None:
                 outcomes.append(failed(f"bad_buffer: {problem}"))
@@ -278,8 +277,8 @@ class EmbeddedStore(AsyncResource):
         self._check_open()
         lent: list[tuple[_Entry | None, KeyOutcome]] = []
         for key in keys:
-            entry = self._entries.get(key)
-            if entry is None or not entry.ready:
+            entry = self._readable(key)
+            if entry is None:
                 lent.append((None, MISSING))
             elif entry.size != size:
                 lent.append((None, failed(f"size_mismatch: stored {entry.size}, want {size}")))
@@ -410,9 +409,12 @@ class EmbeddedStore(AsyncResource):
 
     def _make_ready(self, entry: _Entry) -> None:
         """Its value is in: readable from now on (unless it was removed meanwhile)."""
-        entry.ready = True
         if not entry.removed:
             self._ready_sizes[entry.key] = entry.size
+
+    def _readable(self, key: str) -> _Entry | None:
+        """The entry under ``key`` if its value is in."""
+        return self._entries[key] if key in self._ready_sizes else None
 
     def _drop(self, entry: _Entry) -> None:
         """Take an entry out of the index; its extent is freed once nothing copies it."""
