@@ -20,6 +20,7 @@ from typing import Any
 import cbor2
 
 from pipeline.core._blockhash import chain as _chain
+from pipeline.core.messages import TOKEN_TYPECODE
 
 __all__ = [
     "DEFAULT_SEED",
@@ -38,8 +39,6 @@ MMItem = tuple[str, int, int]
 
 _sha256 = hashlib.sha256
 _dumps = cbor2.dumps
-_UINT32 = "I"
-assert array.array(_UINT32).itemsize == 4
 
 
 def sha256_cbor(value: Any) -> bytes:
@@ -152,10 +151,10 @@ def _uint32s(
     """``token_ids[start:end]`` as native uint32s for the native chain (an ``array('I')``,
     as received, without a copy); None when one is out of that range (hashed in Python,
     as CBOR spells any integer)."""
-    if isinstance(token_ids, array.array) and token_ids.typecode == _UINT32:
+    if isinstance(token_ids, array.array) and token_ids.typecode == TOKEN_TYPECODE:
         return memoryview(token_ids)[start:end]
     try:
-        return array.array(_UINT32, token_ids[start:end])
+        return array.array(TOKEN_TYPECODE, token_ids[start:end])
     except (OverflowError, TypeError):
         return None
 

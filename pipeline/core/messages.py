@@ -22,6 +22,7 @@ __all__ = [
     "HASH_ALGOS",
     "PROTOCOL_VERSION",
     "SIDECAR_HASH_ALGO",
+    "TOKEN_TYPECODE",
     "BlockReport",
     "BlockWhy",
     "CudaIpc",
@@ -66,27 +67,27 @@ if TYPE_CHECKING:
 else:
     TokenIds = array.array  # not subscriptable at run time before Python 3.12
 
-_TOKEN_TYPECODE = "I"
+TOKEN_TYPECODE = "I"
 _TOKEN_BYTES = 4
-assert array.array(_TOKEN_TYPECODE).itemsize == _TOKEN_BYTES
+assert array.array(TOKEN_TYPECODE).itemsize == _TOKEN_BYTES
 
 
 def pack_tokens(values: Iterable[int]) -> TokenIds:
     """Token ids as sent; each must fit in a uint32."""
     try:
         if isinstance(values, list):  # the usual case: fromlist's loop is ~40% quicker
-            tokens = array.array(_TOKEN_TYPECODE)
+            tokens = array.array(TOKEN_TYPECODE)
             tokens.fromlist(values)
             return tokens
-        return array.array(_TOKEN_TYPECODE, values)
+        return array.array(TOKEN_TYPECODE, values)
     except (OverflowError, TypeError) as exc:
         raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from exc
 
 
 def _enc_hook(value: Any) -> Any:
-    if isinstance(value, array.array) and value.typecode == _TOKEN_TYPECODE:
+    if isinstance(value, array.array) and value.typecode == TOKEN_TYPECODE:
         if sys.byteorder == "big":
-            value = array.array(_TOKEN_TYPECODE, value)
+            value = array.array(TOKEN_TYPECODE, value)
             value.byteswap()
         return value.tobytes()
     raise NotImplementedError(f"cannot encode {type(value).__name__}")
@@ -98,7 +99,7 @@ def _dec_hook(kind: type, value: Any) -> Any:
             raise TypeError(f"Expected `bytes` of uint32 token ids, got `{type(value).__name__}`")
         if len(value) % _TOKEN_BYTES:
             raise ValueError(f"{len(value)} bytes is not a whole number of uint32 token ids")
-        tokens = array.array(_TOKEN_TYPECODE)
+        tokens = array.array(TOKEN_TYPECODE)
         tokens.frombytes(value)
         if sys.byteorder == "big":
             tokens.byteswap()
@@ -231,7 +232,7 @@ class Explain(_Wire, frozen=True, tag="explain"):
     seq: NonNegative
     engine_id: str = ""
     """The engine whose view is explained ("": the only engine registered)."""
-    token_ids: TokenIds = msgspec.field(default_factory=lambda: array.array(_TOKEN_TYPECODE))
+    token_ids: TokenIds = msgspec.field(default_factory=lambda: array.array(TOKEN_TYPECODE))
     """The prompt (may be empty when ``block_hashes`` are given)."""
     keys: RequestKeys = RequestKeys()
     block_hashes: tuple[bytes, ...] | None = None
