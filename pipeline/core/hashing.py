@@ -100,24 +100,23 @@ class RequestHasher:
         size = self._block
         hashes = self._hashes
         first = len(hashes) * size
-        stop = len(token_ids) - size + 1
-        if first >= stop:  # decode steps mostly end here: no new full block
+        end = first + (len(token_ids) - first) // size * size  # past the last full block
+        if end <= first:  # decode steps mostly end here: no new full block
             return hashes
         parent = self._parent
         sha256, dumps, append = _sha256, _dumps, hashes.append
-        end = first + (len(token_ids) - first) // size * size
         if self._simple and (ids := _uint32s(token_ids, first, end)) is not None:
             new = _chain(parent, ids, size)  # the usual request: natively, ~4x quicker
             hashes.extend(new)
             parent = new[-1]
         elif self._simple:
-            for start in range(first, stop, size):
+            for start in range(first, end, size):
                 tokens = tuple(token_ids[start : start + size])
                 parent = sha256(dumps((parent, tokens, None), canonical=True)).digest()
                 append(parent)
         else:
             extra_keys = self._extra_keys
-            for start in range(first, stop, size):
+            for start in range(first, end, size):
                 tokens = tuple(token_ids[start : start + size])
                 extra = extra_keys(start, start + size)
                 parent = sha256(dumps((parent, tokens, extra), canonical=True)).digest()
