@@ -49,6 +49,7 @@ import psutil
 import torch
 from bench_sidecar_throughput import make_layout
 from harness import (
+    RESULTS_DIR,
     ROOT,
     median,
     percentile,
@@ -540,6 +541,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         assert sidecar.metrics_url is not None
         report = anyio.run(soak, args, sidecar.pid, sidecar.endpoint, sidecar.metrics_url)
         exit_code = sidecar.terminate(timeout_s=60)
+        RESULTS_DIR.mkdir(exist_ok=True)
+        (RESULTS_DIR / "soak-sidecar.log").write_text(sidecar.log())
     report["sidecar_exit_code"] = exit_code
 
     rss, engines, probe = report["rss"], report["engines"], report["probe"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -41,7 +42,14 @@ async def serve(config: Config) -> None:
                     return
 
         tg.start_soon(stop_on_signal)
-        await run_sidecar(config, stop)
+        async with anyio.create_task_group() as sidecar:
+            await sidecar.start(run_sidecar, config, stop)
+            # What start-up built (imported modules, torch's among them: some 200k
+            # objects) lives as long as the process. Out of the collector's sight, a full
+            # collection walks only what serving creates: 160 ms less on each, a pause of
+            # every request in flight.
+            gc.collect()
+            gc.freeze()
         tg.cancel_scope.cancel()
 
 

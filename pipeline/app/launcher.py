@@ -109,6 +109,12 @@ def run_sidecar_process(
     ``python_args`` go before ``-m`` (``["-m", "cProfile", "-o", FILE]`` profiles it).
     ``metrics``: serve Prometheus metrics on a free loopback port (``metrics_url``).
     The sidecar is stopped (SIGTERM, then SIGKILL) when the block exits.
+
+    It runs in a session of its own, as under a service manager: where the kernel groups
+    processes by session (Linux's autogroup), the CPU is shared between the sidecar and
+    the engines that start it as two groups, not thread by thread, so engines busy on
+    the same cores cannot crowd the sidecar out. A terminal's Ctrl-C reaches the caller
+    alone, which stops the sidecar on its way out.
     """
     metrics_url = None
     if metrics:
@@ -136,6 +142,7 @@ def run_sidecar_process(
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(env or {})},
+                start_new_session=True,
             )
         sidecar = SidecarProcess(process, merged["server"]["endpoint"], log_path, metrics_url)
         try:

@@ -278,7 +278,11 @@ class JobTracker:
             self._history.refused(first, tokens, outcome, job.message.keys)
 
     def answered(self, job: Job) -> None:
-        """The engine has its reply (or cannot get one): forget the job."""
+        """The engine has its reply (or cannot get one): forget the job.
+
+        Its tasks go too: each names its job, so until then the two hold each other, and
+        only the cycle collector could free them (a pause for everything in flight)."""
+        job.planned = []
         if job in self._open:
             self._open.remove(job)
             job.session.job_finished(save=not job.is_load)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -801,6 +802,28 @@ async def test_completion_stage_replies_and_forgets_the_job(hybrid: Harness) -> 
         reply = await CompletionStage(hybrid.tracker).process(job)
     assert (reply.session, reply.message) == (hybrid.session, SaveDone(1, "r", ()))
     assert (hybrid.tracker.open_jobs, hybrid.session.jobs_in_flight) == (0, 0)
+
+
+async def test_an_answered_job_is_freed_without_the_cycle_collector(hybrid: Harness) -> None:
+    """Once answered, a save's and a load's job and block tasks hold no reference cycle:
+    they go when their last reference does, never left for a collector's pause."""
+    token_ids = tokens(8)
+    with anyio.fail_after(TIMEOUT_S):
+        jobs = [await run_save(hybrid, save(token_ids, [1, 2], [9], [0, 3])),
+                await run_load(hybrid, load(token_ids, 8, [4, 5], [9], [0, 6]))]
+        assert hybrid.finished() == jobs and all(job.planned for job in jobs)
+        for job in jobs:
+            await CompletionStage(hybrid.tracker).process(job)
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector frees is kept in gc.garbage
+    try:
+        del job, jobs
+        gc.collect()
+        cyclic = [type(o).__name__ for o in gc.garbage if isinstance(o, Job | BlockTask)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert cyclic == []
 
 
 # -- lookup ----------------------------------------------------------------------------------
