@@ -21,7 +21,6 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import anyio
 import numpy
 import torch
 
@@ -102,13 +101,11 @@ class CopyThreads:
             work(self._pieces(views, size))
             return
         parts = min(self._parts, len(views)) if nbytes >= self._split_bytes else 1
-        if parts == 1:
-            await self._threads.run(work, self._pieces(views, size))
-            return
         bounds = [len(views) * part // parts for part in range(parts + 1)]
-        async with anyio.create_task_group() as tg:
-            for start, stop in itertools.pairwise(bounds):
-                tg.start_soon(self._threads.run, work, self._pieces(views, size, start, stop))
+        await self._threads.run_each([
+            functools.partial(work, self._pieces(views, size, start, stop))
+            for start, stop in itertools.pairwise(bounds)
+        ])
 
     def _pieces(self, views: Sequence[torch.Tensor], size: int, start: int = 0,
                 stop: int | None = None) -> list[Piece]:

@@ -289,6 +289,23 @@ async def test_kv_first_tensors_round_trip(sidecar: SidecarProcess) -> None:
         assert torch.equal(a[name][:, 1:4], b[name][:, 7:10])
 
 
+async def test_a_sidecar_whose_worker_threads_copied_exits_cleanly() -> None:
+    """Saves and loads too large to copy on the event loop run in the copy threads; on
+    SIGTERM the sidecar drains and its threads are gone before the interpreter
+    finalizes: exit code 0 (a thread still on its way out then aborts the process)."""
+    engine = KVEngine(hybrid_layout(page_bytes=256 << 10))  # 512 KiB values
+    tokens = random_tokens(4 * 16 + 1, seed=21)
+    blocks = [[1, 2, 3, 4], [5], [1, 2, 3, 4]]
+    with run_sidecar_process() as sidecar:
+        with anyio.fail_after(TIMEOUT):
+            async with await engine.connect(sidecar.endpoint) as client:
+                assert (await client.save("big", tokens, blocks)).stored == 8
+                loaded = await client.load("again", tokens, [[9, 10, 11, 12], [13],
+                                                             [9, 10, 11, 12]], 64)
+        assert loaded.loaded_tokens == 64
+        assert sidecar.terminate() == 0, sidecar.log()[-2000:]
+
+
 async def test_engine_reregisters_with_a_restarted_sidecar() -> None:
     """After the sidecar restarts on the same endpoint, the engine's next requests —
     several at once — re-register by themselves and succeed; the engine is not

@@ -58,6 +58,34 @@ async def test_a_cancelled_caller_waits_for_its_work_to_return() -> None:
     assert finished and finished[0] <= returned
 
 
+async def test_a_batch_is_answered_once_every_call_has_returned() -> None:
+    """``run_each`` gives each call's result in the calls' order, each call in a worker
+    thread. An error is raised only once the other calls have returned too: until then
+    they own their buffers."""
+    threads = WorkerThreads(2, name="batch")
+    finished: list[str] = []
+
+    def slow() -> str:
+        time.sleep(0.2)
+        finished.append("slow")
+        return threading.current_thread().name
+
+    def fails() -> str:
+        raise ValueError("this part failed")
+
+    try:
+        with anyio.fail_after(TIMEOUT_S):
+            names = await threads.run_each([slow, slow])
+            with pytest.raises(ValueError, match="this part failed"):
+                await threads.run_each([fails, slow])
+            assert finished == ["slow"] * 3
+            assert await threads.run_each([lambda: 1, lambda: 2, lambda: 3]) == [1, 2, 3]
+    finally:
+        threads.close()
+    assert len(names) == 2 and all(name.startswith("batch") for name in names)
+    assert threading.current_thread().name not in names
+
+
 def test_a_pool_needs_a_thread() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         WorkerThreads(0, name="none")
