@@ -1,4 +1,5 @@
-"""Worker threads of their own for one copy direction, optionally at a lower CPU priority.
+"""Worker threads of their own for one kind of work (a copy direction, a store's calls),
+optionally at a lower CPU priority.
 
 Saves are background work: what waits on them is only the engine's reuse of a block it
 already computed. Loads, and the engines' own forward passes, are on a request's critical
@@ -106,23 +107,31 @@ class WorkerThreads:
         """Every call, each in one of the threads (at most ``total`` at a time): their
         results, once all have returned. An error any call raised is raised here, once
         all have returned. Cancelling the caller waits for them all."""
+        future = self.submit(calls)
+        with anyio.CancelScope(shield=True):
+            results = await future
+        return results
+
+    def submit(self, calls: Sequence[Callable[[], T]]) -> asyncio.Future[list[T]]:
+        """Hand the calls to the threads: the event loop's future of what ``run_each``
+        returns. Cancelling it stops no call; it only stops the wait."""
         if not self._threads:
             self._start()
         batch: _Batch[T] = _Batch(len(calls), asyncio.get_running_loop())
         for index, call in enumerate(calls):
             self._calls.put((batch, index, call))
-        with anyio.CancelScope(shield=True):
-            results = await batch.future
-        return results
+        return batch.future
 
-    def close(self) -> None:
-        """Wait for the work given the threads, then for the threads to exit. (A thread
-        still on its way out as the interpreter finalizes is killed where it stands, and
-        a C++ library's thread state with it: the process aborts.)"""
+    def close(self, *, wait: bool = True) -> None:
+        """Let the threads exit once the work given them is done, and (``wait``) wait
+        for that. A thread still on its way out as the interpreter finalizes is killed
+        where it stands, and a C++ library's thread state with it: the process aborts.
+        Not waiting is for work that may never return (an abandoned store call)."""
         for _ in self._threads:
             self._calls.put(None)
-        for thread in self._threads:
-            thread.join()
+        if wait:
+            for thread in self._threads:
+                thread.join()
 
     def _start(self) -> None:
         # Daemons: a process that ends without close() does not wait on idle threads.
