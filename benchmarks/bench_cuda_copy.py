@@ -170,8 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                   args.blocks * (engine.value_bytes + 8))
             path = Path(tmp) / f"cuda-{checksum}.yaml"
             path.write_bytes(msgspec.yaml.encode(config))
-            with spawned_sidecar(path) as endpoint:
-                results[f"checksum_{checksum}"] = anyio.run(measure, args, endpoint, engine)
+            with spawned_sidecar(path) as sidecar:
+                results[f"checksum_{checksum}"] = anyio.run(measure, args, sidecar.endpoint,
+                                                            engine)
             figures = results[f"checksum_{checksum}"]
             print(f"checksum {checksum}: save {figures['sidecar_save']} GB/s "
                   f"(bare {figures['bare_save']}) ratio {figures['save_ratio']}; "

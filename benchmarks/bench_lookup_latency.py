@@ -227,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     reply = encode(LookupReply(1, max(args.tokens)))
     with spawned_echo_server(reply) as echo, \
          spawned_sidecar(args.config, profile=args.profile, profile_out=profile_out) as sidecar:
-        rows = anyio.run(measure, args, sidecar, echo)
+        rows = anyio.run(measure, args, sidecar.endpoint, echo)
 
     print(f"{'case':>5} {'tokens':>6} {'frame B':>8} {'bare p50':>9} {'bare p99':>9} "
           f"{'sidecar p50':>12} {'sidecar p99':>12} {'hash p50':>9} {'ratio':>6} "

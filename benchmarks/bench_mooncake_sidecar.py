@@ -305,8 +305,8 @@ async def run(args: argparse.Namespace, base: Config) -> list[dict[str, Any]]:
                                           f"{sums}.{suffix}"
                             if suffix else None
                         )
-                        endpoint = running.enter_context(
-                            spawned_sidecar(config, profile=args.profile, profile_out=profile_out))
+                        endpoint = running.enter_context(spawned_sidecar(
+                            config, profile=args.profile, profile_out=profile_out)).endpoint
                         client = await clients.enter_async_context(await EngineClient.connect(
                             endpoint, layout=layout, kv_caches=engine.kv_caches))
                         sidecars.append(Sidecar(

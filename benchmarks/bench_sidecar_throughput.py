@@ -53,12 +53,14 @@ from harness import (
     median,
     run_requests,
     spawned_sidecar,
+    thread_cpu_s,
     write_results,
 )
 
 from pipeline.core.config import Config, load_config
 from pipeline.core.layout import KVCacheLayout
 from pipeline.core.outcomes import BlockStatus
+from pipeline.testing import SidecarProcess
 from transport.client import EngineClient
 from transport.tensors import shared_kv_caches
 
@@ -149,8 +151,31 @@ class Workload:
         return tokens, src, dst, f"r{self._round}"
 
 
+class SidecarCpu:
+    """CPU seconds a sidecar process spends, split as ``thread_cpu_s`` splits it."""
+
+    def __init__(self, pid: int) -> None:
+        self._pid = pid
+
+    async def during(self, run: Callable[[], Any]) -> tuple[float, float, float]:
+        """``await run()``: (its wall seconds, then the sidecar's event loop's and its other
+        threads' CPU seconds meanwhile)."""
+        loop_before, others_before = thread_cpu_s(self._pid)
+        wall = await run()
+        loop_after, others_after = thread_cpu_s(self._pid)
+        return wall, loop_after - loop_before, others_after - others_before
+
+
+def cpu_timed(fn: Callable[[], None]) -> tuple[float, float]:
+    """Wall and CPU seconds (this process, torch's threads included) of ``fn()``."""
+    cpu = time.process_time()
+    wall = timed(fn)
+    return wall, time.process_time() - cpu
+
+
 async def one_round(client: EngineClient, engine: Engine, workload: Workload,
-                    concurrency: int, *, verify: bool) -> dict[str, float]:
+                    concurrency: int, sidecar: SidecarCpu, *,
+                    verify: bool) -> dict[str, Any]:
     tokens, src, dst, prefix = workload.next_round()
     src_ids = torch.tensor([b for ids in src for b in ids], dtype=torch.int64)
     dst_ids = torch.tensor([b for ids in dst for b in ids], dtype=torch.int64)
@@ -173,12 +198,14 @@ async def one_round(client: EngineClient, engine: Engine, workload: Workload,
         (r * workload.blocks, torch.tensor(src[r]), torch.tensor(dst[r])) for r in calls
     ]
     # Interleaved so drift in machine load hits the baselines and the sidecar alike.
-    bare_save = timed(lambda: engine.bare_gather(src_ids))
+    bare_save, bare_save_cpu = cpu_timed(lambda: engine.bare_gather(src_ids))
     bare_save_each = timed(lambda: [engine.bare_gather(s, row) for row, s, _ in per_request])
-    side_save = await run_requests(concurrency, [lambda r=r: save(r) for r in calls])
-    bare_load = timed(lambda: engine.bare_scatter(dst_ids))
+    side_save, loop_save_cpu, threads_save_cpu = await sidecar.during(
+        lambda: run_requests(concurrency, [lambda r=r: save(r) for r in calls]))
+    bare_load, bare_load_cpu = cpu_timed(lambda: engine.bare_scatter(dst_ids))
     bare_load_each = timed(lambda: [engine.bare_scatter(d, row) for row, _, d in per_request])
-    side_load = await run_requests(concurrency, [lambda r=r: load(r) for r in calls])
+    side_load, loop_load_cpu, threads_load_cpu = await sidecar.during(
+        lambda: run_requests(concurrency, [lambda r=r: load(r) for r in calls]))
     if problems:
         raise RuntimeError("; ".join(problems[:4]))
     if verify:
@@ -186,11 +213,16 @@ async def one_round(client: EngineClient, engine: Engine, workload: Workload,
             for a, b in zip(src[r], dst[r], strict=True):
                 if not engine.same_bytes(a, b):
                     raise RuntimeError(f"block {b} does not hold block {a}'s bytes after load")
-    return {"bare_save": bare_save, "bare_save_each": bare_save_each, "sidecar_save": side_save,
-            "bare_load": bare_load, "bare_load_each": bare_load_each, "sidecar_load": side_load}
+    return {
+        "bare_save": bare_save, "bare_save_each": bare_save_each, "sidecar_save": side_save,
+        "bare_load": bare_load, "bare_load_each": bare_load_each, "sidecar_load": side_load,
+        "cpu": {"bare_save": bare_save_cpu, "loop_save": loop_save_cpu,
+                "threads_save": threads_save_cpu, "bare_load": bare_load_cpu,
+                "loop_load": loop_load_cpu, "threads_load": threads_load_cpu},
+    }
 
 
-async def measure(args: argparse.Namespace, endpoint: str, engine: Engine,
+async def measure(args: argparse.Namespace, sidecar: SidecarProcess, engine: Engine,
                   layout: dict[str, Any], store_bytes: int) -> list[dict[str, Any]]:
     workload = Workload(args.requests, args.blocks_per_request, args.engine_blocks)
     round_bytes = args.requests * args.blocks_per_request * engine.value_bytes
@@ -198,21 +230,28 @@ async def measure(args: argparse.Namespace, endpoint: str, engine: Engine,
     # touched, LRU evicting), as a long-running sidecar does.
     warmup = math.ceil(store_bytes / round_bytes) + 1
     rows = []
-    async with await EngineClient.connect(endpoint, layout=layout,
+    cpu = SidecarCpu(sidecar.pid)
+    async with await EngineClient.connect(sidecar.endpoint, layout=layout,
                                           kv_caches=engine.kv_caches) as client:
         for index in range(warmup):
-            await one_round(client, engine, workload, max(args.concurrency), verify=index == 0)
+            await one_round(client, engine, workload, max(args.concurrency), cpu,
+                            verify=index == 0)
         for concurrency in args.concurrency:
-            samples = [await one_round(client, engine, workload, concurrency, verify=False)
+            samples = [await one_round(client, engine, workload, concurrency, cpu, verify=False)
                        for _ in range(args.repeat)]
             gbps = {name: median([round_bytes / s[name] / 1e9 for s in samples])
-                    for name in samples[0]}
+                    for name in samples[0] if name != "cpu"}
+            # Summed over the rounds, not a median: one round's CPU is a few ms.
+            requests = args.repeat * args.requests
+            cpu_ms = {name: 1000 * sum(s["cpu"][name] for s in samples) / requests
+                      for name in samples[0]["cpu"]}
             rows.append({
                 "concurrency": concurrency,
                 "round_bytes": round_bytes,
                 "gbps": gbps,
                 "save_ratio": gbps["sidecar_save"] / gbps["bare_save"],
                 "load_ratio": gbps["sidecar_load"] / gbps["bare_load"],
+                "cpu_ms_per_request": cpu_ms,
                 "samples_s": samples,
             })
     return rows
@@ -278,8 +317,8 @@ def measure_geometry(args: argparse.Namespace, geometry: Geometry, base: Config,
                        f"{suffix}") if suffix else None
         config = sidecar_config(base, variant == "on", directory)
         with spawned_sidecar(config, profile=args.profile, profile_out=profile_out,
-                             env=sidecar_env) as endpoint:
-            for row in anyio.run(measure, shape, endpoint, engine, layout, store_bytes):
+                             env=sidecar_env) as sidecar:
+            for row in anyio.run(measure, shape, sidecar, engine, layout, store_bytes):
                 rows.append({"geometry": str(geometry), "checksum": variant, **row})
     return rows
 
@@ -338,6 +377,15 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{g['sidecar_load'] / g['bare_load_each']:>6.2f}")
     verdict = "meets" if worst >= GOAL else "misses"
     print(f"worst ratio with checksums on {worst:.2f} {verdict} the goal of {GOAL}")
+    print("CPU ms per request (all rounds): the bare copy's (torch's threads included); the "
+          "sidecar's event loop and its other threads (copies, sockets, logs)")
+    print(f"{'geometry':>9} {'checksum':>8} {'in flight':>9} {'bare save':>10} {'loop':>6} "
+          f"{'threads':>8} {'bare load':>10} {'loop':>6} {'threads':>8}")
+    for row in rows:
+        ms = row["cpu_ms_per_request"]
+        print(f"{row['geometry']:>9} {row['checksum']:>8} {row['concurrency']:>9} "
+              f"{ms['bare_save']:>10.2f} {ms['loop_save']:>6.2f} {ms['threads_save']:>8.2f} "
+              f"{ms['bare_load']:>10.2f} {ms['loop_load']:>6.2f} {ms['threads_load']:>8.2f}")
     integrity = integrity_ratios(rows)
     for (geometry, concurrency), (save, load) in integrity.items():
         print(f"integrity at {geometry}, {concurrency} in flight: checksums on / off "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import signal
@@ -29,7 +30,7 @@ import anyio
 import torch
 
 from pipeline.app.status import Buckets, Snapshot, read_metrics
-from pipeline.testing import run_sidecar_process
+from pipeline.testing import SidecarProcess, run_sidecar_process
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -40,8 +41,8 @@ DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
 def spawned_sidecar(
     config: Path, *, profile: str = "", profile_out: Path | None = None,
     env: dict[str, str] | None = None,
-) -> Iterator[str]:
-    """A sidecar process on a fresh ipc:// endpoint; yields the endpoint, SIGTERMs on exit."""
+) -> Iterator[SidecarProcess]:
+    """A sidecar process on a fresh ipc:// endpoint (``.endpoint``); SIGTERMed on exit."""
     python_args: list[str] = []
     if profile == "cprofile":
         assert profile_out is not None
@@ -61,7 +62,7 @@ def spawned_sidecar(
                 if spy.poll() is not None:
                     assert spy.stderr is not None
                     raise RuntimeError(f"py-spy failed: {spy.stderr.read().decode()[-2000:]}")
-            yield sidecar.endpoint
+            yield sidecar
         finally:
             if spy is not None and spy.poll() is None:
                 spy.send_signal(signal.SIGINT)
@@ -85,6 +86,30 @@ async def run_requests(concurrency: int, calls: Sequence[Callable[[], Any]]) -> 
         for call in calls:
             tg.start_soon(one, call)
     return time.perf_counter() - started
+
+
+def thread_cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds process ``pid``'s threads have run so far: its main thread's (a
+    sidecar's event loop) and all the others' together (copy and store threads, ZMQ's,
+    the log writer's). Read from Linux's per-thread scheduler statistics, which count
+    nanoseconds (``/proc/PID/task/*/stat`` counts 10 ms ticks); NaN where they are
+    missing."""
+    main = others = 0.0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return math.nan, math.nan
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as stats:
+                seconds = int(stats.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue  # the thread has exited, or the kernel keeps no such statistics
+        if int(tid) == pid:
+            main = seconds
+        else:
+            others += seconds
+    return main, others
 
 
 def median(values: Sequence[float]) -> float:
