@@ -62,7 +62,7 @@ from stages.completion import CompletionStage, completion_message
 from stages.dedup import DedupStage
 from stages.fetch import FetchStage
 from stages.group_filter import GroupFilterStage
-from stages.hashing import HashingStage
+from stages.hashing import INLINE_TOKENS, HashingStage
 from stages.lookup import FIRST_CHUNK_BLOCKS, PROBE_KNOWN_ABOVE, LookupStage
 from stages.scatter import ScatterStage
 from stages.transfer import TransferStage
@@ -339,6 +339,22 @@ async def test_hashing_names_blocks_with_their_store_keys() -> None:
         (1, 3): store_key("m", fine[3], store_group=1, **common),
     }
     assert keys[(1, 3)] == f"ns@m{namespace}@tp_rank:1@pcp0@dcp0@pp_rank:0@group:1@{fine[3].hex()}"
+
+
+@pytest.mark.parametrize("count", [INLINE_TOKENS, INLINE_TOKENS + 16])
+async def test_hashing_names_every_block_of_a_long_prompt_alike_inline_or_in_a_thread(
+    count: int,
+) -> None:
+    """A prompt up to INLINE_TOKENS long is hashed on the event loop, a longer one in a
+    worker thread: every block is named by the same chain of hashes either way."""
+    h = harness([full(16, "attn.0")])
+    token_ids = tokens(count)
+    job = h.job(save(token_ids, list(range(1, count // 16 + 1))))
+    with anyio.fail_after(TIMEOUT_S):
+        await GroupFilterStage(h.tracker).process(job)
+        named = await HashingStage(h.tracker, h.limiter).process(job)
+    assert named is not None and len(named) == count // 16
+    assert [t.block_hash for t in named] == block_hashes(token_ids, 16)
 
 
 async def test_hashing_skips_the_incomplete_tail(hybrid: Harness) -> None:
