@@ -10,7 +10,7 @@ parks one while a core is idle.
 
 anyio's worker threads are one pool for every kind of work, so a priority set on one of
 them would follow whatever work it ran next, and an unprivileged process cannot raise a
-thread's priority back. These threads run only their own direction's work.
+thread's priority back. These threads run only their own kind of work.
 
 A batch's parts are handed over together and answered together: the thread that
 finishes last wakes the event loop once. A ``concurrent.futures`` pool answers each part
@@ -145,10 +145,17 @@ class WorkerThreads:
     def _serve(self) -> None:
         _lower_priority(self.nice)
         while (item := self._calls.get()) is not None:
-            batch, index, call = item
-            try:
-                result = call()
-            except BaseException as exc:  # handed to the caller, raised there
-                batch.returned(index, None, exc)
-            else:
-                batch.returned(index, result, None)
+            _call(*item)
+            # Nothing of a call may outlive it while the thread waits for the next: its
+            # arguments can hold an engine's mapped memory, which is unmapped only once
+            # nothing refers to it any more.
+            del item
+
+
+def _call(batch: _Batch[T], index: int, call: Callable[[], T]) -> None:
+    try:
+        result = call()
+    except BaseException as exc:  # handed to the caller, raised there
+        batch.returned(index, None, exc)
+    else:
+        batch.returned(index, result, None)

@@ -6,6 +6,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 
 import anyio
 import pytest
@@ -84,6 +85,27 @@ async def test_a_batch_is_answered_once_every_call_has_returned() -> None:
         threads.close()
     assert len(names) == 2 and all(name.startswith("batch") for name in names)
     assert threading.current_thread().name not in names
+
+
+def test_nothing_of_a_returned_call_is_kept_by_its_idle_thread() -> None:
+    """Once a call has returned, its thread, waiting for the next, holds none of its
+    arguments: they may be an engine's mapped memory, unmapped only once unreferenced."""
+
+    class Payload:
+        pass
+
+    threads = WorkerThreads(1, name="refs")
+    payload = Payload()
+    gone = weakref.ref(payload)
+    try:
+        anyio.run(threads.run, lambda held: None, payload)
+        del payload
+        deadline = time.monotonic() + 2  # the thread drops it just after answering
+        while gone() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gone() is None  # before close(): an exiting thread drops everything
+    finally:
+        threads.close()
 
 
 def test_a_pool_needs_a_thread() -> None:
