@@ -18,8 +18,11 @@ costs.
 A geometry is layers x page KiB x blocks per request; each runs with checksums on and
 off (one sidecar each). Ratios are sidecar GB/s over bare-copy GB/s (goal, with the
 default config's checksums on: >= 0.8); where both variants ran, what integrity costs is
-printed too: sidecar GB/s with checksums on over off (1.0: free). Results are also
-written to benchmarks/results/bench_sidecar_throughput.json.
+printed too: sidecar GB/s with checksums on over off (1.0: free). Then the CPU each
+request cost: the bare copy (this process, torch's threads included), and the sidecar's
+event loop and its other threads (copies, sockets, logs), summed over the rounds: at 4
+in flight on a small machine the cores are the limit, and these show whose work fills
+them. Results are also written to benchmarks/results/bench_sidecar_throughput.json.
 """
 
 from __future__ import annotations
@@ -151,19 +154,13 @@ class Workload:
         return tokens, src, dst, f"r{self._round}"
 
 
-class SidecarCpu:
-    """CPU seconds a sidecar process spends, split as ``thread_cpu_s`` splits it."""
-
-    def __init__(self, pid: int) -> None:
-        self._pid = pid
-
-    async def during(self, run: Callable[[], Any]) -> tuple[float, float, float]:
-        """``await run()``: (its wall seconds, then the sidecar's event loop's and its other
-        threads' CPU seconds meanwhile)."""
-        loop_before, others_before = thread_cpu_s(self._pid)
-        wall = await run()
-        loop_after, others_after = thread_cpu_s(self._pid)
-        return wall, loop_after - loop_before, others_after - others_before
+async def sidecar_cpu_during(pid: int, run: Callable[[], Any]) -> tuple[float, float, float]:
+    """``await run()``: its wall seconds, then the CPU seconds sidecar ``pid`` spent
+    meanwhile on its event loop and on its other threads (as ``thread_cpu_s`` splits it)."""
+    loop_before, others_before = thread_cpu_s(pid)
+    wall = await run()
+    loop_after, others_after = thread_cpu_s(pid)
+    return wall, loop_after - loop_before, others_after - others_before
 
 
 def cpu_timed(fn: Callable[[], None]) -> tuple[float, float]:
@@ -174,7 +171,7 @@ def cpu_timed(fn: Callable[[], None]) -> tuple[float, float]:
 
 
 async def one_round(client: EngineClient, engine: Engine, workload: Workload,
-                    concurrency: int, sidecar: SidecarCpu, *,
+                    concurrency: int, sidecar_pid: int, *,
                     verify: bool) -> dict[str, Any]:
     tokens, src, dst, prefix = workload.next_round()
     src_ids = torch.tensor([b for ids in src for b in ids], dtype=torch.int64)
@@ -200,12 +197,12 @@ async def one_round(client: EngineClient, engine: Engine, workload: Workload,
     # Interleaved so drift in machine load hits the baselines and the sidecar alike.
     bare_save, bare_save_cpu = cpu_timed(lambda: engine.bare_gather(src_ids))
     bare_save_each = timed(lambda: [engine.bare_gather(s, row) for row, s, _ in per_request])
-    side_save, loop_save_cpu, threads_save_cpu = await sidecar.during(
-        lambda: run_requests(concurrency, [lambda r=r: save(r) for r in calls]))
+    side_save, loop_save_cpu, threads_save_cpu = await sidecar_cpu_during(
+        sidecar_pid, lambda: run_requests(concurrency, [lambda r=r: save(r) for r in calls]))
     bare_load, bare_load_cpu = cpu_timed(lambda: engine.bare_scatter(dst_ids))
     bare_load_each = timed(lambda: [engine.bare_scatter(d, row) for row, _, d in per_request])
-    side_load, loop_load_cpu, threads_load_cpu = await sidecar.during(
-        lambda: run_requests(concurrency, [lambda r=r: load(r) for r in calls]))
+    side_load, loop_load_cpu, threads_load_cpu = await sidecar_cpu_during(
+        sidecar_pid, lambda: run_requests(concurrency, [lambda r=r: load(r) for r in calls]))
     if problems:
         raise RuntimeError("; ".join(problems[:4]))
     if verify:
@@ -230,14 +227,14 @@ async def measure(args: argparse.Namespace, sidecar: SidecarProcess, engine: Eng
     # touched, LRU evicting), as a long-running sidecar does.
     warmup = math.ceil(store_bytes / round_bytes) + 1
     rows = []
-    cpu = SidecarCpu(sidecar.pid)
     async with await EngineClient.connect(sidecar.endpoint, layout=layout,
                                           kv_caches=engine.kv_caches) as client:
         for index in range(warmup):
-            await one_round(client, engine, workload, max(args.concurrency), cpu,
+            await one_round(client, engine, workload, max(args.concurrency), sidecar.pid,
                             verify=index == 0)
         for concurrency in args.concurrency:
-            samples = [await one_round(client, engine, workload, concurrency, cpu, verify=False)
+            samples = [await one_round(client, engine, workload, concurrency, sidecar.pid,
+                                       verify=False)
                        for _ in range(args.repeat)]
             gbps = {name: median([round_bytes / s[name] / 1e9 for s in samples])
                     for name in samples[0] if name != "cpu"}
