@@ -120,6 +120,8 @@ class WorkerThreads:
         batch: _Batch[T] = _Batch(len(calls), asyncio.get_running_loop())
         for index, call in enumerate(calls):
             self._calls.put((batch, index, call))
+        if not calls:  # no thread will answer
+            batch.future.set_result([])
         return batch.future
 
     def close(self, *, wait: bool = True) -> None:

@@ -81,6 +81,7 @@ async def test_a_batch_is_answered_once_every_call_has_returned() -> None:
                 await threads.run_each([fails, slow])
             assert finished == ["slow"] * 3
             assert await threads.run_each([lambda: 1, lambda: 2, lambda: 3]) == [1, 2, 3]
+            assert await threads.run_each([]) == []
     finally:
         threads.close()
     assert len(names) == 2 and all(name.startswith("batch") for name in names)
