@@ -75,7 +75,7 @@ class _Batch(Generic[T]):
             pass
 
     def _settle(self) -> None:
-        if self.future.done():  # cancelled as the event loop shut down
+        if self.future.done():  # cancelled: the caller stopped waiting, or the loop ended
             return
         if self._error is not None:
             self.future.set_exception(self._error)
@@ -96,6 +96,7 @@ class WorkerThreads:
         self._calls: queue.SimpleQueue[tuple[_Batch[Any], int, Callable[[], Any]] | None] = (
             queue.SimpleQueue())
         self._threads: list[threading.Thread] = []
+        self._closed = False
 
     async def run(self, work: Callable[..., T], *args: object) -> T:
         """``work(*args)`` in one of the threads. Cancelling the caller waits for it to
@@ -114,7 +115,10 @@ class WorkerThreads:
 
     def submit(self, calls: Sequence[Callable[[], T]]) -> asyncio.Future[list[T]]:
         """Hand the calls to the threads: the event loop's future of what ``run_each``
-        returns. Cancelling it stops no call; it only stops the wait."""
+        returns. Cancelling it stops no call; it only stops the wait. Refused once the
+        threads are closed (no thread would take the calls: the wait would never end)."""
+        if self._closed:
+            raise RuntimeError(f"{self._name} threads are closed")
         if not self._threads:
             self._start()
         batch: _Batch[T] = _Batch(len(calls), asyncio.get_running_loop())
@@ -129,6 +133,7 @@ class WorkerThreads:
         for that. A thread still on its way out as the interpreter finalizes is killed
         where it stands, and a C++ library's thread state with it: the process aborts.
         Not waiting is for work that may never return (an abandoned store call)."""
+        self._closed = True
         for _ in self._threads:
             self._calls.put(None)
         if wait:

@@ -109,6 +109,16 @@ def test_nothing_of_a_returned_call_is_kept_by_its_idle_thread() -> None:
         threads.close()
 
 
+async def test_closed_threads_refuse_new_work() -> None:
+    """Work handed to closed threads is refused at once; no thread would ever take it."""
+    threads = WorkerThreads(1, name="closed")
+    with anyio.fail_after(TIMEOUT_S):
+        assert await threads.run(lambda: 1) == 1
+        threads.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            await threads.run(lambda: 2)
+
+
 def test_a_pool_needs_a_thread() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         WorkerThreads(0, name="none")
