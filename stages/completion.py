@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 from pipeline.core.hitrule import longest_hit
 from pipeline.core.messages import Load, LoadDone, SaveDone
 from pipeline.core.outcomes import BlockStatus
@@ -9,11 +11,13 @@ from pipeline.state.jobs import Job, JobTracker, Reply
 
 __all__ = ["CompletionStage", "completion_message"]
 
+_BLOCK_ORDER = operator.attrgetter("group_id", "block_index")
+
 
 def completion_message(job: Job) -> SaveDone | LoadDone:
     """The reply for a finished job: per-block outcomes, and for loads what may be used."""
     message = job.message
-    reports = tuple(sorted(job.reports, key=lambda r: (r.group_id, r.block_index)))
+    reports = tuple(sorted(job.reports, key=_BLOCK_ORDER))
     if not isinstance(message, Load):
         return SaveDone(message.seq, message.request_id, reports)
     layout = job.session.layout

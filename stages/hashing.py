@@ -52,5 +52,5 @@ class HashingStage:
             else:
                 unnamed.append(task)
         if unnamed:
-            await self._tracker.settle(job, ((t, INCOMPLETE) for t in unnamed))
+            await self._tracker.settle(job, [(t, INCOMPLETE) for t in unnamed])
         return named or None

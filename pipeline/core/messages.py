@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import collections
+import operator
 import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
@@ -330,8 +331,14 @@ class BlockReport(msgspec.Struct, frozen=True, array_like=True):
 def outcome_counts(blocks: Iterable[BlockReport]) -> collections.Counter[tuple[BlockStatus, str]]:
     """Blocks by status and the kind of their reason (a reason may carry details after a
     colon, "size_mismatch: ...": only its kind is counted)."""
-    return collections.Counter((block.status, block.reason.split(":", 1)[0])
-                               for block in blocks)
+    exact = collections.Counter(map(_STATUS_AND_REASON, blocks))  # one C loop over the blocks
+    counts: collections.Counter[tuple[BlockStatus, str]] = collections.Counter()
+    for (status, reason), count in exact.items():
+        counts[status, reason.split(":", 1)[0]] += count
+    return counts
+
+
+_STATUS_AND_REASON = operator.attrgetter("status", "reason")
 
 
 class SaveDone(_Wire, frozen=True, tag="save_done"):

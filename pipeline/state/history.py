@@ -19,7 +19,7 @@ import collections
 import dataclasses
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Generic, TypeVar
 
 import xxhash
@@ -28,7 +28,7 @@ from pipeline.core.messages import RequestKeys, TokenIds
 from pipeline.core.outcomes import BlockStatus, KeyOutcome
 from pipeline.core.store import Presence
 
-__all__ = ["BlockHistory", "Prompt", "Verdict", "content_prints"]
+__all__ = ["BlockHistory", "Prompt", "SavedBlock", "Verdict", "content_prints"]
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -59,12 +59,23 @@ class _Bounded(collections.OrderedDict[K, V], Generic[K, V]):
         self.limit = limit
 
     def put(self, key: K, value: V) -> None:
-        if key in self:
-            self.move_to_end(key)
-        self[key] = value
-        if len(self) > self.limit:
+        self.put_all(((key, value),))
+
+    def put_all(self, items: Iterable[tuple[K, V]]) -> None:
+        """Write each in turn (a key written again becomes the most recent), then forget
+        the oldest past the limit: the same as writing them one by one."""
+        forget = self.pop
+        for key, value in items:
+            forget(key, None)
+            self[key] = value
+        for _ in range(len(self) - self.limit):
             self.popitem(last=False)
 
+
+SavedBlock = tuple[str, str, tuple[int, bytes], KeyOutcome, int | None]
+"""One block of a finished save: its key, the key prefix it was saved under, its (store
+group, block hash), what came of it, and the print of the tokens up to its end (None:
+none)."""
 
 REQUESTS_PER_PRINT = 2
 """Refused requests remembered per print of their first block (a shared system prompt)."""
@@ -117,25 +128,30 @@ class BlockHistory:
         self._refused: _Bounded[int, tuple[tuple[TokenIds, RequestKeys, str, float], ...]] = (
             _Bounded(max(16, max_blocks // 64)))
 
-    def saved(self, key: str, prefix: str, block: tuple[int, bytes], outcome: KeyOutcome,
-              content: int | None, keys: RequestKeys) -> None:
-        """One block of a finished save: ``block`` is its (store group, hash), ``content``
-        the print of the tokens up to its end."""
+    def saved(self, blocks: Iterable[SavedBlock], keys: RequestKeys) -> None:
+        """The named blocks of a finished save, saved with request ``keys``."""
         now = time.monotonic()
-        if outcome.status in (BlockStatus.STORED, BlockStatus.PRESENT):
+        present = (Verdict.PRESENT, "", now)
+        records: list[tuple[str, tuple[Verdict, str, float]]] = []
+        prefixes: list[tuple[tuple[int, bytes], str]] = []
+        contents: list[tuple[int, RequestKeys]] = []
+        for key, prefix, block, outcome, content in blocks:
+            status = outcome.status
             known = self._keys.get(key)
-            if outcome.status is BlockStatus.STORED or known is None or known[0] is not (
-                    Verdict.PRESENT):
-                self._keys.put(key, (Verdict.PRESENT, "", now))
-            self._prefixes.put(block, prefix)
-            if content is not None:
-                self._contents.put(content, keys)
-            return
-        known = self._keys.get(key)
-        if known is not None and known[0] is Verdict.PRESENT:
-            return  # stored before: a later skip says nothing about where it went
-        verdict = Verdict.SKIPPED if outcome.status is BlockStatus.SKIPPED else Verdict.FAILED
-        self._keys.put(key, (verdict, outcome.reason, now))
+            if status is BlockStatus.STORED or status is BlockStatus.PRESENT:
+                if status is BlockStatus.STORED or known is None or known[0] is not (
+                        Verdict.PRESENT):
+                    records.append((key, present))
+                prefixes.append((block, prefix))
+                if content is not None:
+                    contents.append((content, keys))
+            elif known is None or known[0] is not Verdict.PRESENT:
+                # (one stored before: a later skip says nothing about where it went)
+                verdict = Verdict.SKIPPED if status is BlockStatus.SKIPPED else Verdict.FAILED
+                records.append((key, (verdict, outcome.reason, now)))
+        self._keys.put_all(records)
+        self._prefixes.put_all(prefixes)
+        self._contents.put_all(contents)
 
     def refused(self, first: int, tokens: TokenIds, outcome: KeyOutcome,
                 keys: RequestKeys) -> None:

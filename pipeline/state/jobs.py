@@ -8,6 +8,7 @@ every job still open is completed with failures, so no accepted request goes una
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 from collections.abc import Iterable, Sequence
 from typing import Protocol
@@ -80,6 +81,8 @@ class BlockTask:
     block_hash: bytes = b""
     parent_hash: bytes | None = None
     """The hash of the group's previous block (None for block 0): named with the key."""
+    outcome: KeyOutcome | None = None
+    """What came of the block, once settled."""
 
     @property
     def geometry(self) -> StoreGroupGeometry:
@@ -214,6 +217,9 @@ class LookupRequest:
         return Reply(self.session, LookupReply(self.message.seq, 0), self)
 
 
+_JOB = operator.attrgetter("job")
+
+
 def mark_done(stage: str, item: object) -> None:
     """Note that ``stage`` has finished its part of the requests ``item`` carries (a job,
     a lookup, or a batch of blocks of one or more jobs)."""
@@ -223,7 +229,7 @@ def mark_done(stage: str, item: object) -> None:
         return
     tasks = item.tasks if isinstance(item, StagedBatch) else item
     if isinstance(tasks, list) and tasks and isinstance(tasks[0], BlockTask):
-        for job in {task.job for task in tasks}:
+        for job in set(map(_JOB, tasks)):
             job.marks[stage] = now
 
 
@@ -292,10 +298,12 @@ class JobTracker:
         job.planned = tasks
         job.pending = len(tasks)
 
-    async def settle(self, job: Job, outcomes: Iterable[tuple[BlockTask, KeyOutcome]]) -> None:
+    async def settle(self, job: Job, outcomes: Sequence[tuple[BlockTask, KeyOutcome]]) -> None:
+        reports, report = job.reports, job.report
         for task, outcome in outcomes:
-            job.reports.append(job.report(task, outcome))
-            job.pending -= 1
+            task.outcome = outcome
+            reports.append(report(task, outcome))
+        job.pending -= len(outcomes)
         if job.pending == 0:
             await self._finish(job)
 
@@ -303,16 +311,19 @@ class JobTracker:
         self, tasks: Sequence[BlockTask], outcomes: Sequence[KeyOutcome]
     ) -> None:
         """Settle tasks, possibly of several jobs, each with its own outcome."""
-        for task, outcome in zip(tasks, outcomes, strict=True):
-            await self.settle(task.job, ((task, outcome),))
+        await self._settle_by_job(zip(tasks, outcomes, strict=True))
 
     async def settle_all(self, tasks: Iterable[BlockTask], outcome: KeyOutcome) -> None:
         """Settle tasks, possibly of several jobs, with one outcome."""
-        by_job: dict[Job, list[BlockTask]] = {}
-        for task in tasks:
-            by_job.setdefault(task.job, []).append(task)
-        for job, job_tasks in by_job.items():
-            await self.settle(job, ((task, outcome) for task in job_tasks))
+        await self._settle_by_job((task, outcome) for task in tasks)
+
+    async def _settle_by_job(self, settled: Iterable[tuple[BlockTask, KeyOutcome]]) -> None:
+        """One settle per job, not per block: a batch holds many blocks of few jobs."""
+        by_job: dict[Job, list[tuple[BlockTask, KeyOutcome]]] = {}
+        for pair in settled:
+            by_job.setdefault(pair[0].job, []).append(pair)
+        for job, pairs in by_job.items():
+            await self.settle(job, pairs)
 
     async def _finish(self, job: Job) -> None:
         if not job.done:
@@ -334,11 +345,8 @@ class JobTracker:
         outcome = KeyOutcome(BlockStatus.FAILED, reason)
         jobs = list(self._open)
         for job in jobs:
-            settled = {(r.group_id, r.block_index) for r in job.reports}
             job.reports.extend(
-                job.report(task, outcome)
-                for task in job.planned
-                if (task.geometry.kv_group_id, task.block_index) not in settled
+                job.report(task, outcome) for task in job.planned if task.outcome is None
             )
             job.pending = 0
             if job.is_load and not job.done:
@@ -353,23 +361,23 @@ def _end(task: BlockTask) -> int:
 
 
 def _record(history: BlockHistory, job: Job) -> None:
-    """Tell the history what came of each named block of a finished job."""
-    outcomes = {(r.group_id, r.block_index): KeyOutcome(r.status, r.reason)
-                for r in job.reports}
-    tasks = [task for task in job.planned if task.key]
+    """Tell the history what came of each named block of a finished job (every planned
+    block is settled by then)."""
+    settled = [(task, task.outcome) for task in job.planned
+               if task.key and task.outcome is not None]
     if job.is_load:
-        for task in tasks:
-            outcome = outcomes[task.geometry.kv_group_id, task.block_index]
+        for task, outcome in settled:
             if outcome.status is BlockStatus.FAILED and "checksum" in outcome.reason:
                 history.load_failed(task.key, outcome)
         return
     message = job.message
-    ends = [_end(task) for task in tasks]
+    ends = [_end(task) for task, _ in settled]
     prints = content_prints(message.token_ids, ends)
-    for task, end in zip(tasks, ends, strict=True):
-        history.saved(task.key, task.geometry.keys.own, (task.store_group, task.block_hash),
-                      outcomes[task.geometry.kv_group_id, task.block_index],
-                      prints[end], message.keys)
+    history.saved(
+        ((task.key, task.geometry.keys.own, (task.store_group, task.block_hash), outcome,
+          prints[end]) for (task, outcome), end in zip(settled, ends, strict=True)),
+        message.keys,
+    )
 
 
 class StorePressure:

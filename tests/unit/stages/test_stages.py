@@ -39,6 +39,7 @@ from pipeline.core.messages import (
     LoadDone,
     Lookup,
     LookupReply,
+    RequestKeys,
     Save,
     SaveDone,
     pack_tokens,
@@ -47,6 +48,7 @@ from pipeline.core.outcomes import STORE_FULL, STORED, BlockStatus
 from pipeline.core.seams import BatchMemory
 from pipeline.core.store import KVStore, Presence
 from pipeline.state.events import KVEventLog
+from pipeline.state.history import BlockHistory, Verdict
 from pipeline.state.jobs import (
     BlockTask,
     Job,
@@ -840,6 +842,62 @@ async def test_an_answered_job_is_freed_without_the_cycle_collector(hybrid: Harn
         gc.set_debug(0)
         gc.garbage.clear()
     assert cyclic == []
+
+
+async def test_a_batch_of_several_jobs_settles_each_once_its_last_block_is_in() -> None:
+    """Blocks of two jobs, interleaved in one batch, each with its own outcome: each job
+    completes once all its blocks are settled, with exactly its own outcomes, and the
+    history hears what came of every block."""
+    h = harness([full(4, "a")])
+    history = BlockHistory(64)
+    send, completions = anyio.create_memory_object_stream[Job](8)
+    tracker = JobTracker(send, history=history)
+    jobs = []
+    for request, first in (("x", 100), ("y", 200)):
+        job = Job(h.session, save(tokens(12, start=first), [1, 2, 3], request_id=request))
+        tracker.accept(job)
+        await GroupFilterStage(tracker).process(job)
+        await HashingStage(tracker, h.limiter).process(job)
+        jobs.append(job)
+    x, y = (job.planned for job in jobs)
+    await tracker.settle_each([x[0], y[0], x[1], y[1]],
+                              [STORED, STORE_FULL, STORE_FULL, STORED])
+    assert completions.statistics().current_buffer_used == 0  # a block of each is pending
+    await tracker.settle_all([y[2], x[2]], STORED)
+    # In the order the batch names them.
+    assert [completions.receive_nowait(), completions.receive_nowait()] == jobs[::-1]
+    assert [statuses(job) for job in jobs] == [
+        {(0, 0): (BlockStatus.STORED, ""), (0, 1): (BlockStatus.SKIPPED, "store_full"),
+         (0, 2): (BlockStatus.STORED, "")},
+        {(0, 0): (BlockStatus.SKIPPED, "store_full"), (0, 1): (BlockStatus.STORED, ""),
+         (0, 2): (BlockStatus.STORED, "")},
+    ]
+    prefix = h.session.store_groups[0].keys.own
+    verdicts = [history.why(task.key, prefix, (0, task.block_hash), Presence.ABSENT,
+                            RequestKeys())[:2] for task in (*x, *y)]
+    assert verdicts == [
+        (Verdict.EVICTED, "stored, since gone from the store"),
+        (Verdict.SKIPPED, "store_full"),
+        (Verdict.EVICTED, "stored, since gone from the store"),
+        (Verdict.SKIPPED, "store_full"),
+        (Verdict.EVICTED, "stored, since gone from the store"),
+        (Verdict.EVICTED, "stored, since gone from the store"),
+    ]
+
+
+async def test_an_abandoned_job_fails_only_its_unsettled_blocks(hybrid: Harness) -> None:
+    """On abort, an open job keeps the outcomes already settled; the rest fail."""
+    job = hybrid.job(save(tokens(8), [1, 2], [9], [0, 3]))
+    await GroupFilterStage(hybrid.tracker).process(job)
+    await HashingStage(hybrid.tracker, hybrid.limiter).process(job)
+    first, *others = job.planned
+    await hybrid.tracker.settle_each([first], [STORED])
+    assert hybrid.tracker.abandon_open("shutdown") == [job]
+    assert statuses(job) == {
+        (first.geometry.kv_group_id, first.block_index): (BlockStatus.STORED, ""),
+        **{(task.geometry.kv_group_id, task.block_index): (BlockStatus.FAILED, "shutdown")
+           for task in others},
+    }
 
 
 # -- lookup ----------------------------------------------------------------------------------
