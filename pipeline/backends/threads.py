@@ -98,16 +98,11 @@ class WorkerThreads:
         self._threads: list[threading.Thread] = []
         self._closed = False
 
-    async def run(self, work: Callable[..., T], *args: object) -> T:
-        """``work(*args)`` in one of the threads. Cancelling the caller waits for it to
-        return (the work owns the buffers it was given until then)."""
-        [result] = await self.run_each([lambda: work(*args)])
-        return result
-
     async def run_each(self, calls: Sequence[Callable[[], T]]) -> list[T]:
         """Every call, each in one of the threads (at most ``total`` at a time): their
         results, once all have returned. An error any call raised is raised here, once
-        all have returned. Cancelling the caller waits for them all."""
+        all have returned. Cancelling the caller waits for them all (the calls own the
+        buffers they were given until they return)."""
         future = self.submit(calls)
         with anyio.CancelScope(shield=True):
             results = await future

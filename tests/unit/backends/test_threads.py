@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -28,8 +29,8 @@ async def test_threads_run_at_their_own_lower_priority_and_leave_the_callers_alo
     lowered, usual = WorkerThreads(2, name="low", nice=5), WorkerThreads(2, name="usual")
     try:
         with anyio.fail_after(TIMEOUT_S):
-            low_name, low_nice = await lowered.run(own_nice)
-            usual_name, usual_nice = await usual.run(own_nice)
+            [(low_name, low_nice)] = await lowered.run_each([own_nice])
+            [(usual_name, usual_nice)] = await usual.run_each([own_nice])
     finally:
         lowered.close()
         usual.close()
@@ -51,7 +52,7 @@ async def test_a_cancelled_caller_waits_for_its_work_to_return() -> None:
     try:
         with anyio.fail_after(TIMEOUT_S):
             with anyio.move_on_after(0.01) as scope:
-                await threads.run(work)
+                await threads.run_each([work])
             returned = time.monotonic()
     finally:
         threads.close()
@@ -99,7 +100,7 @@ def test_nothing_of_a_returned_call_is_kept_by_its_idle_thread() -> None:
     payload = Payload()
     gone = weakref.ref(payload)
     try:
-        anyio.run(threads.run, lambda held: None, payload)
+        anyio.run(threads.run_each, [functools.partial(lambda held: None, payload)])
         del payload
         deadline = time.monotonic() + 2  # the thread drops it just after answering
         while gone() is not None and time.monotonic() < deadline:
@@ -113,10 +114,10 @@ async def test_closed_threads_refuse_new_work() -> None:
     """Work handed to closed threads is refused at once; no thread would ever take it."""
     threads = WorkerThreads(1, name="closed")
     with anyio.fail_after(TIMEOUT_S):
-        assert await threads.run(lambda: 1) == 1
+        assert await threads.run_each([lambda: 1]) == [1]
         threads.close()
         with pytest.raises(RuntimeError, match="closed"):
-            await threads.run(lambda: 2)
+            await threads.run_each([lambda: 2])
 
 
 def test_a_pool_needs_a_thread() -> None:
