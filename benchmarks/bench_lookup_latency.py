@@ -5,7 +5,9 @@ engine (this process) calls ``EngineClient.lookup`` on realistic prompts, all of
 blocks are stored (hit) or none (miss). The baseline, measured in the same run and
 interleaved with it, is a bare DEALER -> ROUTER -> DEALER round trip on the same kind of
 endpoint (ipc://, another process, the same asyncio client socket type), carrying the
-same msgpack-encoded Lookup frame and answered with a frame the size of a LookupReply.
+same msgpack-encoded Lookup frame (``lookup_message``, as the client builds it: with the
+engine's hashes, only the prompt's first block and its length) and answered with a frame
+the size of a LookupReply.
 The in-process time to hash the prompt (pipeline.core.hashing.block_hashes, what the sidecar
 must do on each lookup) is shown alongside, for attribution.
 
@@ -54,8 +56,8 @@ from harness import (
 
 from pipeline.core.hashing import block_hashes
 from pipeline.core.layout import KVCacheLayout
-from pipeline.core.messages import Lookup, LookupReply, RequestKeys, encode, pack_tokens
-from transport.client import EngineClient
+from pipeline.core.messages import LookupReply, encode
+from transport.client import EngineClient, lookup_message
 from transport.tensors import shared_kv_caches
 
 GOAL_ENGINE_HASHES = 2.0
@@ -136,6 +138,8 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
         for kind, tokens, _ in cases
     }
     # Every call's seconds, for the latency CDF: (case, tokens) -> series -> samples.
+    frame_bytes: dict[tuple[str, int], tuple[int, int]] = {}
+    """(case, tokens) -> sizes of the tokens-only frame and of the one with hashes."""
     every: dict[tuple[str, int], dict[str, list[float]]] = {
         (kind, tokens): {"bare": [], "tokens_only": [], "engine_hashes": []}
         for kind, tokens, _ in cases
@@ -155,11 +159,13 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
                 assert hit == expected, (kind, tokens, hit, expected)
             for _ in range(args.repeat):
                 for kind, tokens, prompt in cases:
-                    frame = encode(Lookup(1, pack_tokens(prompt), RequestKeys()))
+                    # The frames exactly as the client sends them.
+                    frame = encode(lookup_message(1, prompt, BLOCK_SIZE))
                     # vLLM engines already hold their block hashes and may send them.
                     hashes = block_hashes(prompt, BLOCK_SIZE)
-                    hashes_frame = encode(Lookup(1, pack_tokens(prompt), RequestKeys(),
-                                                 tuple(hashes)))
+                    hashes_frame = encode(lookup_message(1, prompt, BLOCK_SIZE,
+                                                         block_hashes=hashes))
+                    frame_bytes[(kind, tokens)] = (len(frame), len(hashes_frame))
 
                     async def bare_call(frame: bytes = frame) -> None:
                         await bare.send(frame)
@@ -204,7 +210,8 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
                      "ratio_p50": us["sidecar_p50"] / (us["bare_p50"] + us["hash_p50"]),
                      "ratio_engine_hashes_p50": us["engine_hashes_p50"] / us["bare_hashes_p50"],
                      "ratio_request_id_p50": us["request_id_p50"] / us["bare_p50"],
-                     "frame_bytes": len(encode(Lookup(1, pack_tokens(range(tokens))))),
+                     "frame_bytes": frame_bytes[(kind, tokens)][0],
+                     "hashes_frame_bytes": frame_bytes[(kind, tokens)][1],
                      "samples_s": samples, "calls_s": every[(kind, tokens)]})
     return rows
 
@@ -231,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"{'case':>5} {'tokens':>6} {'frame B':>8} {'bare p50':>9} {'bare p99':>9} "
           f"{'sidecar p50':>12} {'sidecar p99':>12} {'hash p50':>9} {'ratio':>6} "
-          f"{'w/ engine hashes: bare p50':>27} {'sidecar p50':>12} {'ratio':>6} "
+          f"{'w/ engine hashes: frame B':>26} {'bare p50':>9} {'sidecar p50':>12} {'ratio':>6} "
           f"{'repeat w/ request_id p50':>25} {'ratio':>6}   (µs)")
     worst = worst_hashes = worst_request = 0.0
     for row in rows:
@@ -242,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{row['case']:>5} {row['tokens']:>6} {row['frame_bytes']:>8} "
               f"{us['bare_p50']:>9.0f} {us['bare_p99']:>9.0f} {us['sidecar_p50']:>12.0f} "
               f"{us['sidecar_p99']:>12.0f} {us['hash_p50']:>9.0f} {row['ratio_p50']:>6.2f} "
-              f"{us['bare_hashes_p50']:>27.0f} {us['engine_hashes_p50']:>12.0f} "
+              f"{row['hashes_frame_bytes']:>26} {us['bare_hashes_p50']:>9.0f} "
+              f"{us['engine_hashes_p50']:>12.0f} "
               f"{row['ratio_engine_hashes_p50']:>6.2f} {us['request_id_p50']:>25.0f} "
               f"{row['ratio_request_id_p50']:>6.2f}")
     print("ratios: tokens only over (bare + hash); engine hashes and request_id over bare")

@@ -23,7 +23,7 @@ from pipeline.core.hashing import RequestHasher, group_block_hashes
 from pipeline.core.hitrule import longest_hit, max_hit_tokens
 from pipeline.core.keys import keys_for
 from pipeline.core.layout import GroupKind
-from pipeline.core.messages import BlockWhy, Lookup, LookupReply
+from pipeline.core.messages import BlockWhy, Lookup, LookupReply, prompt_length
 from pipeline.core.store import KVStore, Presence
 from pipeline.state.history import BlockHistory, Prompt, Verdict, content_prints
 from pipeline.state.jobs import LookupRequest, Reply
@@ -64,7 +64,7 @@ class LookupStage:
         self._probe_first = probe_first
 
     async def hit_tokens(self, session: EngineSession, message: Lookup) -> int:
-        bound = max_hit_tokens(session.layout, len(message.token_ids))
+        bound = max_hit_tokens(session.layout, prompt_length(message))
         hasher: RequestHasher | None = None
         if message.block_hashes is None:
             hasher = (

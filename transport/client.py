@@ -58,7 +58,10 @@ from pipeline.core.outcomes import BlockStatus
 from transport.sockets import FastSocket
 from transport.tensors import tensor_handle
 
-__all__ = ["BlockingEngineClient", "EngineClient", "Explanation", "LoadResult", "SaveResult"]
+__all__ = [
+    "BlockingEngineClient", "EngineClient", "Explanation", "LoadResult", "SaveResult",
+    "lookup_message",
+]
 
 KVCacheShape = Literal["blocks_first", "kv_first"]
 BlockHasher = Callable[[Sequence[int], int], list[bytes]]
@@ -308,8 +311,12 @@ class EngineClient(AsyncResource):
         each is or is not a hit.
         """
         seq = next(self._seq)
-        message = Lookup(seq, pack_tokens(token_ids), _request_keys(**request_keys),
-                         _hashes(block_hashes), request_id, explain=explain)
+        registered = self.registered
+        message = lookup_message(
+            seq, token_ids, registered.hash_block_size if registered else None,
+            keys=_request_keys(**request_keys), block_hashes=block_hashes,
+            request_id=request_id, explain=explain,
+        )
         reply = await self._call(seq, message, timeout_s)
         assert isinstance(reply, LookupReply)
         self.save_credits = reply.save_credits
@@ -457,6 +464,23 @@ class EngineClient(AsyncResource):
 def _key_bytes(key: str | bytes) -> bytes:
     # A key read from a ``.key.pub`` file carries its newline.
     return (key.encode() if isinstance(key, str) else key).strip()
+
+
+def lookup_message(
+    seq: int, token_ids: Sequence[int], hash_block_size: int | None, *,
+    keys: RequestKeys | None = None, block_hashes: Sequence[bytes] | None = None,
+    request_id: str | None = None, explain: bool = False,
+) -> Lookup:
+    """A lookup as an engine sends it. With the engine's block hashes (and no
+    explanation asked) only the prompt's first hash block goes, the one its first hash
+    is checked against, and the prompt's length: the hashes name every block.
+    ``hash_block_size``: the registered layout's (None: not registered; all is sent)."""
+    keys = keys or RequestKeys()
+    if block_hashes is None or explain or hash_block_size is None:
+        return Lookup(seq, pack_tokens(token_ids), keys, _hashes(block_hashes), request_id,
+                      explain=explain)
+    return Lookup(seq, pack_tokens(token_ids[:hash_block_size]), keys, tuple(block_hashes),
+                  request_id, prompt_tokens=len(token_ids))
 
 
 def _hashes(block_hashes: Sequence[bytes] | None) -> tuple[bytes, ...] | None:

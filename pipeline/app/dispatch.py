@@ -43,6 +43,7 @@ from pipeline.core.messages import (
     decode_engine_message,
     encode,
     outcome_counts,
+    prompt_length,
 )
 from pipeline.core.outcomes import BlockStatus, KeyOutcome
 from pipeline.runner import EdgeSendStream
@@ -181,6 +182,7 @@ class Receiver:
         elif not self.accepting:
             raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
         elif isinstance(message, Lookup):
+            _check_prompt_head(session, message)
             _check_engine_hashes(session, message)
             await self._lookup(LookupRequest(session, message))
         else:
@@ -263,11 +265,12 @@ def _check_engine_hashes(session: EngineSession, message: Lookup | Save | Load) 
             )
         return
     hbs = session.layout.hash_block_size
-    expected = len(message.token_ids) // hbs
+    tokens = prompt_length(message)
+    expected = tokens // hbs
     if len(message.block_hashes) != expected:
         raise RequestRejected(
             ErrorCode.BAD_REQUEST,
-            f"{len(message.block_hashes)} block hashes for {len(message.token_ids)} tokens; "
+            f"{len(message.block_hashes)} block hashes for {tokens} tokens; "
             f"expected {expected} (hash_block_size {hbs})",
         )
     if session.engine_hashes_only:
@@ -277,6 +280,28 @@ def _check_engine_hashes(session: EngineSession, message: Lookup | Save | Load) 
         raise RequestRejected(
             ErrorCode.HASH_MISMATCH,
             "the first block hash differs from the sidecar's hash of the same tokens",
+        )
+
+
+def _check_prompt_head(session: EngineSession, message: Lookup) -> None:
+    """A lookup sending only the head of its prompt (``prompt_tokens``) must name every
+    block by the engine's hash and send at least the first block, which is checked
+    against the first hash: the sidecar hashes and explains only tokens it was sent."""
+    length = message.prompt_tokens
+    if length is None:
+        return
+    if message.block_hashes is None or message.explain:
+        raise RequestRejected(
+            ErrorCode.BAD_REQUEST,
+            "a lookup sending only its prompt's first block (prompt_tokens) needs the "
+            "engine's block_hashes, and cannot be explained",
+        )
+    head = min(length, session.layout.hash_block_size)
+    if not head <= len(message.token_ids) <= length:
+        raise RequestRejected(
+            ErrorCode.BAD_REQUEST,
+            f"{len(message.token_ids)} tokens sent of a {length}-token prompt; "
+            f"expected at least its first {head}",
         )
 
 

@@ -23,7 +23,7 @@ import structlog
 
 from pipeline.app.metrics import Outcomes
 from pipeline.core.config import LoggingConfig
-from pipeline.core.messages import LoadDone, LookupReply, SaveDone
+from pipeline.core.messages import LoadDone, LookupReply, SaveDone, prompt_length
 from pipeline.state.jobs import Reply
 
 __all__ = ["configure_logging", "log_request"]
@@ -118,7 +118,7 @@ def log_request(reply: Reply, outcomes: Outcomes) -> None:
     fields: dict[str, object] = {
         "kind": request.message.__struct_config__.tag,
         "seq": request.message.seq,
-        "tokens": len(request.message.token_ids),
+        "tokens": prompt_length(request.message),
         "ms": round((time.monotonic() - start) * 1000, 3),
         "stages": {stage.rsplit(".", 1)[-1]: round((at - start) * 1000, 3)
                    for stage, at in request.marks.items()},

@@ -17,7 +17,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from pipeline.app.backends import Usage
-from pipeline.core.messages import LoadDone, Lookup, LookupReply, SaveDone
+from pipeline.core.messages import LoadDone, Lookup, LookupReply, SaveDone, prompt_length
 from pipeline.core.outcomes import BlockStatus
 from pipeline.state.jobs import Reply
 from pipeline.state.sessions import EngineSession
@@ -195,7 +195,7 @@ class Metrics:
             asked = reply.request.message
             if isinstance(message, LookupReply) and isinstance(asked, Lookup) and not (
                     asked.explain):  # an operator's question is not a cache use
-                self._queried.inc(len(asked.token_ids))
+                self._queried.inc(prompt_length(asked))
                 self._hit.inc(message.hit_tokens)
         self._latency[path].observe(time.monotonic() - reply.received_at)
 

@@ -54,9 +54,12 @@ __all__ = [
     "encode",
     "outcome_counts",
     "pack_tokens",
+    "prompt_length",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: a lookup with the engine's block hashes may carry only the prompt's first hash
+block (``Lookup.prompt_tokens``)."""
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -215,6 +218,7 @@ class Heartbeat(_Wire, frozen=True, tag="heartbeat"):
 class Lookup(_Wire, frozen=True, tag="lookup"):
     seq: NonNegative
     token_ids: TokenIds
+    """The prompt; with ``prompt_tokens``, only its first hash block."""
     keys: RequestKeys = RequestKeys()
     block_hashes: tuple[bytes, ...] | None = None
     """The engine's own fine block hashes (vLLM's ``request.block_hashes``): the sidecar
@@ -224,6 +228,16 @@ class Lookup(_Wire, frozen=True, tag="lookup"):
     and save (a request waiting to be scheduled is looked up again and again)."""
     explain: bool = False
     """Also say, block by block, why each block is or is not a hit (``LookupReply.explain``)."""
+    prompt_tokens: NonNegative | None = None
+    """The prompt's length, when ``token_ids`` holds only its first hash block. With the
+    engine's ``block_hashes`` naming every block, that block (to check the first hash
+    against) is all a lookup reads of the prompt: an 8k-token prompt is 32 KB less to
+    pack, send and read. None: ``token_ids`` is the whole prompt."""
+
+    @property
+    def prompt_length(self) -> int:
+        """Tokens in the prompt looked up."""
+        return len(self.token_ids) if self.prompt_tokens is None else self.prompt_tokens
 
 
 class Explain(_Wire, frozen=True, tag="explain"):
@@ -266,6 +280,13 @@ class Load(_Wire, frozen=True, tag="load"):
     computed_tokens: NonNegative = 0
     """Tokens whose KV the engine already holds (its own prefix cache): blocks that end
     at or before this are neither needed nor written."""
+
+
+def prompt_length(message: Lookup | Save | Load) -> int:
+    """Tokens in the request's prompt (a lookup may carry only its first hash block)."""
+    if isinstance(message, Lookup) and message.prompt_tokens is not None:
+        return message.prompt_tokens
+    return len(message.token_ids)
 
 
 class Unregister(_Wire, frozen=True, tag="unregister"):

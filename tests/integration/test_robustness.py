@@ -261,6 +261,87 @@ async def test_engine_sent_block_hashes_are_used_and_checked(sidecar: SidecarPro
                 assert error.value.code == code
 
 
+def test_a_lookup_with_the_engine_hashes_sends_only_its_first_block(
+    sidecar: SidecarProcess,
+) -> None:
+    """With the engine's hashes a lookup carries only the prompt's first hash block and
+    the prompt's length (as the client builds it), and hits as the whole prompt does.
+    A head without the hashes or asked to be explained, one shorter than the first
+    block or longer than the prompt, or a first block that its hash does not name, is
+    refused by name; the sidecar goes on serving."""
+    from pipeline.core.hashing import block_hashes
+    from pipeline.core.messages import (
+        HashSelfTest,
+        Lookup,
+        LookupReply,
+        Register,
+        Registered,
+        encode,
+        pack_tokens,
+    )
+    from transport.client import lookup_message
+
+    engine = KVEngine(hybrid_layout())
+    tokens = random_tokens(3 * 16 + 4, seed=73)
+    hashes = block_hashes(tokens, 16)
+
+    async def save() -> None:
+        with anyio.fail_after(TIMEOUT):
+            async with await engine.connect(sidecar.endpoint) as client:
+                saved = await client.save("head", tokens, [[1, 2, 3, 4], [5], [1, 2, 3, 4]])
+                assert saved.stored == 6
+
+    anyio.run(save)
+    sent = lookup_message(1, tokens, 16, block_hashes=hashes)
+    assert (list(sent.token_ids), sent.prompt_tokens) == (tokens[:16], len(tokens))
+    for whole in (lookup_message(1, tokens, 16),
+                  lookup_message(1, tokens, 16, block_hashes=hashes, explain=True)):
+        assert (list(whole.token_ids), whole.prompt_tokens) == (tokens, None)
+
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVTIMEO, TIMEOUT * 1000)
+    socket.connect(sidecar.endpoint)
+
+    def ask(message: object) -> object:
+        socket.send(encode(message))  # type: ignore[arg-type]
+        return decode_sidecar_message(socket.recv())
+
+    def hit(message: Lookup) -> tuple[int, int]:
+        reply = ask(message)
+        assert isinstance(reply, LookupReply), reply
+        return reply.seq, reply.hit_tokens
+
+    head = pack_tokens(tokens[:16])
+    try:
+        self_test = tuple(range(1, 33))
+        assert isinstance(ask(Register(
+            "head-only", hybrid_layout(), (), HashSelfTest(self_test, tuple(
+                block_hashes(self_test, 16))), lookup_only=True)), Registered)
+        assert hit(sent) == (1, 48)
+        assert hit(Lookup(2, pack_tokens(tokens))) == (2, 48)
+        for seq, (bad, code) in enumerate((
+            (Lookup(3, head, prompt_tokens=len(tokens)), "bad_request"),
+            (Lookup(4, head, block_hashes=tuple(hashes), explain=True,
+                    prompt_tokens=len(tokens)), "bad_request"),
+            (Lookup(5, head[:15], block_hashes=tuple(hashes), prompt_tokens=len(tokens)),
+             "bad_request"),
+            (Lookup(6, pack_tokens(tokens), block_hashes=tuple(hashes), prompt_tokens=48),
+             "bad_request"),
+            (Lookup(7, head, block_hashes=tuple(hashes[:2]), prompt_tokens=len(tokens)),
+             "bad_request"),
+            (Lookup(8, pack_tokens(tokens[16:32]), block_hashes=tuple(hashes),
+                    prompt_tokens=len(tokens)), "hash_mismatch"),
+        ), start=3):
+            reply = ask(bad)
+            assert isinstance(reply, ErrorReply) and (reply.code, reply.seq) == (code, seq), reply
+        assert hit(lookup_message(9, tokens, 16, block_hashes=hashes)) == (9, 48)
+    finally:
+        socket.close()
+        context.term()
+
+
 async def test_prometheus_metrics_count_requests_outcomes_and_rejections() -> None:
     """With metrics.port set, /metrics reports requests, block outcomes, refusals and
     latencies as they happen."""
