@@ -8,6 +8,7 @@ hands other calls their replies, so no background task is needed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -429,14 +430,19 @@ class EngineClient(AsyncResource):
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
         self._waiting.add(seq)
         try:
-            with anyio.fail_after(timeout_s):
+            # asyncio's own deadline, not anyio's: a request's round trip is the latency an
+            # engine waits on, and anyio's cancel scope adds about 10 µs to it (measured;
+            # the socket is asyncio's anyway). Cancellation from outside passes through.
+            async with asyncio.timeout(timeout_s):
                 # Inside the deadline: with no sidecar, a full queue would block the send.
                 await self._frames.send_multipart([encode(message)])
                 while seq not in self._replies:
                     async with self._recv_lock:
                         if seq in self._replies:
                             break
-                        frames = await self._frames.recv_multipart()
+                        # Straight from pyzmq, which takes a reply already there at
+                        # once: right after a send, trying first would only fail.
+                        frames = await self._frames.socket.recv_multipart()
                         reply = decode_sidecar_message(b"".join(frames))
                         reply_seq = getattr(reply, "seq", 0)
                         if reply_seq in self._waiting:  # else: a call that gave up on it

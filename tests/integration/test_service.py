@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 
 import anyio
@@ -10,7 +12,7 @@ import pytest
 import torch
 import zmq
 
-from pipeline.core.errors import RequestRejected
+from pipeline.core.errors import RequestRejected, TransportError
 from pipeline.core.hashing import block_hashes
 from pipeline.core.layout import KVCacheLayout
 from pipeline.core.messages import (
@@ -304,6 +306,40 @@ async def test_a_sidecar_whose_worker_threads_copied_exits_cleanly() -> None:
                                                              [9, 10, 11, 12]], 64)
         assert loaded.loaded_tokens == 64
         assert sidecar.terminate() == 0, sidecar.log()[-2000:]
+
+
+async def test_a_call_gives_up_on_its_own_timeout_while_another_receives(
+    sidecar: SidecarProcess,
+) -> None:
+    """With the sidecar frozen, a call with a short timeout gives up in about that time,
+    although a call with a long one is the one receiving. Once the sidecar runs again,
+    the long call gets its own answer, the late reply to the short one is dropped, and
+    the client goes on."""
+    engine = KVEngine(hybrid_layout())
+    tokens = random_tokens(2 * 16 + 1, seed=14)
+    hits: list[int] = []
+    with anyio.fail_after(TIMEOUT):
+        async with await engine.connect(sidecar.endpoint) as client:
+            assert (await client.save("t", tokens, [[1, 2, 3], [4], [1, 2, 3]])).stored == 4
+
+            async def long_call() -> None:
+                hits.append(await client.lookup(tokens, timeout_s=TIMEOUT - 5))
+
+            os.kill(sidecar.pid, signal.SIGSTOP)
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(long_call)
+                    await anyio.sleep(0.2)  # the long call is waiting for its reply
+                    started = anyio.current_time()
+                    with pytest.raises(TransportError, match="no reply from the sidecar"):
+                        await client.lookup(tokens, timeout_s=0.3)
+                    waited = anyio.current_time() - started
+                    os.kill(sidecar.pid, signal.SIGCONT)
+            finally:
+                os.kill(sidecar.pid, signal.SIGCONT)
+            assert 0.3 <= waited < 5, waited
+            assert hits == [32]
+            assert await client.lookup(tokens) == 32
 
 
 async def test_engine_reregisters_with_a_restarted_sidecar() -> None:
