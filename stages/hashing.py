@@ -7,18 +7,13 @@ from __future__ import annotations
 
 import anyio
 
+from pipeline.core.hashing import INLINE_TOKENS
 from pipeline.core.outcomes import BlockStatus, KeyOutcome
 from pipeline.state.jobs import Job, JobTracker, TaskBatch
 
 __all__ = ["HashingStage"]
 
 INCOMPLETE = KeyOutcome(BlockStatus.SKIPPED, "incomplete_block")
-INLINE_TOKENS = 4096
-"""Requests of this many tokens or fewer are hashed on the event loop. The native hash
-takes some 40 ns a token (16-token blocks; less per token in larger ones), so 4096 cost
-about 0.16 ms, less than a hop to a worker thread (measured at 1024 tokens: 0.35 ms more
-of the request's time, 0.15 ms more of the event loop's). Longer prompts go to a thread,
-so the loop does not stall on them."""
 
 
 class HashingStage:

@@ -2,11 +2,11 @@
 
 The prompt is hashed and checked in growing chunks: a miss in a full-attention group
 bounds every possible hit, so a miss costs one small chunk, not the whole prompt.
-Hashing runs inline, yielding to the event loop between chunks (no thread hop). When
-the engine sends its own block hashes there is nothing to hash: a store answering
-in-process is asked about a first small chunk of a long prompt, then about the rest in
-one query (a miss spells and checks a chunk's keys, not the prompt's); a remote store,
-in one query.
+Hashing runs inline (no thread hop), yielding to the event loop between the chunks of
+a prompt longer than ``INLINE_TOKENS``. When the engine sends its own block hashes
+there is nothing to hash: a store answering in-process is asked about a first small
+chunk of a long prompt, then about the rest in one query (a miss spells and checks a
+chunk's keys, not the prompt's); a remote store, in one query.
 
 Asked to explain, the stage also checks every full block of every stored group and asks
 the block history why each one absent is absent.
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import anyio.lowlevel
 
 from pipeline.core.errors import StoreError
-from pipeline.core.hashing import RequestHasher, group_block_hashes
+from pipeline.core.hashing import INLINE_TOKENS, RequestHasher, group_block_hashes
 from pipeline.core.hitrule import longest_hit, max_hit_tokens
 from pipeline.core.keys import keys_for
 from pipeline.core.layout import GroupKind
@@ -96,6 +96,7 @@ class LookupStage:
         known = len(message.block_hashes or ()) if hasher is None else len(hasher.hashes)
         probe = self._probe_first and known > PROBE_KNOWN_ABOVE
         chunk = FIRST_CHUNK_BLOCKS if probe else max(FIRST_CHUNK_BLOCKS, known)
+        long_prompt = len(message.token_ids) > INLINE_TOKENS  # yields while it hashes
         while done * hbs < bound:
             end = min(bound // hbs, done + chunk)
             if hasher is not None:
@@ -140,7 +141,7 @@ class LookupStage:
                 checked[g] += count
             done = end
             chunk = max(chunk * 8, known - done)
-            if hasher is not None:
+            if hasher is not None and long_prompt:
                 await anyio.lowlevel.checkpoint()  # let others run between hashing chunks
         if prefix_only:
             align = layout.lookup_alignment

@@ -21,6 +21,7 @@ from pipeline.app.logs import log_request
 from pipeline.app.metrics import Metrics
 from pipeline.core.config import Config
 from pipeline.core.errors import FrameTooLarge, ProtocolError, RequestRejected
+from pipeline.core.hashing import INLINE_TOKENS
 from pipeline.core.hitrule import blocks_to_load
 from pipeline.core.layout import NULL_BLOCK_ID
 from pipeline.core.messages import (
@@ -195,9 +196,12 @@ class Receiver:
                 await self._accept_save(job)
 
     async def _lookup(self, request: LookupRequest) -> None:
-        """Answer a lookup here when it has nothing to hash (the engine sent its block
-        hashes, and the lookup path is idle); else hand it to the lookup path."""
-        cheap = request.message.block_hashes is not None and not request.message.explain
+        """Answer a lookup here when it has little or nothing to hash (the engine sent its
+        block hashes, or the prompt is short enough to hash on the loop) and the lookup
+        path is idle; else hand it to the lookup path."""
+        message = request.message
+        cheap = not message.explain and (
+            message.block_hashes is not None or len(message.token_ids) <= INLINE_TOKENS)
         if cheap and self._run_inline is not None and await self._run_inline(
                 "lookup", request):
             return

@@ -13,7 +13,7 @@ import torch
 import zmq
 
 from pipeline.core.errors import RequestRejected, TransportError
-from pipeline.core.hashing import block_hashes
+from pipeline.core.hashing import INLINE_TOKENS, block_hashes
 from pipeline.core.layout import KVCacheLayout
 from pipeline.core.messages import (
     ErrorReply,
@@ -306,6 +306,33 @@ async def test_a_sidecar_whose_worker_threads_copied_exits_cleanly() -> None:
                                                              [9, 10, 11, 12]], 64)
         assert loaded.loaded_tokens == 64
         assert sidecar.terminate() == 0, sidecar.log()[-2000:]
+
+
+async def test_lookups_either_side_of_the_inline_hashing_limit_agree(
+    sidecar: SidecarProcess,
+) -> None:
+    """A prompt short enough to hash on the receive loop (INLINE_TOKENS) and a longer
+    one, hashed chunk by chunk on the lookup path, get the hit the stored blocks give,
+    from tokens alone, under a request id and with the engine's hashes alike; a block
+    changed in the middle bounds both."""
+    layout = {"model": "long-prompts", "groups": [{
+        "kind": "full_attention", "block_size": 16, "layers": ["attn.0"], "page_bytes": 1024,
+    }]}
+    engine = KVEngine(layout, num_blocks=INLINE_TOKENS // 16 + 16)
+    tokens = random_tokens(INLINE_TOKENS + 104, seed=15)  # 262 full blocks, then 8 tokens
+    changed = [*tokens[:3200], tokens[3200] + 1, *tokens[3201:]]  # differs in block 200
+    with anyio.fail_after(TIMEOUT):
+        async with await engine.connect(sidecar.endpoint) as client:
+            saved = await client.save("long", tokens, [list(range(1, 263))])
+            assert saved.stored == 262
+            for prompt, expected in ((tokens[:INLINE_TOKENS], INLINE_TOKENS - 16),
+                                     (tokens, 262 * 16),
+                                     (changed[:INLINE_TOKENS], 200 * 16),
+                                     (changed, 200 * 16)):
+                hashes = block_hashes(prompt, 16)
+                assert [await client.lookup(prompt),
+                        await client.lookup(prompt, request_id=f"r{len(prompt)}"),
+                        await client.lookup(prompt, block_hashes=hashes)] == [expected] * 3
 
 
 async def test_a_call_gives_up_on_its_own_timeout_while_another_receives(

@@ -29,7 +29,7 @@ from pipeline.backends.wrapper import StoreWrapper
 from pipeline.core.config import EmbeddedStoreConfig, EventsConfig
 from pipeline.core.errors import StoreCallAbandoned, StoreError
 from pipeline.core.geometry import build_store_groups
-from pipeline.core.hashing import block_hashes
+from pipeline.core.hashing import INLINE_TOKENS, block_hashes
 from pipeline.core.integrity import CHECKSUM_BYTES
 from pipeline.core.keys import keys_for, store_key
 from pipeline.core.layout import KVCacheLayout
@@ -64,7 +64,7 @@ from stages.completion import CompletionStage, completion_message
 from stages.dedup import DedupStage
 from stages.fetch import FetchStage
 from stages.group_filter import GroupFilterStage
-from stages.hashing import INLINE_TOKENS, HashingStage
+from stages.hashing import HashingStage
 from stages.lookup import FIRST_CHUNK_BLOCKS, PROBE_KNOWN_ABOVE, LookupStage
 from stages.scatter import ScatterStage
 from stages.transfer import TransferStage
