@@ -2,11 +2,11 @@
 
 The prompt is hashed and checked in growing chunks: a miss in a full-attention group
 bounds every possible hit, so a miss costs one small chunk, not the whole prompt.
-Hashing runs inline (no thread hop), yielding to the event loop between the chunks of
-a prompt longer than ``INLINE_TOKENS``. When the engine sends its own block hashes
-there is nothing to hash: a store answering in-process is asked about a first small
-chunk of a long prompt, then about the rest in one query (a miss spells and checks a
-chunk's keys, not the prompt's); a remote store, in one query.
+Hashing runs inline (no thread hop), yielding to the event loop before a chunk that
+would take the tokens hashed since it last did past ``INLINE_TOKENS``. When the engine
+sends its own block hashes there is nothing to hash: a store answering in-process is
+asked about a first small chunk of a long prompt, then about the rest in one query (a
+miss spells and checks a chunk's keys, not the prompt's); a remote store, in one query.
 
 Asked to explain, the stage also checks every full block of every stored group and asks
 the block history why each one absent is absent.
@@ -96,10 +96,15 @@ class LookupStage:
         known = len(message.block_hashes or ()) if hasher is None else len(hasher.hashes)
         probe = self._probe_first and known > PROBE_KNOWN_ABOVE
         chunk = FIRST_CHUNK_BLOCKS if probe else max(FIRST_CHUNK_BLOCKS, known)
-        long_prompt = len(message.token_ids) > INLINE_TOKENS  # yields while it hashes
+        unyielded = 0  # fine blocks hashed since the event loop last ran others
         while done * hbs < bound:
             end = min(bound // hbs, done + chunk)
             if hasher is not None:
+                fresh = max(0, end - len(hasher.hashes))  # blocks this chunk hashes
+                if unyielded and (unyielded + fresh) * hbs > INLINE_TOKENS:
+                    await anyio.lowlevel.checkpoint()  # let others run between chunks
+                    unyielded = 0
+                unyielded += fresh
                 fine: Sequence[bytes] = hasher.extend(message.token_ids[: end * hbs])
             else:
                 fine = message.block_hashes  # type: ignore[assignment]
@@ -141,8 +146,6 @@ class LookupStage:
                 checked[g] += count
             done = end
             chunk = max(chunk * 8, known - done)
-            if hasher is not None and long_prompt:
-                await anyio.lowlevel.checkpoint()  # let others run between hashing chunks
         if prefix_only:
             align = layout.lookup_alignment
             return bound // align * align

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 from anyio.abc import ObjectReceiveStream
@@ -968,6 +969,44 @@ async def test_known_hashes_of_a_long_prompt_are_probed_first_in_process(
                 else [FIRST_CHUNK_BLOCKS] if first_miss_in_probe
                 else [FIRST_CHUNK_BLOCKS, blocks - FIRST_CHUNK_BLOCKS])
     assert hits == [stored_blocks * 4] * 2
+
+
+async def test_a_lookup_yields_to_the_loop_only_while_it_hashes_much() -> None:
+    """From its tokens, a prompt longer than INLINE_TOKENS lets other tasks run between
+    its hashing chunks; a prompt of INLINE_TOKENS, or a long one whose hashes the
+    session kept (looked up again under its request id), is answered without a yield.
+    Every one finds its whole stored prefix."""
+    dense = harness([full(4, "a")])
+    [geometry] = dense.session.store_groups
+    [prefix] = geometry.keys.lookup
+    prompt = tokens(3 * INLINE_TOKENS + 1)
+    hashes = block_hashes(prompt, 4)
+    lookup = LookupStage(dense.store, {prefix: 8}, probe_first=True)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.lowlevel.checkpoint()
+            ticks += 1
+
+    async def yields(message: Lookup, hit: int) -> int:
+        before = ticks
+        assert await lookup.hit_tokens(dense.session, message) == hit
+        return ticks - before
+
+    with anyio.fail_after(TIMEOUT_S):
+        await dense.store.put(keys_for(prefix, hashes),
+                              [torch.zeros(8, dtype=torch.uint8)] * len(hashes))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            await anyio.lowlevel.checkpoint()
+            short = prompt[:INLINE_TOKENS]
+            assert await yields(Lookup(0, pack_tokens(short)), INLINE_TOKENS - 4) == 0
+            long = Lookup(0, pack_tokens(prompt), request_id="r")
+            assert await yields(long, 3 * INLINE_TOKENS) >= 1
+            assert await yields(long, 3 * INLINE_TOKENS) == 0  # hashes kept
+            tg.cancel_scope.cancel()
 
 
 async def test_a_full_store_puts_the_request_under_pressure_until_a_batch_is_stored(
