@@ -14,6 +14,7 @@ the block history why each one absent is absent.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 import anyio.lowlevel
@@ -110,7 +111,7 @@ class LookupStage:
                 fine = message.block_hashes  # type: ignore[assignment]
             # Blocks of each store group that end inside the new chunk of fine blocks.
             # Every rank namespace must hold a block (each rank loads its own shard).
-            keys: list[str] = []
+            spelled: list[list[str]] = []
             sizes: list[int] = []
             counts: list[int] = []
             for geometry in groups:
@@ -118,17 +119,20 @@ class LookupStage:
                 k = size // hbs
                 new = group_block_hashes(fine[done // k * k : end // k * k], hbs, size)
                 for prefix in geometry.keys.lookup:
-                    keys.extend(session.speller.keys(prefix, new))
+                    spelled.append(session.speller.keys(prefix, new))
                     sizes.extend([self._value_sizes.get(prefix, 0)] * len(new))
                 counts.append(len(new))
+            # One group, one rank namespace (the usual case): its keys as spelled.
+            keys = spelled[0] if len(spelled) == 1 else list(itertools.chain(*spelled))
             try:
                 exists = await self._store.exists(keys, sizes)
             except StoreError:
                 return 0  # a store that cannot answer is a miss, never a wait
             start = 0
             for g, (geometry, count) in enumerate(zip(groups, counts, strict=True)):
-                shards = [exists[start + shard * count : start + (shard + 1) * count]
-                          for shard in range(len(geometry.keys.lookup))]
+                shards = [exists] if count == len(exists) else [  # the only group asked
+                    exists[start + shard * count : start + (shard + 1) * count]
+                    for shard in range(len(geometry.keys.lookup))]
                 start += count * len(shards)
                 run = count  # of these blocks, how many from the first are present
                 if prefix_only:

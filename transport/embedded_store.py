@@ -152,7 +152,8 @@ class EmbeddedStore(AsyncResource):
         if len(keys) != len(sizes):
             raise ValueError(f"exists got {len(keys)} keys and {len(sizes)} sizes")
         stored = list(map(self._ready_sizes.get, keys))
-        if stored == list(sizes):  # the usual hit: every block present, in one comparison
+        if stored == (sizes if isinstance(sizes, list) else list(sizes)):
+            # The usual hit: every block present, in one comparison.
             return [Presence.PRESENT] * len(keys)
         absent, present, foreign = Presence.ABSENT, Presence.PRESENT, Presence.FOREIGN
         return [absent if have is None else present if have == want else foreign
