@@ -234,11 +234,6 @@ class Lookup(_Wire, frozen=True, tag="lookup"):
     against) is all a lookup reads of the prompt: an 8k-token prompt is 32 KB less to
     pack, send and read. None: ``token_ids`` is the whole prompt."""
 
-    @property
-    def prompt_length(self) -> int:
-        """Tokens in the prompt looked up."""
-        return len(self.token_ids) if self.prompt_tokens is None else self.prompt_tokens
-
 
 class Explain(_Wire, frozen=True, tag="explain"):
     """A lookup explained on behalf of a registered engine, with its layout and keys:
