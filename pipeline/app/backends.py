@@ -12,7 +12,12 @@ import torch
 
 from pipeline.backends.beside import ChecksumBesideStore
 from pipeline.backends.breaker import CircuitBreakerStore
-from pipeline.backends.cpu_copy import CpuCopyEngine, InPlaceCopyEngine
+from pipeline.backends.cpu_copy import (
+    INLINE_BYTES,
+    LOAD_INLINE_BYTES,
+    CpuCopyEngine,
+    InPlaceCopyEngine,
+)
 from pipeline.backends.faults import Faults, FaultyStore
 from pipeline.backends.memory import InPlaceMemory, LentMemory, StagingMemory
 from pipeline.backends.staging import StagingPool
@@ -150,18 +155,21 @@ async def open_backends(
             held.callback(save_threads.close)
             held.callback(load_threads.close)
             yield Backends(store, guarded, opened.usage, pool, memory,
-                           save_copy=_copy_engine(transfer, save_threads, in_place=in_place),
-                           load_copy=_copy_engine(transfer, load_threads, in_place=in_place),
+                           save_copy=_copy_engine(transfer, save_threads, in_place=in_place,
+                                                  inline_bytes=INLINE_BYTES),
+                           load_copy=_copy_engine(transfer, load_threads, in_place=in_place,
+                                                  inline_bytes=LOAD_INLINE_BYTES),
                            answers_at_once=opened.answers_at_once,
                            in_place=guarded if in_place else None)
 
 
 def _copy_engine(transfer: TransferStageConfig, threads: WorkerThreads, *,
-                 in_place: bool) -> CopyEngine:
-    """One direction's copy engine, with threads (and streams) of its own."""
+                 in_place: bool, inline_bytes: int) -> CopyEngine:
+    """One direction's copy engine, with threads (and streams) of its own; batches up to
+    ``inline_bytes`` are copied on the event loop."""
     if in_place:
         return InPlaceCopyEngine()
-    cpu = CpuCopyEngine(threads)
+    cpu = CpuCopyEngine(threads, inline_bytes=inline_bytes)
     if transfer.device == "cpu":
         return cpu
     from pipeline.backends.cuda_copy import CudaCopyEngine

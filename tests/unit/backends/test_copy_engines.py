@@ -1,0 +1,55 @@
+"""The copy engines the root composes: which thread copies a batch of which size."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import msgspec
+import torch
+
+from pipeline.app.backends import open_backends
+from pipeline.backends.cpu_copy import INLINE_BYTES, LOAD_INLINE_BYTES
+from pipeline.backends.faults import Faults
+from pipeline.core.config import Config, FaultsConfig
+from pipeline.core.geometry import build_store_groups
+from pipeline.core.layout import KVCacheLayout
+
+TIMEOUT_S = 30.0
+PAGE_BYTES = 256 << 10
+
+
+def _copy_threads() -> set[str]:
+    return {thread.name for thread in threading.enumerate()
+            if thread.name.startswith(("kvsidecar-save", "kvsidecar-load"))}
+
+
+async def test_a_load_of_up_to_4_mib_is_copied_on_the_event_loop_a_save_on_threads() -> None:
+    """A batch of 8 blocks of 256 KiB (2 MiB): the load engine copies it on the event loop
+    (an engine waits on a load, and a hand-off waits for a core twice), the save engine
+    in its own threads (it is over 512 KiB). Both move every byte."""
+    layout = KVCacheLayout.from_dict({"model": "m", "groups": [{
+        "kind": "full_attention", "block_size": 16, "layers": ["a"], "dtype": "uint8",
+        "page_bytes": PAGE_BYTES}]})
+    blocks = 20
+    kv = torch.randint(0, 256, (blocks, PAGE_BYTES), dtype=torch.uint8)
+    [geometry] = build_store_groups(layout, {"a": (kv, 0)})
+    batch = 8
+    assert INLINE_BYTES < batch * geometry.stored_bytes <= LOAD_INLINE_BYTES
+    config = Config()
+    config = msgspec.structs.replace(config, store=msgspec.structs.replace(
+        config.store, embedded=msgspec.structs.replace(
+            config.store.embedded, capacity_bytes=1 << 20)))
+    values = list(torch.zeros(batch, geometry.stored_bytes, dtype=torch.uint8))
+    with anyio.fail_after(TIMEOUT_S):
+        async with open_backends(config, Faults(FaultsConfig()), on_evicted=print) as backends:
+            before = _copy_threads()
+            await backends.save_copy.gather(geometry, list(range(1, 1 + batch)), values)
+            saving = _copy_threads() - before
+            intact = await backends.load_copy.scatter(
+                geometry, list(range(11, 11 + batch)), values)
+            loading = _copy_threads() - before - saving
+    assert intact == [True] * batch
+    assert torch.equal(kv[11 : 11 + batch], kv[1 : 1 + batch])
+    assert saving and all(name.startswith("kvsidecar-save") for name in saving)
+    assert not loading
