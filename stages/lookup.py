@@ -122,15 +122,17 @@ class LookupStage:
                     spelled.append(session.speller.keys(prefix, new))
                     sizes.extend([self._value_sizes.get(prefix, 0)] * len(new))
                 counts.append(len(new))
-            # One group, one rank namespace (the usual case): its keys as spelled.
-            keys = spelled[0] if len(spelled) == 1 else list(itertools.chain(*spelled))
+            # One group in one rank namespace (the usual case) is the whole query: its
+            # keys as spelled, and the answer taken unsliced.
+            whole = len(spelled) == 1
+            keys = spelled[0] if whole else list(itertools.chain(*spelled))
             try:
                 exists = await self._store.exists(keys, sizes)
             except StoreError:
                 return 0  # a store that cannot answer is a miss, never a wait
             start = 0
             for g, (geometry, count) in enumerate(zip(groups, counts, strict=True)):
-                shards = [exists] if count == len(exists) else [  # the only group asked
+                shards = [exists] if whole else [
                     exists[start + shard * count : start + (shard + 1) * count]
                     for shard in range(len(geometry.keys.lookup))]
                 start += count * len(shards)
