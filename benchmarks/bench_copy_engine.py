@@ -5,7 +5,10 @@ loop around them: ``gather_and_seal`` (engine blocks into values, checksums seal
 and ``verify_and_scatter`` (values verified, then copied into engine blocks), the copy
 engine's own functions, on values reserved in a real embedded store, against the bare
 copy (``torch.index_select`` / ``index_copy_`` per layer into a contiguous staging
-matrix). The copies run in this thread and are timed as its CPU time
+matrix). Each rep moves other blocks and other values, as a sidecar's copies do, and
+writes around the caches as the sidecar does into the embedded store's values and the
+engine's blocks (streaming stores; the same copy through the caches is timed beside
+it). The copies run in this thread and are timed as its CPU time
 (``time.thread_time``), which other processes on a shared machine disturb far less than
 wall time; the kinds of copy alternate, so drift hits them alike.
 
@@ -40,6 +43,8 @@ from pipeline.core.store import value_span
 from transport.embedded_store import EmbeddedStore
 
 NUM_BLOCKS = 1024
+FRESH_BYTES = 1 << 30
+"""About what a rep's copies cycle through, on each side: more than a cache holds."""
 
 
 def engine_geometry(g: Geometry, checksum: bool) -> StoreGroupGeometry:
@@ -65,45 +70,81 @@ async def cpu_ms(cases: dict[str, Callable[[], Awaitable[object]]],
 
 
 async def measure(g: Geometry, checksum: bool, repeat: int) -> dict[str, float]:
+    """Each rep copies other blocks into other values, from a gigabyte or so of each: a
+    sidecar's copies meet memory the caches do not hold, and so do these."""
     geometry = engine_geometry(g, checksum)
-    ids = torch.randperm(NUM_BLOCKS - 1)[: g.blocks_per_request] + 1
     size = geometry.stored_bytes
+    batch = g.blocks_per_request
+    sets = max(2, FRESH_BYTES // (batch * value_span(size)))
+    ids = [(torch.randperm(NUM_BLOCKS - 1)[:batch] + 1) for _ in range(sets)]
     words = [segment.blocks.view(torch.int64) for segment in geometry.segments]
-    staging = torch.zeros(g.blocks_per_request, geometry.value_bytes // 8, dtype=torch.int64)
+    staging = torch.zeros(sets, batch, geometry.value_bytes // 8, dtype=torch.int64)
     width = (g.page_kib << 10) // 8
+    turn = {name: 0 for name in ("bare_gather", "gather", "gather_cached", "bare_scatter",
+                                 "scatter", "scatter_cached")}
+
+    def next_set(name: str) -> int:
+        turn[name] += 1
+        return turn[name] % sets
 
     async def bare_gather() -> None:
+        k = next_set("bare_gather")
         for i, page in enumerate(words):
-            torch.index_select(page, 0, ids, out=staging[:, i * width : (i + 1) * width])
+            torch.index_select(page, 0, ids[k], out=staging[k, :, i * width : (i + 1) * width])
+
+    def into(k: int) -> torch.Tensor:
+        """Where set k is loaded: other blocks than it was saved from, which the caches
+        no longer hold, as a block an engine takes from its free queue."""
+        return ids[(k + sets // 2) % sets]
 
     async def bare_scatter() -> None:
+        k = next_set("bare_scatter")
         for i, page in enumerate(words):
-            page.index_copy_(0, ids, staging[:, i * width : (i + 1) * width])
+            page.index_copy_(0, into(k), staging[k, :, i * width : (i + 1) * width])
 
     inline = CopyThreads(WorkerThreads(1, name="bench"), inline_bytes=1 << 62)  # in this thread
-    capacity = 2 * g.blocks_per_request * value_span(size)
+    capacity = sets * batch * value_span(size)
     async with EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=capacity)) as store:
-        extents = await store.reserve([f"k{i}" for i in range(g.blocks_per_request)], size)
-        views: Sequence[torch.Tensor] = [v for v in extents.views if v is not None]
+        extents = [await store.reserve([f"k{k}-{i}" for i in range(batch)], size)
+                   for k in range(sets)]
+        views: list[Sequence[torch.Tensor]] = [
+            [v for v in e.views if v is not None] for e in extents]
 
-        async def gather() -> None:
-            await gather_and_seal(inline, geometry, ids.tolist(), views)
+        def gather(name: str, stream: bool) -> Callable[[], Awaitable[None]]:
+            async def case() -> None:
+                k = next_set(name)
+                await gather_and_seal(inline, geometry, ids[k].tolist(), views[k],
+                                      stream=stream)
+            return case
 
-        async def scatter() -> None:
-            intact = await verify_and_scatter(inline, geometry, ids.tolist(), views)
-            assert all(intact), "a value failed its checksum"
+        def scatter(name: str, stream: bool) -> Callable[[], Awaitable[None]]:
+            async def case() -> None:
+                k = next_set(name)
+                intact = await verify_and_scatter(inline, geometry, into(k).tolist(),
+                                                  views[k], stream=stream)
+                assert all(intact), "a value failed its checksum"
+            return case
 
-        figures = await cpu_ms({"bare_gather": bare_gather, "gather": gather,
-                                "bare_scatter": bare_scatter, "scatter": scatter}, repeat)
-        store.commit(extents, written=True)
+        # Every value sealed once before the scatters check them.
+        for k in range(sets):
+            await gather_and_seal(inline, geometry, ids[k].tolist(), views[k])
+        figures = await cpu_ms({
+            "bare_gather": bare_gather, "gather": gather("gather", True),
+            "gather_cached": gather("gather_cached", False),
+            "bare_scatter": bare_scatter, "scatter": scatter("scatter", True),
+            "scatter_cached": scatter("scatter_cached", False),
+        }, repeat)
+        for e in extents:
+            store.commit(e, written=True)
     return figures
 
 
 async def main_async(args: argparse.Namespace) -> None:
     rows = []
-    print(f"CPU ms per batch, median of {args.repeat}; ratio = bare / copy engine")
+    print(f"CPU ms per batch, median of {args.repeat}; ratio = bare / copy engine; "
+          "cached: the same copy with stores through the caches")
     print(f"{'geometry':>10} {'checksum':>8} {'bare save':>9} {'save':>7} {'ratio':>6} "
-          f"{'bare load':>9} {'load':>7} {'ratio':>6}")
+          f"{'cached':>7} {'bare load':>9} {'load':>7} {'ratio':>6} {'cached':>7}")
     for g in args.geometry:
         for checksum in (True, False):
             f = await measure(g, checksum, args.repeat)
@@ -112,8 +153,9 @@ async def main_async(args: argparse.Namespace) -> None:
                    "load_ratio": f["bare_scatter"] / f["scatter"]}
             rows.append(row)
             print(f"{g!s:>10} {row['checksum']:>8} {f['bare_gather']:9.2f} {f['gather']:7.2f} "
-                  f"{row['save_ratio']:6.2f} {f['bare_scatter']:9.2f} {f['scatter']:7.2f} "
-                  f"{row['load_ratio']:6.2f}")
+                  f"{row['save_ratio']:6.2f} {f['gather_cached']:7.2f} "
+                  f"{f['bare_scatter']:9.2f} {f['scatter']:7.2f} {row['load_ratio']:6.2f} "
+                  f"{f['scatter_cached']:7.2f}")
     by = {(r["geometry"], r["checksum"]): r for r in rows}
     for g in args.geometry:
         on, off = by[(str(g), "on")], by[(str(g), "off")]

@@ -154,22 +154,28 @@ async def open_backends(
             load_threads = WorkerThreads(transfer.threads, name="kvsidecar-load")
             held.callback(save_threads.close)
             held.callback(load_threads.close)
+            # Copies are written around the caches where what they write is cold: a
+            # value saved into the embedded store's memory lands where the oldest ones
+            # were evicted, and a loaded block is one the engine took from its free
+            # queue, least recently used first. A staging slot was used a moment ago.
             yield Backends(store, guarded, opened.usage, pool, memory,
                            save_copy=_copy_engine(transfer, save_threads, in_place=in_place,
-                                                  inline_bytes=INLINE_BYTES),
+                                                  inline_bytes=INLINE_BYTES,
+                                                  stream=isinstance(memory, LentMemory)),
                            load_copy=_copy_engine(transfer, load_threads, in_place=in_place,
-                                                  inline_bytes=LOAD_INLINE_BYTES),
+                                                  inline_bytes=LOAD_INLINE_BYTES, stream=True),
                            answers_at_once=opened.answers_at_once,
                            in_place=guarded if in_place else None)
 
 
 def _copy_engine(transfer: TransferStageConfig, threads: WorkerThreads, *,
-                 in_place: bool, inline_bytes: int) -> CopyEngine:
+                 in_place: bool, inline_bytes: int, stream: bool) -> CopyEngine:
     """One direction's copy engine, with threads (and streams) of its own; batches up to
-    ``inline_bytes`` are copied on the event loop."""
+    ``inline_bytes`` are copied on the event loop, and with ``stream`` written around
+    the caches."""
     if in_place:
         return InPlaceCopyEngine()
-    cpu = CpuCopyEngine(threads, inline_bytes=inline_bytes)
+    cpu = CpuCopyEngine(threads, inline_bytes=inline_bytes, stream=stream)
     if transfer.device == "cpu":
         return cpu
     from pipeline.backends.cuda_copy import CudaCopyEngine

@@ -12,13 +12,16 @@ Buffer = Any
 """Any C-contiguous buffer (numpy arrays, bytearray): numpy declares none in its stubs."""
 
 def gather(pages: Buffer, rows: int, row_stride: int, offsets: Buffer, sizes: Buffer,
-           seal: bool, seed: int, payload_bytes: int) -> None:
-    """Copy each value's pages into its row, then (``seal``) its checksum after them."""
+           seal: bool, seed: int, payload_bytes: int, stream: bool) -> None:
+    """Copy each value's pages into its row, then (``seal``) its checksum after them;
+    ``stream``: write the rows around the caches (streaming stores)."""
 
 def scatter(pages: Buffer, rows: int, row_stride: int, offsets: Buffer, sizes: Buffer,
-            check: bool, seed: int, payload_bytes: int, intact: Buffer) -> None:
+            check: bool, seed: int, payload_bytes: int, intact: Buffer,
+            stream: bool) -> None:
     """Copy each intact value's row into its pages; ``intact[v]``: whether value ``v``
-    was (always, unless ``check``). A value that fails is not copied at all."""
+    was (always, unless ``check``). A value that fails is not copied at all. ``stream``:
+    write the pages around the caches (streaming stores)."""
 
 def digests(pages: Buffer, sizes: Buffer, seed: int, out: Buffer) -> None:
     """Each value's checksum over its pages where they lie (engine memory), as ``gather``

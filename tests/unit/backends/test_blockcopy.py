@@ -29,14 +29,16 @@ def layout(pages: list[torch.Tensor]) -> tuple[numpy.ndarray, numpy.ndarray]:
 
 
 @settings(max_examples=40, deadline=None)
-@given(segments=st.integers(1, 4), page=st.sampled_from([1, 7, 64, 16383, 16384, 40001]),
-       count=st.integers(1, 4), padding=st.sampled_from([0, 56]), seed=st.integers(0, 2**64 - 1))
+@given(segments=st.integers(1, 4), page=st.sampled_from([1, 7, 64, 79, 16383, 16384, 40001]),
+       count=st.integers(1, 4), padding=st.sampled_from([0, 56]), seed=st.integers(0, 2**64 - 1),
+       stream=st.booleans())
 def test_gather_seals_what_the_reference_seals_and_scatter_restores_the_pages(
-    segments: int, page: int, count: int, padding: int, seed: int
+    segments: int, page: int, count: int, padding: int, seed: int, stream: bool
 ) -> None:
     """Pages of any size (chunk edges included) land in each row in segment order with
     exactly the checksum ``seal_rows`` writes, padding between rows untouched; scattered
-    back, every page is restored."""
+    back, every page is restored. Streaming stores (``stream``) write the same bytes,
+    whatever the alignment of either side."""
     pages = engine_pages(segments, 6, page, seed=page + count)
     payload = segments * page
     span = payload + CHECKSUM_BYTES + padding
@@ -45,7 +47,7 @@ def test_gather_seals_what_the_reference_seals_and_scatter_restores_the_pages(
     ids = [5, 0, 3, 1][:count]
     offsets, sizes = layout(pages)
     _blockcopy.gather(addresses(pages, ids), rows.data_ptr(), span, offsets, sizes, True,
-                      seed, payload)
+                      seed, payload, stream)
 
     expected = torch.cat([torch.stack([p[i] for p in pages]).view(-1) for i in ids]).view(
         count, payload)
@@ -60,7 +62,7 @@ def test_gather_seals_what_the_reference_seals_and_scatter_restores_the_pages(
     targets = [torch.zeros_like(p) for p in pages]
     intact = bytearray(count)
     _blockcopy.scatter(addresses(targets, ids), rows.data_ptr(), span, offsets, sizes, True,
-                       seed, payload, intact)
+                       seed, payload, intact, stream)
     assert list(intact) == [1] * count
     for source, target in zip(pages, targets, strict=True):
         assert torch.equal(target[ids], source[ids])
@@ -74,12 +76,12 @@ def test_a_value_that_fails_its_checksum_writes_no_byte_and_the_others_land() ->
     rows = torch.zeros(3, payload + CHECKSUM_BYTES, dtype=torch.uint8)
     offsets, sizes = layout(pages)
     _blockcopy.gather(addresses(pages, [0, 1, 2]), rows.data_ptr(), rows.stride(0), offsets,
-                      sizes, True, 9, payload)
+                      sizes, True, 9, payload, True)
     rows[1, 1500] ^= 1
     targets = [torch.zeros_like(p) for p in pages]
     intact = bytearray(3)
     _blockcopy.scatter(addresses(targets, [0, 1, 2]), rows.data_ptr(), rows.stride(0),
-                       offsets, sizes, True, 9, payload, intact)
+                       offsets, sizes, True, 9, payload, intact, True)
     assert list(intact) == [1, 0, 1] == [int(ok) for ok in verify_rows(rows, payload, 9)]
     assert all(int(t[1].count_nonzero()) == 0 for t in targets)
     assert all(torch.equal(t[[0, 2]], p[[0, 2]]) for t, p in zip(targets, pages, strict=True))
@@ -94,7 +96,7 @@ def test_digests_of_pages_where_they_lie_are_the_checksums_gather_seals() -> Non
     rows = torch.zeros(3, payload + CHECKSUM_BYTES, dtype=torch.uint8)
     offsets, sizes = layout(pages)
     _blockcopy.gather(addresses(pages, ids), rows.data_ptr(), rows.stride(0), offsets, sizes,
-                      True, 123, payload)
+                      True, 123, payload, False)
     digests = numpy.zeros(3, dtype=numpy.uint64)
     _blockcopy.digests(addresses(pages, ids), sizes, 123, digests)
     assert torch.equal(torch.from_numpy(digests.view(numpy.uint8).reshape(3, 8)),
@@ -110,7 +112,7 @@ def test_tables_of_mismatched_shapes_are_refused() -> None:
     one = numpy.zeros(1, dtype=numpy.int64)
     with pytest.raises(ValueError, match="segment count"):
         _blockcopy.gather(numpy.zeros(2, dtype=numpy.int64), rows.data_ptr(), 16, one,
-                          numpy.zeros(2, dtype=numpy.int64), False, 0, 8)
+                          numpy.zeros(2, dtype=numpy.int64), False, 0, 8, False)
     with pytest.raises(ValueError, match="one byte per value"):
         _blockcopy.scatter(numpy.zeros(2, dtype=numpy.int64), rows.data_ptr(), 16, one, one,
-                           False, 0, 8, bytearray(3))
+                           False, 0, 8, bytearray(3), False)
