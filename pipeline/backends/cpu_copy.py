@@ -12,9 +12,10 @@ per segment took the GIL back after each call, and behind a busy event loop each
 return waited for the loop's switch interval; the loop waited for them in turn.
 A saved page is hashed in chunks as it is read, each chunk then copied from L1, so a
 checksum costs no second pass over memory; a loaded value is hashed whole before any of
-it is copied, then copied from cache. Both write around the caches (streaming stores):
-neither the store's values nor the engine's pages are read again soon by this side, and
-a copy that does not first read in each line it writes costs about a fifth less CPU."""
+it is copied, then copied from cache. Into memory no cache holds (the root says where:
+the embedded store's values, an engine's blocks being loaded), both write around the
+caches (streaming stores): a copy that does not first read in each line it writes costs
+about a fifth less CPU."""
 
 from __future__ import annotations
 

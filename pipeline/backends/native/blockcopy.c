@@ -35,7 +35,7 @@
 
 /* memcpy; with stream, the destination is written around the caches (streaming
    stores). Into memory that is not in the caches, that moves each byte once each way
-   instead of first reading in every line it writes: about a quarter less CPU per byte
+   instead of first reading in every line it writes: about a fifth less CPU per byte
    on a 2-core Xeon. Into memory that is (a staging slot used a moment ago), it costs
    half as much again: the caller says which (stream). Stores made this way are
    ordered only by a fence: each call that streams ends with stream_fence(). */
