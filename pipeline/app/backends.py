@@ -15,6 +15,7 @@ from pipeline.backends.breaker import CircuitBreakerStore
 from pipeline.backends.cpu_copy import (
     INLINE_BYTES,
     LOAD_INLINE_BYTES,
+    LOAD_STREAM_BYTES,
     CpuCopyEngine,
     InPlaceCopyEngine,
 )
@@ -156,26 +157,28 @@ async def open_backends(
             held.callback(load_threads.close)
             # Copies are written around the caches where what they write is cold: a
             # value saved into the embedded store's memory lands where the oldest ones
-            # were evicted, and a loaded block is one the engine took from its free
-            # queue, least recently used first. A staging slot was used a moment ago.
+            # were evicted (a staging slot was used a moment ago), and a large load in
+            # blocks the engine took from its free queue (LOAD_STREAM_BYTES).
+            lent = isinstance(memory, LentMemory)
             yield Backends(store, guarded, opened.usage, pool, memory,
                            save_copy=_copy_engine(transfer, save_threads, in_place=in_place,
                                                   inline_bytes=INLINE_BYTES,
-                                                  stream=isinstance(memory, LentMemory)),
+                                                  stream_bytes=0 if lent else None),
                            load_copy=_copy_engine(transfer, load_threads, in_place=in_place,
-                                                  inline_bytes=LOAD_INLINE_BYTES, stream=True),
+                                                  inline_bytes=LOAD_INLINE_BYTES,
+                                                  stream_bytes=LOAD_STREAM_BYTES),
                            answers_at_once=opened.answers_at_once,
                            in_place=guarded if in_place else None)
 
 
 def _copy_engine(transfer: TransferStageConfig, threads: WorkerThreads, *,
-                 in_place: bool, inline_bytes: int, stream: bool) -> CopyEngine:
+                 in_place: bool, inline_bytes: int, stream_bytes: int | None) -> CopyEngine:
     """One direction's copy engine, with threads (and streams) of its own; batches up to
-    ``inline_bytes`` are copied on the event loop, and with ``stream`` written around
-    the caches."""
+    ``inline_bytes`` are copied on the event loop, and from ``stream_bytes`` on written
+    around the caches."""
     if in_place:
         return InPlaceCopyEngine()
-    cpu = CpuCopyEngine(threads, inline_bytes=inline_bytes, stream=stream)
+    cpu = CpuCopyEngine(threads, inline_bytes=inline_bytes, stream_bytes=stream_bytes)
     if transfer.device == "cpu":
         return cpu
     from pipeline.backends.cuda_copy import CudaCopyEngine
