@@ -138,13 +138,20 @@ async def open_backends(
             memory: BatchMemory
             in_place = moves_in_place(config)
             skip_when_full = transfer.overflow == "skip"
+            # Copies are written around the caches where what they write is cold
+            # (``CpuCopyEngine``): a large load lands in blocks the engine took from its
+            # free queue (LOAD_STREAM_BYTES); a save into a staging slot, used a moment
+            # ago, goes through the caches.
+            save_stream_bytes: int | None = None
             if in_place:
                 memory = InPlaceMemory(pool, guarded, skip_when_full=skip_when_full)
             elif config.store.backend == "embedded":
                 # The embedded store lends its memory: values are copied straight into
                 # and out of it, one copy instead of two through staging. Nobody else
-                # reads it, so a vllm-format value keeps its checksum after it.
+                # reads it, so a vllm-format value keeps its checksum after it. A value
+                # saved lands where the oldest ones were evicted: no cache holds it.
                 memory = LentMemory(guarded)
+                save_stream_bytes = 0
             else:
                 if config.store.value_format == "vllm" and config.store.checksum:
                     store = ChecksumBesideStore(
@@ -155,15 +162,10 @@ async def open_backends(
             load_threads = WorkerThreads(transfer.threads, name="kvsidecar-load")
             held.callback(save_threads.close)
             held.callback(load_threads.close)
-            # Copies are written around the caches where what they write is cold: a
-            # value saved into the embedded store's memory lands where the oldest ones
-            # were evicted (a staging slot was used a moment ago), and a large load in
-            # blocks the engine took from its free queue (LOAD_STREAM_BYTES).
-            lent = isinstance(memory, LentMemory)
             yield Backends(store, guarded, opened.usage, pool, memory,
                            save_copy=_copy_engine(transfer, save_threads, in_place=in_place,
                                                   inline_bytes=INLINE_BYTES,
-                                                  stream_bytes=0 if lent else None),
+                                                  stream_bytes=save_stream_bytes),
                            load_copy=_copy_engine(transfer, load_threads, in_place=in_place,
                                                   inline_bytes=LOAD_INLINE_BYTES,
                                                   stream_bytes=LOAD_STREAM_BYTES),
