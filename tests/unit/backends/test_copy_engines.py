@@ -9,7 +9,7 @@ import msgspec
 import torch
 
 from pipeline.app.backends import open_backends
-from pipeline.backends.cpu_copy import INLINE_BYTES, LOAD_INLINE_BYTES
+from pipeline.backends.cpu_copy import INLINE_BYTES, LOAD_INLINE_BYTES, LOAD_STREAM_BYTES
 from pipeline.backends.faults import Faults
 from pipeline.core.config import Config, FaultsConfig
 from pipeline.core.geometry import build_store_groups
@@ -24,22 +24,29 @@ def _copy_threads() -> set[str]:
             if thread.name.startswith(("kvsidecar-save", "kvsidecar-load"))}
 
 
+def _one_layer(blocks: int) -> tuple[KVCacheLayout, torch.Tensor]:
+    layout = KVCacheLayout.from_dict({"model": "m", "groups": [{
+        "kind": "full_attention", "block_size": 16, "layers": ["a"], "dtype": "uint8",
+        "page_bytes": PAGE_BYTES}]})
+    return layout, torch.randint(0, 256, (blocks, PAGE_BYTES), dtype=torch.uint8)
+
+
+def _small_store(capacity_bytes: int) -> Config:
+    config = Config()
+    return msgspec.structs.replace(config, store=msgspec.structs.replace(
+        config.store, embedded=msgspec.structs.replace(
+            config.store.embedded, capacity_bytes=capacity_bytes)))
+
+
 async def test_a_load_of_up_to_4_mib_is_copied_on_the_event_loop_a_save_on_threads() -> None:
     """A batch of 8 blocks of 256 KiB (2 MiB): the load engine copies it on the event loop
     (an engine waits on a load, and a hand-off waits for a core twice), the save engine
     in its own threads (it is over 512 KiB). Both move every byte."""
-    layout = KVCacheLayout.from_dict({"model": "m", "groups": [{
-        "kind": "full_attention", "block_size": 16, "layers": ["a"], "dtype": "uint8",
-        "page_bytes": PAGE_BYTES}]})
-    blocks = 20
-    kv = torch.randint(0, 256, (blocks, PAGE_BYTES), dtype=torch.uint8)
+    layout, kv = _one_layer(20)
     [geometry] = build_store_groups(layout, {"a": (kv, 0)})
     batch = 8
     assert INLINE_BYTES < batch * geometry.stored_bytes <= LOAD_INLINE_BYTES
-    config = Config()
-    config = msgspec.structs.replace(config, store=msgspec.structs.replace(
-        config.store, embedded=msgspec.structs.replace(
-            config.store.embedded, capacity_bytes=1 << 20)))
+    config = _small_store(1 << 20)
     values = list(torch.zeros(batch, geometry.stored_bytes, dtype=torch.uint8))
     with anyio.fail_after(TIMEOUT_S):
         async with open_backends(config, Faults(FaultsConfig()), on_evicted=print) as backends:
@@ -53,3 +60,26 @@ async def test_a_load_of_up_to_4_mib_is_copied_on_the_event_loop_a_save_on_threa
     assert torch.equal(kv[11 : 11 + batch], kv[1 : 1 + batch])
     assert saving and all(name.startswith("kvsidecar-save") for name in saving)
     assert not loading
+
+
+async def test_copies_written_around_the_caches_move_every_byte_and_no_corrupt_one() -> None:
+    """Saves for the embedded store and loads from ``LOAD_STREAM_BYTES`` up are written
+    with streaming stores: a batch of 20 blocks of 256 KiB (5 MiB) saved and loaded lands
+    byte for byte, and a value with one flipped byte writes none of its block."""
+    layout, kv = _one_layer(48)
+    [geometry] = build_store_groups(layout, {"a": (kv, 0)})
+    batch = 20
+    assert batch * geometry.stored_bytes >= LOAD_STREAM_BYTES
+    values = list(torch.zeros(batch, geometry.stored_bytes, dtype=torch.uint8))
+    targets = list(range(25, 25 + batch))
+    kv[targets] = 0
+    with anyio.fail_after(TIMEOUT_S):
+        async with open_backends(_small_store(1 << 20), Faults(FaultsConfig()),
+                                 on_evicted=print) as backends:
+            await backends.save_copy.gather(geometry, list(range(1, 1 + batch)), values)
+            values[7][PAGE_BYTES // 2] ^= 1
+            intact = await backends.load_copy.scatter(geometry, targets, values)
+    assert intact == [index != 7 for index in range(batch)]
+    kept = [index for index in range(batch) if index != 7]
+    assert torch.equal(kv[[25 + index for index in kept]], kv[[1 + index for index in kept]])
+    assert int(kv[25 + 7].count_nonzero()) == 0
