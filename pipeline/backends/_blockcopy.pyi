@@ -26,3 +26,7 @@ def scatter(pages: Buffer, rows: int, row_stride: int, offsets: Buffer, sizes: B
 def digests(pages: Buffer, sizes: Buffer, seed: int, out: Buffer) -> None:
     """Each value's checksum over its pages where they lie (engine memory), as ``gather``
     would seal it: 8 native-order bytes per value into ``out``."""
+
+def stream_width(width: int = ...) -> int:
+    """The bytes each streaming store writes (0: the CPU has none); with ``width``, use
+    that width from now on (16, or 32 on a CPU with AVX): both kinds can be tested."""

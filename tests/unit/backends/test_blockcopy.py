@@ -3,10 +3,12 @@ size, and nothing written for a value that fails its checksum."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import numpy
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.backends import _blockcopy
@@ -28,17 +30,34 @@ def layout(pages: list[torch.Tensor]) -> tuple[numpy.ndarray, numpy.ndarray]:
     return numpy.concatenate([[0], numpy.cumsum(sizes)[:-1]]).astype(numpy.int64), sizes
 
 
-@settings(max_examples=40, deadline=None)
+STREAM_WIDTHS = sorted({_blockcopy.stream_width(), 16} - {0})
+"""The streaming stores this CPU can use: SSE2's, and AVX's where it has them."""
+
+
+@pytest.fixture
+def stream_width() -> Iterator[Callable[[int], None]]:
+    """Sets the width of streaming stores for the test; the CPU's own afterwards."""
+    own = _blockcopy.stream_width()
+    yield lambda width: None if width == 0 else _blockcopy.stream_width(width)
+    if own:
+        _blockcopy.stream_width(own)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(segments=st.integers(1, 4), page=st.sampled_from([1, 7, 64, 79, 16383, 16384, 40001]),
        count=st.integers(1, 4), padding=st.sampled_from([0, 56]), seed=st.integers(0, 2**64 - 1),
-       stream=st.booleans())
+       width=st.sampled_from([0, *STREAM_WIDTHS]))
 def test_gather_seals_what_the_reference_seals_and_scatter_restores_the_pages(
-    segments: int, page: int, count: int, padding: int, seed: int, stream: bool
+    segments: int, page: int, count: int, padding: int, seed: int, width: int,
+    stream_width: Callable[[int], None],
 ) -> None:
     """Pages of any size (chunk edges included) land in each row in segment order with
     exactly the checksum ``seal_rows`` writes, padding between rows untouched; scattered
-    back, every page is restored. Streaming stores (``stream``) write the same bytes,
-    whatever the alignment of either side."""
+    back, every page is restored. Streaming stores of every width the CPU has (``width``;
+    0: none) write the same bytes, whatever the alignment of either side."""
+    stream = width != 0
+    stream_width(width)
     pages = engine_pages(segments, 6, page, seed=page + count)
     payload = segments * page
     span = payload + CHECKSUM_BYTES + padding
@@ -103,6 +122,19 @@ def test_digests_of_pages_where_they_lie_are_the_checksums_gather_seals() -> Non
                        rows[:, payload:])
     with pytest.raises(ValueError, match="8 bytes per value"):
         _blockcopy.digests(addresses(pages, ids), sizes, 123, numpy.zeros(2, numpy.uint64))
+
+
+def test_only_a_width_the_cpu_streams_can_be_chosen(
+        stream_width: Callable[[int], None]) -> None:
+    """The width of streaming stores is one this CPU has (16 on any x86-64, 32 with AVX);
+    another is refused and changes nothing."""
+    widest = _blockcopy.stream_width()
+    if widest == 0:
+        pytest.skip("no streaming stores on this CPU")
+    with pytest.raises(ValueError, match="bytes at a time, not 64"):
+        _blockcopy.stream_width(64)
+    assert _blockcopy.stream_width() == widest
+    assert _blockcopy.stream_width(16) == 16
 
 
 def test_tables_of_mismatched_shapes_are_refused() -> None:
