@@ -38,7 +38,12 @@ STREAM_WIDTHS = sorted({_blockcopy.stream_width(), 16} - {0})
 def stream_width() -> Iterator[Callable[[int], None]]:
     """Sets the width of streaming stores for the test; the CPU's own afterwards."""
     own = _blockcopy.stream_width()
-    yield lambda width: None if width == 0 else _blockcopy.stream_width(width)
+
+    def use(width: int) -> None:
+        if width:
+            _blockcopy.stream_width(width)
+
+    yield use
     if own:
         _blockcopy.stream_width(own)
 
