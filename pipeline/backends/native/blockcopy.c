@@ -24,7 +24,7 @@
 #include "xxhash.h"
 #endif
 
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(__x86_64__)
 #include <immintrin.h> /* SSE2 in every x86-64 CPU; AVX where the CPU has it */
 #define STREAMING 1
 
