@@ -481,12 +481,10 @@ def lookup_message(
     explanation asked) only the prompt's first hash block goes, the one its first hash
     is checked against, and the prompt's length: the hashes name every block.
     ``hash_block_size``: the registered layout's (None: not registered; all is sent)."""
-    keys = keys or RequestKeys()
-    if block_hashes is None or explain or hash_block_size is None:
-        return Lookup(seq, pack_tokens(token_ids), keys, _hashes(block_hashes), request_id,
-                      explain=explain)
-    return Lookup(seq, pack_tokens(token_ids[:hash_block_size]), keys, tuple(block_hashes),
-                  request_id, prompt_tokens=len(token_ids))
+    head = block_hashes is not None and not explain and hash_block_size is not None
+    return Lookup(seq, pack_tokens(token_ids[:hash_block_size] if head else token_ids),
+                  keys or RequestKeys(), _hashes(block_hashes), request_id, explain=explain,
+                  prompt_tokens=len(token_ids) if head else None)
 
 
 def _hashes(block_hashes: Sequence[bytes] | None) -> tuple[bytes, ...] | None:
