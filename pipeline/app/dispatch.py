@@ -48,7 +48,7 @@ from pipeline.core.messages import (
 )
 from pipeline.core.outcomes import BlockStatus, KeyOutcome
 from pipeline.runner import EdgeSendStream
-from pipeline.state.jobs import Job, JobTracker, LookupRequest, Reply
+from pipeline.state.jobs import Job, JobTracker, LookupRequest, Reply, load_bytes
 from pipeline.state.registry import SessionRegistry
 from pipeline.state.sessions import EngineSession
 from stages.completion import completion_message
@@ -73,10 +73,13 @@ class Receiver:
         metrics: Metrics,
         entrance: Callable[[str], EdgeSendStream[object]],
         run_inline: Callable[[str, object], Awaitable[bool]] | None = None,
+        load_copy_waits: Callable[[int], bool] = lambda nbytes: True,
     ) -> None:
         """``run_inline(path, item)`` runs an item through its path in this task, if the
         path can take it now (``Graph.run_inline``): given for a store whose queries wait
-        on nothing, lookups with nothing to hash are answered that way."""
+        on nothing, lookups and loads that wait on nothing else either are run that way.
+        ``load_copy_waits(nbytes)``: whether a load's copy of that many bytes is done by
+        other threads (``CopyEngine.waits``)."""
         self._config = config
         self._socket = socket
         self._registry = registry
@@ -86,6 +89,7 @@ class Receiver:
         self._load_inbox = entrance("load")
         self._lookup_inbox = entrance("lookup")
         self._run_inline = run_inline
+        self._load_copy_waits = load_copy_waits
         self.accepting = True
         self.last_receive = 0.0
         self._refused: collections.Counter[str] = collections.Counter()
@@ -191,7 +195,8 @@ class Receiver:
             job = Job(session, message)
             if isinstance(message, Load):
                 self._tracker.accept(job)
-                await self._enqueue(self._load_inbox, job)
+                if not await self._load_inline(job, message):
+                    await self._enqueue(self._load_inbox, job)
             else:
                 await self._accept_save(job)
 
@@ -200,12 +205,20 @@ class Receiver:
         block hashes, or the prompt is short enough to hash on the loop) and the lookup
         path is idle; else hand it to the lookup path."""
         message = request.message
-        cheap = not message.explain and (
-            message.block_hashes is not None or len(message.token_ids) <= INLINE_TOKENS)
-        if cheap and self._run_inline is not None and await self._run_inline(
-                "lookup", request):
+        if (not message.explain and _hashed_on_the_loop(message)
+                and self._run_inline is not None
+                and await self._run_inline("lookup", request)):
             return
         await self._enqueue(self._lookup_inbox, request)
+
+    async def _load_inline(self, job: Job, message: Load) -> bool:
+        """Run a load through its path here, True once done, when it waits on nothing:
+        its prompt is hashed on the loop, and its copy is done there too. Handed to the
+        path instead, a load waits at each of its five stages behind everything else
+        ready on the event loop: under a flood of saves, most of its time."""
+        return (self._run_inline is not None and _hashed_on_the_loop(message)
+                and not self._load_copy_waits(load_bytes(job.session, message))
+                and await self._run_inline("load", job))
 
     async def _explain(self, identity: bytes, message: Explain) -> None:
         """Explain a prompt as a registered engine sees it, for whoever asks."""
@@ -251,6 +264,12 @@ class Receiver:
         self._tracker.refuse(job, OVERLOADED)
         await self.send_reply(Reply(job.session, completion_message(job), job), line=False)
         self._refused[job.session.engine_id] += 1
+
+
+def _hashed_on_the_loop(message: Lookup | Load) -> bool:
+    """Whether the request's blocks are hashed on the event loop, not in a thread: the
+    engine sent its hashes, or the prompt is short (``HashingStage``, ``LookupStage``)."""
+    return message.block_hashes is not None or len(message.token_ids) <= INLINE_TOKENS
 
 
 def _seq(message: object) -> int:

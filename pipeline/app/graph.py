@@ -38,7 +38,9 @@ from stages.lookup import LookupStage
 from stages.scatter import ScatterStage
 from stages.transfer import TransferStage
 
-__all__ = ["COMPLETION_PATHS", "Resources", "build_graph", "paths", "show_graph"]
+__all__ = [
+    "LOAD_COMPLETION", "SAVE_COMPLETION", "Resources", "build_graph", "paths", "show_graph",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +103,11 @@ LOOKUP = (Spec("lookup", lambda r: LookupStage(
     r.store, r.value_sizes, r.history, probe_first=r.answers_at_once,
 ), "lookup"),)
 
-COMPLETION_PATHS = ("save.completion", "load.completion")
-"""Finished jobs' lanes: a load's reply never queues behind a backlog of save replies."""
+SAVE_COMPLETION, LOAD_COMPLETION = "save.completion", "load.completion"
+"""Finished jobs' lanes: a load's reply never queues behind a backlog of save replies.
+A finished load is answered by whoever finished it, while its lane is idle
+(``Graph.inline_first``): its reply does not wait behind everything else ready on the
+event loop."""
 
 
 def paths(config: Config) -> list[PathSpec[Resources]]:
@@ -116,12 +121,14 @@ def paths(config: Config) -> list[PathSpec[Resources]]:
     save = tuple(s for s in SAVE if s.name != "dedup") if moves_in_place(config) else SAVE
     return [
         PathSpec("save", save, when_full=when_full),
-        PathSpec("load", LOAD, when_full="wait (loads are never dropped)"),
-        # A lookup with nothing to hash is answered by the receiver itself when it can
-        # (Receiver._lookup): the hand-off to a worker would cost more than the lookup.
+        # A lookup with nothing to hash, and a load that waits on nothing, are run by the
+        # receiver itself when they can be (Receiver._lookup, Receiver._load_inline): the
+        # hand-offs to the workers would cost more than the work.
+        PathSpec("load", LOAD, when_full="wait (loads are never dropped)", inline=True),
         PathSpec("lookup", LOOKUP, replies=True, inline=True),
-        *(PathSpec(name, (COMPLETION,), replies=True, fed_by_stages=True)
-          for name in COMPLETION_PATHS),
+        PathSpec(SAVE_COMPLETION, (COMPLETION,), replies=True, fed_by_stages=True),
+        PathSpec(LOAD_COMPLETION, (COMPLETION,), replies=True, fed_by_stages=True,
+                 inline=True),
     ]
 
 

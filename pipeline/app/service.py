@@ -21,7 +21,7 @@ from anyio.abc import TaskStatus
 
 from pipeline.app.backends import Backends, open_backends
 from pipeline.app.dispatch import Receiver
-from pipeline.app.graph import COMPLETION_PATHS, Resources, build_graph
+from pipeline.app.graph import LOAD_COMPLETION, SAVE_COMPLETION, Resources, build_graph
 from pipeline.app.metrics import BackendGauges, Metrics
 from pipeline.backends.faults import Faults
 from pipeline.core.config import Config
@@ -144,12 +144,13 @@ class Sidecar:
             open_step_event=_step_events(config),
         )
         self.graph = build_graph(config)
-        self.tracker = JobTracker(*(self.graph.entrance(name) for name in COMPLETION_PATHS),
-                                  history=history)
+        self.tracker = JobTracker(self.graph.entrance(SAVE_COMPLETION),
+                                  self.graph.inline_first(LOAD_COMPLETION), history=history)
         self.metrics = self._metrics()
         self.receiver = Receiver(
             config, socket, self.registry, self.tracker, self.metrics, self.graph.entrance,
             run_inline=self.graph.run_inline if backends.answers_at_once else None,
+            load_copy_waits=backends.load_copy.waits,
         )
         self.socket = socket
 

@@ -203,7 +203,11 @@ class CpuCopyEngine:
     def __init__(self, threads: WorkerThreads, *, inline_bytes: int = INLINE_BYTES,
                  stream_bytes: int | None = None) -> None:
         self._copy = CopyThreads(threads, inline_bytes=inline_bytes)
+        self._inline_bytes = inline_bytes
         self._stream_bytes = stream_bytes
+
+    def waits(self, nbytes: int) -> bool:
+        return nbytes > self._inline_bytes
 
     async def gather(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                      views: Sequence[torch.Tensor]) -> None:
@@ -252,6 +256,9 @@ class InPlaceCopyEngine:
     the engine recomputes it before it reads it (the bytes did reach its memory, unlike
     with a copying engine).
     """
+
+    def waits(self, nbytes: int) -> bool:
+        return False  # the checks are made on the event loop; the store moved the bytes
 
     async def gather(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                      views: Sequence[torch.Tensor]) -> None:

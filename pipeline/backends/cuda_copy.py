@@ -137,6 +137,9 @@ class CudaCopyEngine:
             )
         return next(streams)
 
+    def waits(self, nbytes: int) -> bool:
+        return True  # on a device's streams (CPU blocks, on the fallback's threads or not)
+
     async def gather(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                      views: Sequence[torch.Tensor]) -> None:
         device = _device_of(geometry)

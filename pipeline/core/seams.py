@@ -74,6 +74,10 @@ class BatchMemory(Protocol):
 class CopyEngine(Protocol):
     """Paired at the root with the batch memory whose values it fills and empties."""
 
+    def waits(self, nbytes: int) -> bool:
+        """Whether a batch of ``nbytes`` is copied elsewhere (other threads, a device's
+        streams) while the event loop waits, rather than on the event loop itself."""
+
     async def gather(
         self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
         views: Sequence[torch.Tensor],

@@ -1,7 +1,7 @@
 """The stage runner: bounded typed edges, workers, the batcher, and the declared graph."""
 
 from pipeline.runner.edges import Edge, EdgeReceiveStream, EdgeSendStream, create_edge
-from pipeline.runner.graph import BatchSpec, Graph, GraphRow, PathSpec, StageSpec
+from pipeline.runner.graph import BatchSpec, Graph, GraphRow, InlineFirst, PathSpec, StageSpec
 from pipeline.runner.stages import (
     Batching,
     OnDone,
@@ -20,6 +20,7 @@ __all__ = [
     "EdgeSendStream",
     "Graph",
     "GraphRow",
+    "InlineFirst",
     "OnDone",
     "PathSpec",
     "Sink",

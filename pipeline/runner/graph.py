@@ -5,16 +5,17 @@ gives every stage an inbox bounded by its section's ``inbox_size``, starts its w
 and joins each stage's outbox to the next one's inbox; a path that answers engines ends
 in the sink. Adding a stage is one entry plus its module.
 
-A one-stage path may also be run inline (``Graph.run_inline``): the sender's task runs
-the stage and the sink itself while the path's inbox is empty, sparing a cheap item the
-hand-off to a worker and back.
+A path may also be run inline (``Graph.run_inline``): the sender's task runs the stages
+and the sink itself while nothing is queued on the path, sparing a cheap item the
+hand-off to each stage's worker and back. On a busy event loop each hand-off waits for
+everything ready before it, so a path of five stages waits five times.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -28,12 +29,13 @@ from pipeline.runner.stages import (
     OnFailure,
     Sink,
     Stage,
+    finished_here,
     run_batcher,
     start_stage,
     wrapped,
 )
 
-__all__ = ["BatchSpec", "Graph", "GraphRow", "PathSpec", "StageSpec"]
+__all__ = ["BatchSpec", "Graph", "GraphRow", "InlineFirst", "PathSpec", "StageSpec"]
 
 R = TypeVar("R")
 """What the stage factories are built from (the root's resources)."""
@@ -68,8 +70,7 @@ class PathSpec(Generic[R]):
     when_full: str = "wait"
     """What happens to an item offered to the path's full inbox."""
     inline: bool = False
-    """Its items may be run in the sender's task (``Graph.run_inline``): one stage, no
-    batching."""
+    """Its items may be run in the sender's task (``Graph.run_inline``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +94,6 @@ class Graph(Generic[R]):
         for path in self._paths:
             if not path.stages:
                 raise ValueError(f"path {path.name!r} has no stages")
-            if path.inline and (len(path.stages) > 1 or isinstance(path.stages[0], BatchSpec)):
-                raise ValueError(f"path {path.name!r}: only a path of one stage, not a "
-                                 "batching one, can run inline")
             for spec in path.stages:
                 section = getattr(config, spec.section, None)
                 if not isinstance(section, StageConfig):
@@ -115,18 +113,24 @@ class Graph(Generic[R]):
         return self._edges[path][0].outbox
 
     async def run_inline(self, path: str, item: Any) -> bool:
-        """Run ``item`` through ``path`` in this task, as its worker would, and hand the
-        output to the sink; True once done. False, having done nothing, while the path's
-        inbox holds items (they go first) or its stage is not running inline (not
-        started, drained, or behind a fault point): send the item to the entrance then.
-        The item counts as having waited 0 s in the inbox."""
+        """Run ``item`` through ``path`` in this task, stage after stage as the workers
+        would (a batching stage batches what the item brings), and hand the outputs to
+        the sink; True once done. False, having done nothing, while any of the path's
+        inboxes holds items (they go first) or its stages are not running inline (not
+        started, drained, or one behind a fault point): send the item to the entrance
+        then. The item counts as having waited 0 s in each inbox."""
         run = self._inline.get(path)
-        edge = self._edges[path][0]
-        if run is None or edge.queued():
+        edges = self._edges[path]
+        if run is None or any(edge.queued() for edge in edges):
             return False
-        edge.bypassed()
+        for edge in edges:
+            edge.bypassed()
         await run(item)
         return True
+
+    def inline_first(self, path: str) -> InlineFirst:
+        """An entrance to ``path`` that runs each item inline when it can."""
+        return InlineFirst(self, path)
 
     def inboxes(self) -> list[tuple[str, str, Edge[Any]]]:
         """``(path, stage, edge)``: every stage's inbox, for watching queue depths."""
@@ -193,6 +197,8 @@ class Graph(Generic[R]):
         on_done: OnDone | None,
     ) -> None:
         edges = self._edges[path.name]
+        steps: list[_Step] = []  # the path's stages, as run inline
+        faulty = False  # a fault point delays its stage's workers: no item runs inline
         for index, spec in enumerate(path.stages):
             inbox = edges[index].inbox
             outbox = edges[index + 1].outbox if index + 1 < len(edges) else None
@@ -209,6 +215,7 @@ class Graph(Generic[R]):
                     ),
                     name=f"stage.{name}",
                 )
+                steps.append(functools.partial(_batches, batching))
                 continue
             stage_sink = sink if path.replies and outbox is None else None
             fault = before(f"stage.{spec.name}")
@@ -216,13 +223,54 @@ class Graph(Generic[R]):
                               before=fault, on_done=on_done)
             start_stage(tg, name, process, inbox, outbox, workers=self._workers(spec),
                         sink=stage_sink)
-            if path.inline and fault is None:  # a fault point delays its stage's workers
-                self._inline[path.name] = functools.partial(_run_inline, process, stage_sink)
+            steps.append(functools.partial(_processed, process))
+            faulty = faulty or fault is not None
+        if path.inline and not faulty:
+            sink_of_path = sink if path.replies else None
+            self._inline[path.name] = functools.partial(_run_inline, steps, sink_of_path)
 
 
+class InlineFirst:
+    """A path's entrance that runs each item in the sender's task when the path can take
+    it now (``Graph.run_inline``), and queues it otherwise."""
 
-async def _run_inline(process: Callable[[Any], Awaitable[Any]], sink: Sink | None,
-                      item: Any) -> None:
+    def __init__(self, graph: Graph[Any], path: str) -> None:
+        self._graph = graph
+        self._path = path
+
+    async def send(self, item: Any) -> None:
+        finished_here(item)  # the stage sending it may answer it before it returns
+        if not await self._graph.run_inline(self._path, item):
+            await self._graph.entrance(self._path).send(item)
+
+
+_Step = Callable[[Any], Awaitable[Sequence[Any]]]
+"""One stage as an item runs inline: its outputs for the next (none: dropped)."""
+
+
+async def _processed(process: Callable[[Any], Awaitable[Any]], item: Any) -> Sequence[Any]:
     result = await process(item)
-    if result is not None and sink is not None:
-        await sink(result)
+    return () if result is None else (result,)
+
+
+async def _batches(batching: Batching[Any], items: Sequence[Any]) -> Sequence[list[Any]]:
+    """One item's list, regrouped as the batcher would with nothing else queued: one
+    batch per group, cut where it fills."""
+    groups: dict[Hashable, list[list[Any]]] = {}
+    for item in items:
+        batches = groups.setdefault(batching.group_of(item), [batching.new_batch()])
+        if len(batches[-1]) >= batching.limit_of(item):
+            batches.append(batching.new_batch())
+        batches[-1].append(item)
+    return [batch for batches in groups.values() for batch in batches]
+
+
+async def _run_inline(steps: Sequence[_Step], sink: Sink | None, item: Any) -> None:
+    """``item`` through the steps, depth first (a batch reaches the last stage before the
+    next batch starts), each last output to the sink."""
+    if not steps:
+        if sink is not None:
+            await sink(item)
+        return
+    for output in await steps[0](item):
+        await _run_inline(steps[1:], sink, output)

@@ -7,7 +7,9 @@ closes them when the inbox ends, so ``EndOfStream`` cascades stage by stage on d
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable, Hashable
+from contextvars import ContextVar
 from typing import Any, Protocol, TypeVar
 
 import anyio
@@ -17,7 +19,8 @@ from pipeline.core.errors import StoreError
 from pipeline.runner.edges import EdgeReceiveStream, EdgeSendStream
 
 __all__ = [
-    "Batching", "OnDone", "OnFailure", "Sink", "Stage", "run_batcher", "start_stage", "wrapped",
+    "Batching", "OnDone", "OnFailure", "Sink", "Stage", "finished_here", "run_batcher",
+    "start_stage", "wrapped",
 ]
 
 In = TypeVar("In", contravariant=True)
@@ -82,13 +85,31 @@ def _guarded(process: Process, on_failure: OnFailure | None,
     return guarded
 
 
+_finishing: ContextVar[Callable[[Any], None] | None] = ContextVar("finishing", default=None)
+"""Tells the tracer that the stage this task is running has done its part of an item."""
+
+
+def finished_here(item: Any) -> None:
+    """The stage this task is running has done its part of ``item`` (a request it
+    finished, about to be answered from inside it): trace it now, not only once the
+    stage returns, which is after the reply."""
+    trace = _finishing.get()
+    if trace is not None:
+        trace(item)
+
+
 def _traced(process: Process, name: str, on_done: OnDone | None) -> Process:
     if on_done is None:
         return process
+    trace = functools.partial(on_done, name)
 
     async def traced(item: Any) -> Any:
-        result = await process(item)
-        on_done(name, item)
+        token = _finishing.set(trace)
+        try:
+            result = await process(item)
+        finally:
+            _finishing.reset(token)
+        trace(item)
         return result
 
     return traced

@@ -15,7 +15,6 @@ from typing import Protocol
 
 import anyio
 import torch
-from anyio.abc import ObjectSendStream
 
 from pipeline.core.errors import StoreError
 from pipeline.core.geometry import StoreGroupGeometry
@@ -32,11 +31,13 @@ __all__ = [
     "Failable",
     "Job",
     "JobTracker",
+    "Lane",
     "LookupRequest",
     "Reply",
     "StagedBatch",
     "StorePressure",
     "TaskBatch",
+    "load_bytes",
     "mark_done",
     "planned_blocks",
 ]
@@ -146,6 +147,16 @@ def planned_blocks(job: Job) -> list[BlockTask]:
     return tasks
 
 
+def load_bytes(session: EngineSession, message: Load) -> int:
+    """The most bytes a load moves: the blocks each store group needs (as
+    ``planned_blocks`` finds them, null blocks counted)."""
+    return sum(
+        len(blocks_to_load(geometry.group, message.num_tokens, message.computed_tokens)
+            or ()) * geometry.stored_bytes
+        for geometry in session.store_groups
+    )
+
+
 class TaskBatch(list[BlockTask]):
     """Named blocks on their way to the store: one job's, or (batched) one store group's
     of one session."""
@@ -233,13 +244,19 @@ def mark_done(stage: str, item: object) -> None:
             job.marks[stage] = now
 
 
+class Lane(Protocol):
+    """Where finished jobs go to be answered (a completion path's entrance)."""
+
+    async def send(self, job: Job, /) -> None: ...
+
+
 class JobTracker:
     """Counts each job's unsettled blocks and completes it when none are left."""
 
     def __init__(
         self,
-        completions: ObjectSendStream[Job],
-        load_completions: ObjectSendStream[Job] | None = None,
+        completions: Lane,
+        load_completions: Lane | None = None,
         *,
         history: BlockHistory | None = None,
     ) -> None:

@@ -117,6 +117,11 @@ async def test_metrics_during_saves_and_loads_match_what_the_engines_saw() -> No
             assert line["stages"]["commit"] <= line["ms"]
         elif line["kind"] == "load":
             assert line["blocks"] == {"loaded": 5} and line["loaded_tokens"] == 64
+            # run by the receiver and answered from inside the scatter stage, every stage
+            # still marked, in order
+            assert list(line["stages"]) == [
+                "group_filter", "hashing", "fetch", "scatter", "completion"]
+            assert sorted(line["stages"].values()) == list(line["stages"].values())
         else:
             assert line["hit_tokens"] == 64 and line["tokens"] == 69
 

@@ -372,14 +372,65 @@ class Double:
         return 2 * item
 
 
-def test_only_a_path_of_one_plain_stage_can_run_inline() -> None:
-    with pytest.raises(ValueError, match="only a path of one stage"):
-        Graph[int]([PathSpec("p", [StageSpec("add", lambda r: Add(r), "hashing"),
-                                   StageSpec("total", lambda r: Total(), "lookup")],
-                             inline=True)], StagesConfig())
-    with pytest.raises(ValueError, match="only a path of one stage"):
-        Graph[int]([PathSpec("p", [BatchSpec("batch", lambda r: ByParity(), "batching")],
-                             inline=True)], StagesConfig())
+class Spread:
+    """One item into a list of several, noting which task did it."""
+
+    def __init__(self) -> None:
+        self.tasks: list[object] = []
+
+    async def process(self, item: int) -> list[int]:
+        self.tasks.append(anyio.get_current_task().id)
+        return [item, item + 1, item + 2, item + 3, item + 4]
+
+
+class GatedTotal:
+    """Sums a batch; a sum of 100 or more waits for ``gate``."""
+
+    def __init__(self) -> None:
+        self.gate = anyio.Event()
+
+    async def process(self, batch: list[int]) -> int:
+        if sum(batch) >= 100:
+            await self.gate.wait()
+        return sum(batch)
+
+
+async def test_an_inline_path_runs_every_stage_and_batches_as_its_workers_would() -> None:
+    """Through several stages and a batcher, run_inline gives the sink what the workers
+    would: one batch per group, cut where it fills; while an inbox past the first holds
+    items, it does nothing."""
+    spread, total = Spread(), GatedTotal()
+    graph = Graph[int](
+        [PathSpec("p", [StageSpec("spread", lambda r: spread, "hashing"),
+                        BatchSpec("batch", lambda r: ByParity(), "batching"),
+                        StageSpec("total", lambda r: total, "lookup")],
+                  replies=True, inline=True)],
+        StagesConfig(lookup=StageConfig(workers=1)),
+    )
+    replies: list[int] = []
+
+    async def sink(reply: int) -> None:
+        replies.append(reply)
+
+    async def on_failure(item: int, error: StoreError) -> None:
+        raise AssertionError("no item fails here")
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=on_failure))
+            await anyio.wait_all_tasks_blocked()
+            assert await graph.run_inline("p", 10)
+            # evens 10, 12 | 14; odds 11, 13: each group cut at 2, in the caller's task
+            assert sorted(replies) == sorted([10 + 12, 14, 11 + 13])
+            assert spread.tasks == [anyio.get_current_task().id]
+            await graph.entrance("p").send(100)  # its first batch holds the one worker
+            await anyio.wait_all_tasks_blocked()
+            (_, _, first), _, (_, _, last) = graph.inboxes()
+            assert not first.queued() and last.queued()  # the other batches wait there
+            assert not await graph.run_inline("p", 20)
+            total.gate.set()
+            graph.entrance("p").close()
+    assert sorted(replies) == sorted([10 + 12, 14, 11 + 13, 100 + 102, 104, 101 + 103])
 
 
 async def test_an_inline_path_runs_an_item_in_the_senders_task_while_its_inbox_is_empty(
