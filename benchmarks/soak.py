@@ -339,6 +339,22 @@ def inside_summary(after: list[tuple[float, float]],
     }
 
 
+GC_PAUSES = "kvsidecar_gc_pause_seconds"
+"""The sidecar's histogram of its garbage collections' pauses, by generation."""
+
+
+def scrape_gc_pauses(metrics_url: str) -> list[list[tuple[float, float]]]:
+    return [scrape_histogram(metrics_url, GC_PAUSES, generation=str(generation))
+            for generation in range(3)]
+
+
+def gc_summary(after: list[list[tuple[float, float]]],
+               before: list[list[tuple[float, float]]]) -> list[dict[str, float]]:
+    """Each generation's collections between two scrapes: how many, and their pauses."""
+    return [inside_summary(a, b) if a else {"count": 0}
+            for a, b in zip(after, before, strict=True)]
+
+
 async def soak(args: argparse.Namespace, sidecar_pid: int, endpoint: str,
                metrics_url: str) -> dict[str, Any]:
     page_bytes = args.page_kib * 1024
@@ -405,12 +421,14 @@ async def soak(args: argparse.Namespace, sidecar_pid: int, endpoint: str,
             await anyio.sleep(max(0.0, start_at - time.time()))
             soak_started = time.monotonic()
             before_soak = scrape_histogram(metrics_url, LATENCY, kind="load")
+            before_soak_gc = scrape_gc_pauses(metrics_url)
             rss_before_soak = rss[-1][1] if rss else baseline_rss
             deadline = anyio.current_time() + args.seconds
             while anyio.current_time() < deadline:
                 await probe.probe(record=True)
                 await anyio.sleep(args.probe_interval)
             after_soak = scrape_histogram(metrics_url, LATENCY, kind="load")
+            after_soak_gc = scrape_gc_pauses(metrics_url)
             tallies: dict[int, dict[str, Any]] = {}
             with anyio.fail_after(args.drain_timeout):
                 while len(tallies) < len(engines):
@@ -458,6 +476,7 @@ async def soak(args: argparse.Namespace, sidecar_pid: int, endpoint: str,
                               round(soak_started - started + args.seconds, 2)],
             "load_timeline": [(round(t - started, 3), seconds)
                               for t, seconds in probe.timeline],
+            "gc_under_load": gc_summary(after_soak_gc, before_soak_gc),
             "rss": {
                 "baseline": baseline_rss,
                 "before_soak": rss_before_soak,
@@ -593,6 +612,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{loaded.get('p99_ms', 0):.1f} ms over {loaded['count']} loads = "
         f"{client_ratio:.1f}x the unloaded p50"
     )
+    print("garbage collections in the sidecar under load: " + ", ".join(
+        f"generation {generation} {pauses['count']:.0f}"
+        + (f" (pause p50 {pauses['p50_ms']:.2f} ms, p99 {pauses['p99_ms']:.2f})"
+           if pauses["count"] else "")
+        for generation, pauses in enumerate(report["gc_under_load"])))
     print(
         f"probe: {probe['probes']} probes, prefix still cached {probe['prefix_still_cached']}, "
         f"saved again {probe['prefix_saved_again']}, short loads {probe['short_loads']}, "

@@ -8,7 +8,9 @@ depths, store fill, the breaker, the engines' layouts) is read then, by collecto
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import gc
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -153,6 +155,12 @@ class Metrics:
             "KV events dropped because more than events.max_pending were waiting",
             registry=self.registry,
         )
+        self.gc_pauses = Histogram(
+            "kvsidecar_gc_pause_seconds",
+            "Garbage collections of the sidecar's process, by generation: each holds up the "
+            "event loop, and every request in flight with it",
+            ["generation"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
         # Children resolved once: ``labels()`` on every reply costs more than the count.
         self._latency = {kind: self.latency.labels(kind) for kind in ("save", "load", "lookup")}
         self._requests: dict[str, Counter] = {}
@@ -170,6 +178,26 @@ class Metrics:
         self.queued.labels(path, stage).set_function(queued)
         self.edge_capacity.labels(path, stage).set(size)
         return self.waited.labels(path, stage).observe
+
+    @contextlib.contextmanager
+    def timing_collections(self) -> Iterator[None]:
+        """Time every garbage collection while inside (of the whole process: a sidecar
+        run in a test's process also times the test's)."""
+        observe = [self.gc_pauses.labels(str(generation)).observe for generation in range(3)]
+        started = 0.0
+
+        def timed(phase: str, info: dict[str, int]) -> None:
+            nonlocal started
+            if phase == "start":
+                started = time.perf_counter()
+            else:
+                observe[info["generation"]](time.perf_counter() - started)
+
+        gc.callbacks.append(timed)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(timed)
 
     def mover(self, path: str, via: str) -> Callable[[int], None]:
         """What counts bytes moved on ``path`` (save, load) ``via`` (copy, store)."""

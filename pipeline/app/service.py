@@ -229,6 +229,12 @@ class Sidecar:
         self, stop: anyio.Event, *, task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Serve until ``stop`` is set, then drain and return."""
+        with self.metrics.timing_collections():
+            await self._serve(stop, task_status)
+        self.registry.close()
+        log.info("sidecar.stopped")
+
+    async def _serve(self, stop: anyio.Event, task_status: TaskStatus[str]) -> None:
         receiver = self.receiver
         async with anyio.create_task_group() as root:
             if self.publisher is not None:
@@ -271,8 +277,6 @@ class Sidecar:
             await self._answer_stragglers()
             receiver.log_refusals()
             root.cancel_scope.cancel()
-        self.registry.close()
-        log.info("sidecar.stopped")
 
     async def _answer_stragglers(self) -> None:
         """Keep refusing new requests until engines go quiet, so that a request sent just
