@@ -189,10 +189,17 @@ class SidecarSocket:
         identity, *frames = await self._frames.recv_multipart()
         return identity, frames[0] if len(frames) == 1 else b"".join(frames)
 
-    async def send(self, identity: bytes, frame: bytes) -> bool:
-        """Send one frame to an engine; False if the engine is gone."""
+    def send(self, identity: bytes, frame: bytes) -> bool:
+        """Send one frame to an engine, never waiting; False if the engine cannot take
+        it: it is gone, or its queue is full because it does not read its replies. A
+        wait would hold up every other engine's replies (and, with no other engine's
+        queue to watch, the receive loop itself, for good)."""
         try:
-            await self._frames.send_multipart([identity, frame])
+            self._frames.send_now([identity, frame])
+        except zmq.Again:
+            log.warning("server.send.dropped", identity=identity.hex(),
+                        reason="the engine's queue is full: it is not reading its replies")
+            return False
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 log.info("server.send.unreachable", identity=identity.hex())

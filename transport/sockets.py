@@ -49,6 +49,13 @@ class FastSocket:
         finally:
             self._sends_waiting -= 1
 
+    def send_now(self, frames: list[bytes]) -> None:
+        """Send at once, or raise ``zmq.Again`` without waiting: for a ROUTER, where a
+        wait for one peer that does not read would hold up the sends to every other.
+        (Never used beside waiting sends, which it would overtake.)"""
+        self._now.send_multipart(frames, zmq.NOBLOCK)
+        self.socket.get(zmq.EVENTS)
+
     async def recv_multipart(self) -> list[bytes]:
         try:
             frames = self._now.recv_multipart(zmq.NOBLOCK)

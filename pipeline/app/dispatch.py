@@ -117,7 +117,7 @@ class Receiver:
             message = msgspec.structs.replace(
                 message, save_credits=self._save_credits(reply.session)
             )
-        await self._send(reply.to, message)
+        self._send(reply.to, message)
         reply = Reply(reply.session, message, reply.request)
         outcomes = outcome_counts(message.blocks) if isinstance(
             message, SaveDone | LoadDone) else collections.Counter()
@@ -134,8 +134,8 @@ class Receiver:
         room = inbox.max_buffer_size - inbox.current_buffer_used
         return int(max(0, min(receive.max_saves_per_engine - session.saves_in_flight, room)))
 
-    async def _send(self, identity: bytes, message: SidecarMessage) -> None:
-        await self._socket.send(identity, encode(message))
+    def _send(self, identity: bytes, message: SidecarMessage) -> None:
+        self._socket.send(identity, encode(message))
 
     # -- receiving --------------------------------------------------------------------
 
@@ -153,11 +153,11 @@ class Receiver:
                 code = ErrorCode.TOO_LARGE if too_large else ErrorCode.BAD_FRAME
                 self._metrics.rejected.labels(code).inc()
                 log.info("server.frame.rejected", code=code, error=str(exc))
-                await self._send(identity, ErrorReply(code, str(exc)))
+                self._send(identity, ErrorReply(code, str(exc)))
             except RequestRejected as exc:
                 self._metrics.rejected.labels(exc.code).inc()
                 log.info("server.request.rejected", code=exc.code, error=str(exc))
-                await self._send(identity, ErrorReply(exc.code, str(exc), _seq(message)))
+                self._send(identity, ErrorReply(exc.code, str(exc), _seq(message)))
 
     async def _dispatch(self, identity: bytes, message: EngineMessage) -> None:
         self._metrics.received(str(message.__struct_config__.tag))
@@ -169,7 +169,7 @@ class Receiver:
                 store_groups=registered.store_group_ids,
                 fingerprint=registered.layout_fingerprint,
             )
-            await self._send(identity, registered)
+            self._send(identity, registered)
             return
         if isinstance(message, Explain):
             await self._explain(identity, message)
@@ -179,11 +179,11 @@ class Receiver:
             raise RequestRejected(ErrorCode.NOT_REGISTERED, "register before sending requests")
         session.last_seen = time.monotonic()
         if isinstance(message, Heartbeat):
-            await self._send(identity, HeartbeatAck(message.seq))
+            self._send(identity, HeartbeatAck(message.seq))
         elif isinstance(message, Unregister):
             self._registry.remove(identity)
             log.info("session.unregistered", engine_id=session.engine_id)
-            await self._send(identity, Unregistered(message.seq))
+            self._send(identity, Unregistered(message.seq))
         elif not self.accepting:
             raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
         elif isinstance(message, Lookup):

@@ -393,3 +393,37 @@ async def test_lookups_with_a_request_id_reuse_hashes_and_never_go_stale(
             assert await client.lookup(other, request_id="r") == 0
             assert await client.lookup(tokens, request_id="r") == 48
     assert all(engine.same_block(0, 1 + j, engine, 6 + j) for j in range(3))
+
+
+def test_an_engine_not_reading_its_replies_loses_them_and_the_others_are_served() -> None:
+    """A peer that sends and never reads fills its queue of replies (small high-water
+    marks on both sides): the replies it cannot take are dropped and logged, and the
+    sidecar goes on serving the others instead of failing."""
+    with run_sidecar_process({"server": {"sndhwm": 2}}) as sidecar:
+        context = zmq.Context()
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RCVHWM, 1)
+        socket.setsockopt(zmq.RCVBUF, 4096)
+        socket.setsockopt(zmq.SNDTIMEO, TIMEOUT * 1000)  # a sidecar stuck reading fails it
+        socket.connect(sidecar.endpoint)
+        try:
+            for _ in range(20000):  # each answered by an error reply it never reads
+                socket.send(b"not a message")
+
+            async def still_serving() -> None:
+                engine = KVEngine(hybrid_layout())
+                with anyio.fail_after(TIMEOUT):
+                    async with await engine.connect(sidecar.endpoint) as client:
+                        result = await client.save("beside-a-deaf-peer",
+                                                   random_tokens(32, seed=6),
+                                                   [[1, 2], [3], [1, 2]])
+                assert result.stored + result.present == 4
+
+            anyio.run(still_serving)
+            assert sidecar.process.poll() is None
+            assert '"server.send.dropped"' in sidecar.wait_log(
+                lambda log: '"server.send.dropped"' in log)
+        finally:
+            socket.close()
+            context.term()
