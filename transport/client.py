@@ -393,6 +393,7 @@ class EngineClient(AsyncResource):
                 seq = next(self._seq)
                 await self._call(seq, Unregister(seq))
         self._closed = True
+        self._frames.close()
         self._socket.close(0)
         self._context.term()
 
@@ -440,9 +441,7 @@ class EngineClient(AsyncResource):
                     async with self._recv_lock:
                         if seq in self._replies:
                             break
-                        # Straight from pyzmq, which takes a reply already there at
-                        # once: right after a send, trying first would only fail.
-                        frames = await self._frames.socket.recv_multipart()
+                        frames = await self._frames.recv_multipart()
                         reply = decode_sidecar_message(b"".join(frames))
                         reply_seq = getattr(reply, "seq", 0)
                         if reply_seq in self._waiting:  # else: a call that gave up on it

@@ -146,6 +146,7 @@ class SidecarSocket:
         self._context = zmq.asyncio.Context()
         self._authenticator: ThreadAuthenticator | None = None
         self._socket = self._context.socket(zmq.ROUTER)
+        self._frames = FastSocket(self._socket, fair=True)
         if curve_keys is not None:
             secret_key, allowed_keys = curve_keys
             # The ZAP handler runs in its own thread, off the event loop, and is in place
@@ -181,7 +182,6 @@ class SidecarSocket:
             self._close_zmq()
             raise TransportError(f"cannot bind {config.endpoint}: {exc}") from exc
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._frames = FastSocket(self._socket)
 
     async def receive(self) -> tuple[bytes, bytes]:
         # A ROUTER prepends the identity; an engine sends one frame (any extra parts are
@@ -208,6 +208,7 @@ class SidecarSocket:
         return True
 
     def _close_zmq(self) -> None:
+        self._frames.close()
         self._socket.close(0)
         if self._authenticator is not None:
             self._authenticator.stop()

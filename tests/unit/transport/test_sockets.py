@@ -124,3 +124,35 @@ async def test_a_send_past_the_high_water_mark_waits_and_keeps_the_order(
     assert stalled_at < len(frames)
     assert sent == len(frames)
     assert received == frames
+
+
+def test_a_socket_waits_on_whichever_event_loop_it_is_used_from(tmp_path: Path) -> None:
+    """The descriptor's reader is moved to the event loop a wait runs on: a socket used
+    from one loop, then from another, still wakes (the first loop's reader went with
+    it, and closing stops the watch)."""
+    context = zmq.asyncio.Context()
+    router, (dealer,) = pair(tmp_path, context, clients=1)
+    server, client = FastSocket(router, fair=True), FastSocket(dealer)
+
+    async def round_trip(payload: bytes) -> bytes:
+        async def answer() -> None:
+            identity, frame = await server.recv_multipart()  # waits: nothing sent yet
+            server.send_now([identity, frame + b"!"])
+
+        with anyio.fail_after(TIMEOUT_S):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(answer)
+                await anyio.wait_all_tasks_blocked()
+                await client.send_multipart([payload])
+                reply = await client.recv_multipart()
+        return reply[0]
+
+    try:
+        assert anyio.run(round_trip, b"first") == b"first!"
+        assert anyio.run(round_trip, b"second") == b"second!"
+    finally:
+        server.close()
+        client.close()
+        for socket in (router, dealer):
+            socket.close(0)
+        context.term()
