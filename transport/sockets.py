@@ -111,8 +111,9 @@ class FastSocket:
         try:
             await waiter
         finally:
-            if not waiter.done():  # cancelled
-                self._waiters[event].remove(waiter)
+            waiters = self._waiters[event]
+            if waiter in waiters:  # cancelled before it was woken
+                waiters.remove(waiter)
 
     def _signalled(self) -> None:
         self._wake(cast(int, self._now.get(zmq.EVENTS)))
