@@ -51,21 +51,19 @@ class FastSocket:
     async def send_multipart(self, frames: list[bytes]) -> None:
         if not self._sends_waiting:
             try:
-                self._now.send_multipart(frames, zmq.NOBLOCK)
+                self.send_now(frames)
             except zmq.Again:
                 pass
             else:
-                self._recheck()
                 return
         self._sends_waiting += 1
         try:
             while True:
                 await self._wait(zmq.POLLOUT)
                 try:
-                    self._now.send_multipart(frames, zmq.NOBLOCK)
+                    self.send_now(frames)
                 except zmq.Again:
                     continue
-                self._recheck()
                 return
         finally:
             self._sends_waiting -= 1
@@ -73,7 +71,8 @@ class FastSocket:
     def send_now(self, frames: list[bytes]) -> None:
         """Send at once, or raise ``zmq.Again`` without waiting: for a ROUTER, where a
         wait for one peer that does not read would hold up the sends to every other.
-        (Never used beside waiting sends, which it would overtake.)"""
+        (A caller that also makes waiting sends must not use it: it would overtake
+        them.)"""
         self._now.send_multipart(frames, zmq.NOBLOCK)
         self._recheck()
 

@@ -114,10 +114,14 @@ class CopyThreads:
         self._split_bytes = split_bytes
         self._inline_bytes = inline_bytes
 
+    def waits(self, nbytes: int) -> bool:
+        """Whether a batch of ``nbytes`` goes to the threads, not done on the event loop."""
+        return nbytes > self._inline_bytes
+
     async def run(self, views: Sequence[torch.Tensor], size: int, work: Work) -> None:
         """``work`` over every value (each ``size`` bytes), in parts."""
         nbytes = len(views) * size
-        if nbytes <= self._inline_bytes:
+        if not self.waits(nbytes):
             work(self._pieces(views, size))
             return
         parts = min(self._parts, len(views)) if nbytes >= self._split_bytes else 1
@@ -203,11 +207,10 @@ class CpuCopyEngine:
     def __init__(self, threads: WorkerThreads, *, inline_bytes: int = INLINE_BYTES,
                  stream_bytes: int | None = None) -> None:
         self._copy = CopyThreads(threads, inline_bytes=inline_bytes)
-        self._inline_bytes = inline_bytes
         self._stream_bytes = stream_bytes
 
     def waits(self, nbytes: int) -> bool:
-        return nbytes > self._inline_bytes
+        return self._copy.waits(nbytes)
 
     async def gather(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                      views: Sequence[torch.Tensor]) -> None:

@@ -131,11 +131,7 @@ def planned_blocks(job: Job) -> list[BlockTask]:
     tasks: list[BlockTask] = []
     for store_group, block_ids in enumerate(projected):
         if isinstance(job.message, Load):
-            group = session.store_groups[store_group].group
-            wanted = (
-                blocks_to_load(group, job.message.num_tokens, job.message.computed_tokens)
-                or range(0)
-            )
+            wanted = _loaded(session.store_groups[store_group], job.message)
             indices: Iterable[int] = (j for j in wanted if j < len(block_ids))
         else:
             indices = range(len(block_ids))
@@ -150,11 +146,13 @@ def planned_blocks(job: Job) -> list[BlockTask]:
 def load_bytes(session: EngineSession, message: Load) -> int:
     """The most bytes a load moves: the blocks each store group needs (as
     ``planned_blocks`` finds them, null blocks counted)."""
-    return sum(
-        len(blocks_to_load(geometry.group, message.num_tokens, message.computed_tokens)
-            or ()) * geometry.stored_bytes
-        for geometry in session.store_groups
-    )
+    return sum(len(_loaded(geometry, message)) * geometry.stored_bytes
+               for geometry in session.store_groups)
+
+
+def _loaded(geometry: StoreGroupGeometry, message: Load) -> range:
+    """The blocks of a store group a load writes (the hit rule's ``blocks_to_load``)."""
+    return blocks_to_load(geometry.group, message.num_tokens, message.computed_tokens) or range(0)
 
 
 class TaskBatch(list[BlockTask]):
