@@ -56,6 +56,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
+import numpy
 import structlog
 import torch
 from anyio.abc import AsyncResource
@@ -545,11 +546,11 @@ def _outside(ptrs: list[int], sizes: list[int], ranges: list[tuple[int, int]]) -
 
 
 def _columns_inside(
-    starts: torch.Tensor, sizes: Sequence[int], ranges: list[tuple[int, int]]
+    starts: numpy.ndarray, sizes: Sequence[int], ranges: list[tuple[int, int]]
 ) -> bool:
     """Whether every column of ``starts`` (each page j of every value, ``sizes[j]``
     bytes) lies within one registered range, judged by its lowest and highest page."""
-    columns = zip(starts.amin(dim=0).tolist(), starts.amax(dim=0).tolist(), sizes,
+    columns = zip(starts.min(axis=0).tolist(), starts.max(axis=0).tolist(), sizes,
                   strict=True)
     return all(any(low <= first and last + size <= high for low, high in ranges)
                for first, last, size in columns)

@@ -39,6 +39,7 @@ __all__ = [
     "InPlaceCopyEngine",
     "Piece",
     "gather_and_seal",
+    "page_addresses",
     "runs",
     "seal_in_place",
     "verify_and_scatter",
@@ -137,7 +138,7 @@ class CopyThreads:
         return [(start + first, rows) for first, rows in runs(views[start:stop], size)]
 
 
-def _page_addresses(geometry: StoreGroupGeometry, block_ids: Sequence[int]) -> Any:
+def page_addresses(geometry: StoreGroupGeometry, block_ids: Sequence[int]) -> numpy.ndarray:
     """Where block ``block_ids[i]``'s page in segment ``j`` lies: an int64 ``[blocks,
     segments]`` array. Refused unless every id names a block of every segment: the
     native copies address pages without bounds of their own."""
@@ -145,7 +146,8 @@ def _page_addresses(geometry: StoreGroupGeometry, block_ids: Sequence[int]) -> A
         raise IndexError(f"block ids out of range 0..{geometry.num_blocks - 1}: "
                          f"{list(block_ids)}")
     first, stride = geometry.segment_table[:2]
-    return first + numpy.asarray(block_ids, dtype=numpy.int64)[:, None] * stride
+    addresses: numpy.ndarray = first + numpy.asarray(block_ids, dtype=numpy.int64)[:, None] * stride
+    return addresses
 
 
 def _gather_and_seal(geometry: StoreGroupGeometry, pages: Any, stream: bool,
@@ -176,7 +178,7 @@ async def gather_and_seal(
 ) -> None:
     """Fill each value from its engine block, sealing its checksum as its pages pass;
     ``stream``: write the values around the caches."""
-    pages = _page_addresses(geometry, block_ids)
+    pages = page_addresses(geometry, block_ids)
     await copy.run(views, geometry.stored_bytes,
                    functools.partial(_gather_and_seal, geometry, pages, stream))
 
@@ -189,7 +191,7 @@ async def verify_and_scatter(
     their engine blocks: the engine never receives a corrupted byte. Whether each is intact.
     ``stream``: write the engine's pages around the caches.
     """
-    pages = _page_addresses(geometry, block_ids)
+    pages = page_addresses(geometry, block_ids)
     intact = [True] * len(views)
     await copy.run(views, geometry.stored_bytes,
                    functools.partial(_verify_and_scatter, geometry, pages, stream, intact))
@@ -230,7 +232,7 @@ class CpuCopyEngine:
 def _digests(geometry: StoreGroupGeometry, block_ids: Sequence[int], seed: int) -> Any:
     """The checksum of each block's pages as they lie in the engine: uint64 each."""
     digests = numpy.empty(len(block_ids), dtype=numpy.uint64)
-    _blockcopy.digests(_page_addresses(geometry, block_ids), geometry.segment_table[3], seed,
+    _blockcopy.digests(page_addresses(geometry, block_ids), geometry.segment_table[3], seed,
                        digests)
     return digests
 

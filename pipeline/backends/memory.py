@@ -17,7 +17,7 @@ from typing import Generic, TypeVar, cast
 import anyio
 import torch
 
-from pipeline.backends.cpu_copy import seal_in_place
+from pipeline.backends.cpu_copy import page_addresses, seal_in_place
 from pipeline.backends.staging import Slot, StagingPool
 from pipeline.core.errors import StoreCallAbandoned, StoreError
 from pipeline.core.geometry import StoreGroupGeometry
@@ -226,13 +226,9 @@ class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
         sealed = geometry.checksum_seed is not None
         width = (2 if loading else 1) * CHECKSUM_BYTES if sealed else 0
         rows = slot.rows(len(keys), width)
-        segments = geometry.segments
-        bases = torch.tensor([segment.blocks.data_ptr() for segment in segments])
-        strides = torch.tensor([segment.blocks.stride(0) for segment in segments])
-        blocks = torch.tensor(block_ids, dtype=torch.int64)
         pieces = Pieces(
-            addresses=bases + blocks[:, None] * strides,
-            sizes=tuple(segment.page_bytes for segment in segments),
+            addresses=page_addresses(geometry, block_ids),
+            sizes=geometry.page_sizes,
             trailers=list(rows[:, :CHECKSUM_BYTES].unbind(0)) if sealed else None,
         )
         checksums = None

@@ -58,6 +58,8 @@ class StoreGroupGeometry:
     """The segments as four int64 rows, one column each: the address of block 0's page,
     the stride between pages, where a page lies in a value, and its bytes: for copies
     that address pages themselves (``pipeline.backends.cpu_copy``)."""
+    page_sizes: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    """Each segment's page bytes, in order."""
 
     def __post_init__(self) -> None:
         table = numpy.array(
@@ -65,6 +67,7 @@ class StoreGroupGeometry:
              for s in self.segments], dtype=numpy.int64,
         ).reshape(-1, 4)
         object.__setattr__(self, "segment_table", numpy.ascontiguousarray(table.T))
+        object.__setattr__(self, "page_sizes", tuple(s.page_bytes for s in self.segments))
 
     @property
     def key_prefix(self) -> str:

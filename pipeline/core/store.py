@@ -13,6 +13,7 @@ import enum
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import numpy
 import torch
 
 from pipeline.core.outcomes import PRESENT, BlockStatus, KeyOutcome
@@ -135,7 +136,7 @@ class Pieces:
     ``sizes[j]`` bytes at ``addresses[i, j]`` for every j in order (engine pages, read or
     written in place), then ``trailers[i]``, the sidecar's own bytes (its checksum)."""
 
-    addresses: torch.Tensor
+    addresses: numpy.ndarray
     """int64 ``[values, pages]``."""
     sizes: tuple[int, ...]
     trailers: list[torch.Tensor] | None

@@ -15,6 +15,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 import msgspec
+import numpy
 import psutil
 import pytest
 import pytest_asyncio
@@ -261,11 +262,12 @@ async def test_values_outside_registered_buffers_fail_per_key(
     assert ok_outcome == STORED
 
 
-def pages_of(memory: torch.Tensor, blocks: list[int], page: int, pages: int) -> torch.Tensor:
+def pages_of(memory: torch.Tensor, blocks: list[int], page: int, pages: int) -> numpy.ndarray:
     """Addresses of ``pages`` pages of ``page`` bytes per block, one page per "layer":
     layer j of block b lies at ``(j * 64 + b) * page`` bytes into ``memory``."""
     base = memory.data_ptr()
-    return torch.tensor([[base + (j * 64 + b) * page for j in range(pages)] for b in blocks])
+    return numpy.array([[base + (j * 64 + b) * page for j in range(pages)] for b in blocks],
+                       dtype=numpy.int64)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
