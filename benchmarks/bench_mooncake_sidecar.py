@@ -23,13 +23,16 @@ free space. The raw calls are the floor of what the sidecar must do; its extra w
 the existence checks, hashing, checksums and the socket, and through staging the
 engine <-> staging copies.
 
-    python benchmarks/bench_mooncake_sidecar.py [--layers 8] [--page-kib 64]
-        [--requests 8] [--blocks-per-request 8] [--concurrency 1 4] [--repeat 7]
-        [--in-place on off] [--checksum on off] [--config configs/mooncake.yaml]
-        [--profile {cprofile,py-spy}]
+    python benchmarks/bench_mooncake_sidecar.py [--geometry 8x64x8 24x48x16 16x64x32]
+        [--requests 8] [--concurrency 1 4] [--repeat 7] [--in-place on off]
+        [--checksum on off] [--config configs/mooncake.yaml] [--profile {cprofile,py-spy}]
 
-Ratios are sidecar GB/s over raw GB/s (goal: >= 0.9). Results are also written to
-benchmarks/results/bench_mooncake_sidecar.json.
+A geometry is LAYERSxPAGE_KIBxBLOCKS_PER_REQUEST: by default a small request (4 MiB),
+where the fixed cost of a request shows, and the two shapes the embedded store's goal
+names (``bench_sidecar_throughput.py``). A round is ``--requests`` requests, fewer where
+they would not fit in a quarter of the segment. Ratios are sidecar GB/s over raw GB/s
+(goal: >= 0.9); what checksums cost is printed as GB/s with them on over off. Results
+are also written to benchmarks/results/bench_mooncake_sidecar.json.
 """
 
 from __future__ import annotations
@@ -56,8 +59,22 @@ import anyio
 import anyio.to_thread
 import msgspec
 import torch
-from bench_sidecar_throughput import Engine, Workload, make_layout, run_requests, sidecar_config
-from harness import RESULTS_DIR, ROOT, median, spawned_sidecar, write_results
+from bench_sidecar_throughput import (
+    Engine,
+    Geometry,
+    Workload,
+    make_layout,
+    run_requests,
+    sidecar_config,
+)
+from harness import (
+    RESULTS_DIR,
+    ROOT,
+    median,
+    spawned_sidecar,
+    thread_cpu_s,
+    write_results,
+)
 
 from pipeline.core.config import Config, MooncakeStoreConfig, load_config
 from pipeline.core.integrity import CHECKSUM_BYTES
@@ -160,17 +177,26 @@ async def run_raw(concurrency: int, calls: Sequence[Callable[[], None]]) -> floa
 class Sidecar:
     """One variant's sidecar as this engine's client sees it."""
 
-    name: str
+    values: str
+    """How values move: "in place" or "staging"."""
+    checksum: str
+    """"on" or "off"."""
+    pid: int
     client: EngineClient
     stored_bytes: int
     workload: Workload
 
+    @property
+    def name(self) -> str:
+        return f"{self.values}, checksum {self.checksum}"
+
 
 async def sidecar_side(
     sidecar: Sidecar, engine: Engine, concurrency: int, *, verify: bool
-) -> tuple[float, float]:
+) -> tuple[float, float, dict[str, float]]:
     """Save a fresh round through ``sidecar``, then load it into other blocks: seconds
-    for each."""
+    for each, and the CPU seconds the sidecar spent on each (``thread_cpu_s``: on its
+    event loop, and on its other threads, Mooncake's among them)."""
     tokens, src, dst, prefix = sidecar.workload.next_round()
     client = sidecar.client
     problems: list[str] = []
@@ -193,8 +219,13 @@ async def sidecar_side(
             problems.append(f"load {r}: {loaded}/{len(dst[r])} loaded")
 
     calls = range(sidecar.workload.requests)
+    before = thread_cpu_s(sidecar.pid)
     saved = await run_requests(concurrency, [lambda r=r: save(r) for r in calls])
+    between = thread_cpu_s(sidecar.pid)
     loaded = await run_requests(concurrency, [lambda r=r: load(r) for r in calls])
+    after = thread_cpu_s(sidecar.pid)
+    cpu = {"loop_save": between[0] - before[0], "threads_save": between[1] - before[1],
+           "loop_load": after[0] - between[0], "threads_load": after[1] - between[1]}
     if problems:
         raise RuntimeError(f"{sidecar.name}: " + "; ".join(problems[:4]))
     if verify:
@@ -203,22 +234,24 @@ async def sidecar_side(
                 if not engine.same_bytes(a, b):
                     raise RuntimeError(f"{sidecar.name}: block {b} does not hold block {a}'s "
                                        "bytes after load")
-    return saved, loaded
+    return saved, loaded, cpu
 
 
 async def one_round(
     sidecars: Sequence[Sidecar], engine: Engine, raw: RawClient, concurrency: int,
     *, rotate: int, verify: bool,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """Each sidecar's save and load of a fresh round, and the raw calls on the same
-    number of values, one after the other in an order rotated by ``rotate``."""
+    number of values, one after the other in an order rotated by ``rotate``: seconds
+    by name, and each sidecar's CPU seconds (``sidecar_side``)."""
     workload = sidecars[0].workload
     times: dict[str, float] = {}
+    cpu: dict[str, dict[str, float]] = {}
     sides: list[Sidecar | None] = [None, *sidecars]  # None: the raw calls
     for side in sides[rotate % len(sides):] + sides[: rotate % len(sides)]:
         if side is not None:
-            times[f"{side.name} save"], times[f"{side.name} load"] = await sidecar_side(
-                side, engine, concurrency, verify=verify)
+            times[f"{side.name} save"], times[f"{side.name} load"], cpu[side.name] = (
+                await sidecar_side(side, engine, concurrency, verify=verify))
             continue
         value_bytes = max(sidecar.stored_bytes for sidecar in sidecars)
         puts, gets = raw.calls(f"r{rotate}", workload.requests, workload.blocks, value_bytes)
@@ -228,22 +261,25 @@ async def one_round(
             raise RuntimeError("raw batch_get_into did not return the bytes put")
     # Forced: the puts' and gets' leases would keep the objects for kv_lease_ttl_ms.
     await anyio.to_thread.run_sync(raw.client.remove_all, True)
-    return times
+    return times, cpu
 
 
 async def measure(
     args: argparse.Namespace, sidecars: Sequence[Sidecar], engine: Engine, raw: RawClient
 ) -> list[dict[str, Any]]:
     """Per concurrency, every variant's GB/s and its ratios to the raw calls."""
-    round_bytes = args.requests * args.blocks_per_request * engine.value_bytes
+    workload = sidecars[0].workload
+    round_bytes = workload.requests * workload.blocks * engine.value_bytes
     for index in range(args.warmup):
         await one_round(sidecars, engine, raw, max(args.concurrency), rotate=index,
                         verify=index == 0)
     rows = []
     for concurrency in args.concurrency:
-        samples = [await one_round(sidecars, engine, raw, concurrency, rotate=rep,
-                                   verify=False)
-                   for rep in range(args.repeat)]
+        rounds = [await one_round(sidecars, engine, raw, concurrency, rotate=rep,
+                                  verify=False)
+                  for rep in range(args.repeat)]
+        samples = [times for times, _ in rounds]
+        requests = workload.requests * args.repeat
         gbps = {name: median([round_bytes / s[name] / 1e9 for s in samples])
                 for name in samples[0]}
         for sidecar in sidecars:
@@ -254,6 +290,8 @@ async def measure(
             }
             rows.append({
                 "variant": sidecar.name,
+                "values": sidecar.values,
+                "checksum": sidecar.checksum,
                 "concurrency": concurrency,
                 "round_bytes": round_bytes,
                 "gbps": {op: gbps[f"{sidecar.name} {op}"] for op in ("save", "load")},
@@ -262,6 +300,9 @@ async def measure(
                 "load_ratio": gbps[f"{sidecar.name} load"] / gbps["raw load"],
                 "paired_save_ratio": paired["save"],
                 "paired_load_ratio": paired["load"],
+                "cpu_ms_per_request": {
+                    name: 1000 * sum(cpu[sidecar.name][name] for _, cpu in rounds) / requests
+                    for name in ("loop_save", "threads_save", "loop_load", "threads_load")},
                 "samples_s": samples,
             })
     return rows
@@ -279,12 +320,30 @@ def on_master(base: Config, master: EmbeddedMaster, *, in_place: bool) -> Config
                                                                        mooncake=mooncake))
 
 
-async def run(args: argparse.Namespace, base: Config) -> list[dict[str, Any]]:
-    page_bytes = args.page_kib * 1024
-    layout = make_layout(args.layers, page_bytes)
-    total = args.requests * args.blocks_per_request
-    engine = Engine(args.layers, page_bytes, args.engine_blocks, total)
+def round_requests(args: argparse.Namespace, geometry: Geometry, base: Config) -> int:
+    """Requests per round: ``--requests``, fewer where a round would not fit in a quarter
+    of the segment (the sidecar's and the raw calls' rounds both land in the cluster)."""
+    request_bytes = geometry.layers * geometry.page_kib * 1024 * geometry.blocks_per_request
+    fits = base.store.mooncake.global_segment_bytes // 4 // request_bytes
+    if fits < 1:
+        raise SystemExit(f"{geometry}: a request must fit in a quarter of the segment "
+                         "(store.mooncake.global_segment_bytes)")
+    return min(args.requests, fits)
+
+
+async def run(args: argparse.Namespace, geometry: Geometry, base: Config
+              ) -> list[dict[str, Any]]:
+    page_bytes = geometry.page_kib * 1024
+    layout = make_layout(geometry.layers, page_bytes)
+    requests = round_requests(args, geometry, base)
+    total = requests * geometry.blocks_per_request
+    engine_blocks = max(args.engine_blocks, 2 * total + 1)
+    engine = Engine(geometry.layers, page_bytes, engine_blocks, total)
     widest = engine.value_bytes + CHECKSUM_BYTES
+    print(f"{geometry}: {geometry.layers} layers x {geometry.page_kib} KiB pages = "
+          f"{engine.value_bytes >> 10} KiB per block; {requests} requests x "
+          f"{geometry.blocks_per_request} blocks = {total * engine.value_bytes / 2**20:.0f} "
+          "MiB per round")
     async with await open_embedded_master(base.store.mooncake) as master:
         raw = RawClient(base.store.mooncake, master, total * widest)
         try:
@@ -295,36 +354,52 @@ async def run(args: argparse.Namespace, base: Config) -> list[dict[str, Any]]:
                     variants = itertools.product(args.in_place, args.checksum)
                     for index, (moves, sums) in enumerate(variants):
                         checksum = sums == "on"
-                        name = f"{'in place' if moves == 'on' else 'staging'}, checksum {sums}"
                         config = sidecar_config(on_master(base, master, in_place=moves == "on"),
                                                 checksum, Path(tmp))
                         config = config.rename(config.with_name(f"in-place-{moves}-{config.name}"))
                         suffix = {"cprofile": "prof", "py-spy": "txt"}.get(args.profile, "")
                         profile_out = (
-                            RESULTS_DIR / f"bench_mooncake_sidecar.in-place-{moves}.checksum-"
-                                          f"{sums}.{suffix}"
+                            RESULTS_DIR / f"bench_mooncake_sidecar.{geometry}.in-place-{moves}."
+                                          f"checksum-{sums}.{suffix}"
                             if suffix else None
                         )
-                        endpoint = running.enter_context(spawned_sidecar(
-                            config, profile=args.profile, profile_out=profile_out)).endpoint
+                        process = running.enter_context(spawned_sidecar(
+                            config, profile=args.profile, profile_out=profile_out))
                         client = await clients.enter_async_context(await EngineClient.connect(
-                            endpoint, layout=layout, kv_caches=engine.kv_caches))
+                            process.endpoint, layout=layout, kv_caches=engine.kv_caches))
                         sidecars.append(Sidecar(
-                            name, client, engine.value_bytes + (CHECKSUM_BYTES if checksum else 0),
-                            Workload(args.requests, args.blocks_per_request, args.engine_blocks,
+                            "in place" if moves == "on" else "staging", sums, process.pid,
+                            client,
+                            engine.value_bytes + (CHECKSUM_BYTES if checksum else 0),
+                            Workload(requests, geometry.blocks_per_request, engine_blocks,
                                      first_token=1 + index * 2**28)))
-                    return await measure(args, sidecars, engine, raw)
+                    rows = await measure(args, sidecars, engine, raw)
+                    return [{"geometry": str(geometry), **row} for row in rows]
         finally:
             raw.close()
 
 
+def integrity_ratios(rows: Sequence[dict[str, Any]]
+                     ) -> dict[tuple[str, str, int], tuple[float, float]]:
+    """What checksums cost, where both ran: sidecar GB/s with checksums on over off, for
+    saves and loads, by (geometry, how values move, concurrency). 1.0: integrity is free."""
+    by_variant = {(row["geometry"], row["values"], row["concurrency"], row["checksum"]):
+                  row["gbps"] for row in rows}
+    return {
+        (geometry, values, concurrency): (on["save"] / off["save"], on["load"] / off["load"])
+        for (geometry, values, concurrency, checksum), on in by_variant.items()
+        if checksum == "on" and (off := by_variant.get((geometry, values, concurrency, "off")))
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--page-kib", type=int, default=64, help="bytes per block per layer")
-    parser.add_argument("--engine-blocks", type=int, default=256)
-    parser.add_argument("--requests", type=int, default=8, help="requests per round")
-    parser.add_argument("--blocks-per-request", type=int, default=8)
+    parser.add_argument("--geometry", type=Geometry.parse, nargs="+",
+                        default=[Geometry(8, 64, 8), Geometry(24, 48, 16), Geometry(16, 64, 32)],
+                        help="LAYERSxPAGE_KIBxBLOCKS_PER_REQUEST, one or more")
+    parser.add_argument("--engine-blocks", type=int, default=256,
+                        help="at least; more where twice a round's blocks need them")
+    parser.add_argument("--requests", type=int, default=8, help="requests per round, at most")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
@@ -337,50 +412,63 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = load_config(args.config)
     if base.store.backend != "mooncake":
         parser.error(f"{args.config} does not use store.backend: mooncake")
-    page_bytes = args.page_kib * 1024
-    value_bytes = args.layers * page_bytes
-    total = args.requests * args.blocks_per_request
-    if 2 * total >= args.engine_blocks:
-        parser.error("--engine-blocks must exceed twice the blocks of a round")
-    if value_bytes + CHECKSUM_BYTES > base.staging.slot_bytes:
-        parser.error("a block does not fit in a staging slot (staging.slot_bytes)")
-    round_bytes = total * value_bytes
-    if 2 * round_bytes > base.store.mooncake.global_segment_bytes // 2:
-        parser.error("a round must fit in half a segment (store.mooncake.global_segment_bytes)")
+    for geometry in args.geometry:
+        if geometry.layers * geometry.page_kib * 1024 + CHECKSUM_BYTES > base.staging.slot_bytes:
+            parser.error(f"{geometry}: a block does not fit in a staging slot "
+                         "(staging.slot_bytes)")
     RESULTS_DIR.mkdir(exist_ok=True)
 
     print(
-        f"{args.layers} layers x {args.page_kib} KiB pages = {value_bytes >> 10} KiB per "
-        f"block; {args.requests} requests x {args.blocks_per_request} blocks = "
-        f"{round_bytes / 2**20:.0f} MiB per round; median of {args.repeat}; config "
-        f"{args.config.name} on an embedded master, {base.store.mooncake.protocol}"
-        f"{'; profiled: ' + args.profile if args.profile else ''}"
+        f"median of {args.repeat}; config {args.config.name} on an embedded master, "
+        f"{base.store.mooncake.protocol}{'; profiled: ' + args.profile if args.profile else ''}"
     )
-    results = anyio.run(run, args, base)
+    results = [row for geometry in args.geometry for row in anyio.run(run, args, geometry, base)]
 
     print(
-        f"{'values':>22} {'in flight':>9} {'raw save':>9} {'sidecar save':>13} {'ratio':>6} "
-        f"{'raw load':>9} {'sidecar load':>13} {'ratio':>6}   (GB/s; ratio of medians)"
+        f"{'geometry':>9} {'values':>22} {'in flight':>9} {'raw save':>9} {'sidecar save':>13} "
+        f"{'ratio':>6} {'raw load':>9} {'sidecar load':>13} {'ratio':>6}   (GB/s; ratio of "
+        "medians)"
     )
     worst = math.inf
-    for row in sorted(results, key=lambda row: (row["variant"], row["concurrency"])):
+    order = [str(geometry) for geometry in args.geometry]
+    rows = sorted(results, key=lambda row: (order.index(row["geometry"]), row["variant"],
+                                            row["concurrency"]))
+    for row in rows:
         g, r = row["gbps"], row["raw_gbps"]
         worst = min(worst, row["save_ratio"], row["load_ratio"])
         print(
-            f"{row['variant']:>22} {row['concurrency']:>9} {r['save']:>9.2f} "
-            f"{g['save']:>13.2f} {row['save_ratio']:>6.2f} {r['load']:>9.2f} "
+            f"{row['geometry']:>9} {row['variant']:>22} {row['concurrency']:>9} "
+            f"{r['save']:>9.2f} {g['save']:>13.2f} {row['save_ratio']:>6.2f} {r['load']:>9.2f} "
             f"{g['load']:>13.2f} {row['load_ratio']:>6.2f}   (paired: save "
             f"{row['paired_save_ratio']:.2f}, load {row['paired_load_ratio']:.2f})"
         )
     verdict = "meets" if worst >= GOAL else "misses"
     print(f"worst ratio {worst:.2f} {verdict} the goal of {GOAL}")
+    print("sidecar CPU ms per request (all rounds): its event loop, and its other threads "
+          "(Mooncake's copies and calls, sockets, logs)")
+    print(f"{'geometry':>9} {'values':>22} {'in flight':>9} {'save loop':>10} {'threads':>8} "
+          f"{'load loop':>10} {'threads':>8}")
+    for row in rows:
+        ms = row["cpu_ms_per_request"]
+        print(f"{row['geometry']:>9} {row['variant']:>22} {row['concurrency']:>9} "
+              f"{ms['loop_save']:>10.2f} {ms['threads_save']:>8.2f} {ms['loop_load']:>10.2f} "
+              f"{ms['threads_load']:>8.2f}")
+    integrity = integrity_ratios(results)
+    for (geometry, values, concurrency), (save, load) in integrity.items():
+        print(f"integrity at {geometry}, {values}, {concurrency} in flight: checksums on / off "
+              f"= {save:.2f} for saves, {load:.2f} for loads")
     path = write_results(
         "bench_mooncake_sidecar",
         {
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                     if k != "geometry"},
+            "geometries": [str(g) for g in args.geometry],
             "goal": GOAL,
             "worst_ratio": worst,
             "results": results,
+            "integrity": [{"geometry": g, "values": v, "concurrency": c,
+                           "save_on_over_off": save, "load_on_over_off": load}
+                          for (g, v, c), (save, load) in integrity.items()],
         },
     )
     print(f"results: {path.relative_to(ROOT)}")
