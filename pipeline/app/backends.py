@@ -157,6 +157,7 @@ async def open_backends(
                     store = ChecksumBesideStore(
                         guarded, require=config.store.verify == "required")
                 memory = StagingMemory(pool, store, skip_when_full=skip_when_full)
+                pool.touch()
             save_threads = WorkerThreads(transfer.threads, name="kvsidecar-save",
                                          nice=transfer.save_nice)
             load_threads = WorkerThreads(transfer.threads, name="kvsidecar-load")

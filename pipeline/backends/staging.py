@@ -44,6 +44,12 @@ class StagingPool:
         self.load_slots = load_slots
         self.withheld = 0
 
+    def touch(self) -> None:
+        """Write every page of the pool now, for a pool that values go through: a page's
+        first write costs a fault, several times the copy itself, and would be paid by
+        whichever copy first lands there (the first rounds through every slot)."""
+        self.buffer.zero_()
+
     def free_slots(self, kind: str) -> int:
         return self._free[kind][1].statistics().current_buffer_used
 
