@@ -46,6 +46,8 @@ MMItem = tuple[str, int, int]
 
 _sha256 = hashlib.sha256
 _dumps = cbor2.dumps
+_HASH_BYTES = _sha256().digest_size
+"""Bytes of one block hash."""
 
 
 def sha256_cbor(value: Any) -> bytes:
@@ -98,6 +100,22 @@ class RequestHasher:
     def hashes(self) -> list[bytes]:
         """Hashes of every full block seen so far (the caller must not mutate it)."""
         return self._hashes
+
+    def chain(self) -> tuple[bytes, int]:
+        """What ``resume`` needs to go on with this chain: its hashes back to back (one
+        bytes object, which the cycle collector never tracks), and how far its
+        multimodal items are consumed (the rest comes from the request's keys)."""
+        return b"".join(self._hashes), self._mm_next
+
+    def resume(self, hashes: bytes, mm_next: int) -> None:
+        """Go on with a chain ``chain`` gave, of a hasher made for the same request keys
+        and seed; this one has hashed nothing yet."""
+        assert not self._hashes, "resume() is for a fresh hasher"
+        self._hashes = [hashes[start : start + _HASH_BYTES]
+                        for start in range(0, len(hashes), _HASH_BYTES)]
+        self._mm_next = mm_next
+        if self._hashes:
+            self._parent = self._hashes[-1]
 
     def extend(self, token_ids: Sequence[int]) -> list[bytes]:
         """Hash the full blocks of ``token_ids`` not hashed yet; return all hashes.

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Generic, TypeVar
 
+import msgspec
 import xxhash
 
 from pipeline.core.messages import RequestKeys, TokenIds
@@ -49,6 +50,19 @@ class Verdict(enum.StrEnum):
     """The same tokens were stored under another cache salt, LoRA or multimodal input."""
     UNKNOWN = "unknown"
     """The store could not be asked."""
+
+
+class _Record(msgspec.Struct, frozen=True, gc=False):
+    """What became of a block: its verdict, why, and when (monotonic seconds).
+
+    Untracked by the cycle collector, as are the other indexes' keys and values (bytes,
+    ints, request keys of strings): under load every index is rewritten between two
+    collections, and tracked records would be walked by each one (16k tuples of them
+    made a young collection take about 10 ms)."""
+
+    verdict: Verdict
+    reason: str
+    at: float
 
 
 class _Bounded(collections.OrderedDict[K, V], Generic[K, V]):
@@ -108,6 +122,12 @@ def content_prints(token_ids: TokenIds, ends: Sequence[int]) -> dict[int, int]:
     return prints
 
 
+def _block_key(block: tuple[int, bytes]) -> bytes:
+    """A (store group, block hash) as one bytes object: the hash, then the group."""
+    group, block_hash = block
+    return block_hash + group.to_bytes(4, "little")
+
+
 def _keys_kind(stored: RequestKeys, asked: RequestKeys) -> str:
     differs = [name for name, a, b in (
         ("cache salt", stored.cache_salt, asked.cache_salt),
@@ -120,8 +140,9 @@ def _keys_kind(stored: RequestKeys, asked: RequestKeys) -> str:
 class BlockHistory:
     def __init__(self, max_blocks: int) -> None:
         self.enabled = max_blocks > 0
-        self._keys: _Bounded[str, tuple[Verdict, str, float]] = _Bounded(max_blocks)
-        self._prefixes: _Bounded[tuple[int, bytes], str] = _Bounded(max_blocks)
+        self._keys: _Bounded[str, _Record] = _Bounded(max_blocks)
+        # (store group, block hash), as bytes -> the key prefix it was last stored under
+        self._prefixes: _Bounded[bytes, str] = _Bounded(max_blocks)
         # the print of the tokens up to a stored block's end -> the keys it was saved with
         self._contents: _Bounded[int, RequestKeys] = _Bounded(max_blocks)
         # the print of a refused request's first block -> (its tokens, keys, reason, when)
@@ -131,24 +152,24 @@ class BlockHistory:
     def saved(self, blocks: Iterable[SavedBlock], keys: RequestKeys) -> None:
         """The named blocks of a finished save, saved with request ``keys``."""
         now = time.monotonic()
-        present = (Verdict.PRESENT, "", now)
-        records: list[tuple[str, tuple[Verdict, str, float]]] = []
-        prefixes: list[tuple[tuple[int, bytes], str]] = []
+        present = _Record(Verdict.PRESENT, "", now)
+        records: list[tuple[str, _Record]] = []
+        prefixes: list[tuple[bytes, str]] = []
         contents: list[tuple[int, RequestKeys]] = []
         for key, prefix, block, outcome, content in blocks:
             status = outcome.status
             known = self._keys.get(key)
             if status is BlockStatus.STORED or status is BlockStatus.PRESENT:
-                if status is BlockStatus.STORED or known is None or known[0] is not (
+                if status is BlockStatus.STORED or known is None or known.verdict is not (
                         Verdict.PRESENT):
                     records.append((key, present))
-                prefixes.append((block, prefix))
+                prefixes.append((_block_key(block), prefix))
                 if content is not None:
                     contents.append((content, keys))
-            elif known is None or known[0] is not Verdict.PRESENT:
+            elif known is None or known.verdict is not Verdict.PRESENT:
                 # (one stored before: a later skip says nothing about where it went)
                 verdict = Verdict.SKIPPED if status is BlockStatus.SKIPPED else Verdict.FAILED
-                records.append((key, (verdict, outcome.reason, now)))
+                records.append((key, _Record(verdict, outcome.reason, now)))
         self._keys.put_all(records)
         self._prefixes.put_all(prefixes)
         self._contents.put_all(contents)
@@ -164,13 +185,14 @@ class BlockHistory:
 
     def load_failed(self, key: str, outcome: KeyOutcome) -> None:
         """A load found the block's value corrupt (and the store dropped it)."""
-        self._keys.put(key, (Verdict.FAILED_INTEGRITY, outcome.reason, time.monotonic()))
+        self._keys.put(key, _Record(Verdict.FAILED_INTEGRITY, outcome.reason,
+                                    time.monotonic()))
 
     def evicted(self, keys: Sequence[str]) -> None:
-        now = time.monotonic()
+        evicted = _Record(Verdict.EVICTED, "evicted to make room", time.monotonic())
         for key in keys:
             if key in self._keys:
-                self._keys.put(key, (Verdict.EVICTED, "evicted to make room", now))
+                self._keys.put(key, evicted)
 
     def why(
         self, key: str, prefix: str, block: tuple[int, bytes], presence: Presence,
@@ -186,11 +208,10 @@ class BlockHistory:
             return Verdict.UNUSABLE, presence.value, -1.0
         known = self._keys.get(key)
         if known is not None:
-            verdict, reason, at = known
-            if verdict is Verdict.PRESENT:  # stored, and since gone without our seeing why
-                return Verdict.EVICTED, "stored, since gone from the store", now - at
-            return verdict, reason, now - at
-        other = self._prefixes.get(block)
+            if known.verdict is Verdict.PRESENT:  # stored, since gone without our seeing why
+                return Verdict.EVICTED, "stored, since gone from the store", now - known.at
+            return known.verdict, known.reason, now - known.at
+        other = self._prefixes.get(_block_key(block))
         if other is not None and other != prefix:
             return Verdict.OTHER_NAMESPACE, f"stored under {other}", -1.0
         if prompt is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import collections
 import functools
 import threading
@@ -9,6 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+import msgspec
 import structlog
 
 from pipeline.core.errors import ProtocolError
@@ -16,13 +18,43 @@ from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.hashing import RequestHasher, group_block_hashes
 from pipeline.core.keys import KeySpeller
 from pipeline.core.layout import NULL_BLOCK_ID, KVCacheLayout
-from pipeline.core.messages import RequestKeys
+from pipeline.core.messages import TOKEN_TYPECODE, RequestKeys
 
 __all__ = ["EngineSession", "TensorMapping"]
 
 HASHER_CACHE_SIZE = 4096
 FIRST_HASH_CACHE_SIZE = 1024
 """First blocks whose hash a session remembers (``EngineSession.first_block_hash``)."""
+
+
+class _KeptChain(msgspec.Struct, frozen=True, gc=False):
+    """A request's hash chain, kept for its next call.
+
+    Untracked by the cycle collector, and made of what it never tracks (bytes, request
+    keys of strings): under load the cache is rewritten between two collections, and a
+    cached ``RequestHasher`` with its lists and arrays was some six tracked objects a
+    request, all walked by each young collection (a 4096-request cache per engine:
+    tens of thousands, some 15 ms a collection)."""
+
+    keys: RequestKeys
+    hashes: bytes
+    """The chain's hashes, back to back (``RequestHasher.chain``)."""
+    mm_next: int
+    seen: bytes
+    """The tokens hashed, as uint32s: the request's next call must begin with them."""
+
+
+_TOKEN_BYTES = array.array(TOKEN_TYPECODE).itemsize
+
+
+def _token_bytes(token_ids: Sequence[int], count: int) -> bytes | None:
+    """The first ``count`` tokens as uint32 bytes; None when one is out of that range."""
+    if isinstance(token_ids, array.array) and token_ids.typecode == TOKEN_TYPECODE:
+        return memoryview(token_ids)[:count].tobytes()
+    try:
+        return array.array(TOKEN_TYPECODE, token_ids[:count]).tobytes()
+    except (OverflowError, TypeError):
+        return None
 
 
 class TensorMapping(Protocol):
@@ -66,9 +98,8 @@ class EngineSession:
         self.jobs_in_flight = 0
         self.saves_in_flight = 0
         self._mapping = mapping
-        self._hashers: collections.OrderedDict[
-            tuple[str, RequestKeys], tuple[RequestHasher, Sequence[int]]
-        ] = collections.OrderedDict()
+        self._hashers: collections.OrderedDict[str, _KeptChain] = collections.OrderedDict()
+        """Request id -> its hash chain, the most recently kept last."""
         self._hashers_lock = threading.Lock()
         self.speller = KeySpeller()
         """Spells this engine's keys, remembering them (the event loop's alone)."""
@@ -125,22 +156,26 @@ class EngineSession:
         new one. It is taken out of the cache while used (safe from worker threads: two
         calls for one request never extend the same chain; the second starts afresh)."""
         with self._hashers_lock:
-            cached = self._hashers.pop((request_id, keys), None)
-        if cached is not None:
-            hasher, seen = cached
-            if token_ids[: len(seen)] == seen:
-                return hasher
-            # Same id, other tokens: never trust the old chain.
-        return self.new_hasher(keys)
+            kept = self._hashers.pop(request_id, None)
+        hasher = self.new_hasher(keys)
+        # Same id, other keys or tokens: never trust the old chain.
+        if kept is not None and kept.keys == keys and _token_bytes(
+                token_ids, len(kept.seen) // _TOKEN_BYTES) == kept.seen:
+            hasher.resume(kept.hashes, kept.mm_next)
+        return hasher
 
     def keep_hasher(
         self, request_id: str, keys: RequestKeys, hasher: RequestHasher,
         token_ids: Sequence[int],
     ) -> None:
         """Cache a hasher for the request's next call (lookup, load or save)."""
-        hashed = len(hasher.hashes) * self.layout.hash_block_size
+        seen = _token_bytes(token_ids, len(hasher.hashes) * self.layout.hash_block_size)
+        if seen is None:
+            return  # hashed in Python, as CBOR spells a large integer: not kept
+        hashes, mm_next = hasher.chain()
         with self._hashers_lock:
-            self._hashers[(request_id, keys)] = (hasher, token_ids[:hashed])
+            self._hashers.pop(request_id, None)
+            self._hashers[request_id] = _KeptChain(keys, hashes, mm_next, seen)
             while len(self._hashers) > HASHER_CACHE_SIZE:
                 self._hashers.popitem(last=False)
 

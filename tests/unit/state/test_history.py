@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -110,6 +112,22 @@ def test_content_prints_depend_on_the_tokens_up_to_each_end_only() -> None:
     a = content_prints(pack_tokens([1, 2, 3, 4, 5, 6]), [2, 4, 6])
     b = content_prints(pack_tokens([1, 2, 3, 4, 9, 9]), [4, 6])
     assert a[4] == b[4] and a[6] != b[6] and a[2] != a[4]
+
+
+def test_nothing_recorded_is_in_the_cycle_collectors_sight() -> None:
+    """Under load every index is rewritten between two collections: a tracked record
+    would be walked by each young collection, so none may be one."""
+    history = BlockHistory(8)
+    history.saved([("p@a", "p", (0, b"a"), STORED, 1),
+                   ("p@b", "p", (1, b"b"), STORE_FULL, None)], SALTED)
+    history.load_failed("p@c", failed("checksum"))
+    history.evicted(["p@a"])
+    recorded = [item for index in (history._keys, history._prefixes, history._contents)
+                for entry in index.items() for item in entry]
+    assert len(recorded) == 2 * (3 + 1 + 1)
+    assert not [item for item in recorded if gc.is_tracked(item)]
+    assert why(history, "p@a", block=(0, b"a")) is Verdict.EVICTED
+    assert why(history, "p@x", block=(0, b"a"), prefix="q") is Verdict.OTHER_NAMESPACE
 
 
 def test_the_history_forgets_its_oldest_blocks_past_its_bound() -> None:
