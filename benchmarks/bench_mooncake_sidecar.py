@@ -70,6 +70,7 @@ from bench_sidecar_throughput import (
 from harness import (
     RESULTS_DIR,
     ROOT,
+    checksum_cost,
     median,
     spawned_sidecar,
     thread_cpu_s,
@@ -379,19 +380,6 @@ async def run(args: argparse.Namespace, geometry: Geometry, base: Config
             raw.close()
 
 
-def integrity_ratios(rows: Sequence[dict[str, Any]]
-                     ) -> dict[tuple[str, str, int], tuple[float, float]]:
-    """What checksums cost, where both ran: sidecar GB/s with checksums on over off, for
-    saves and loads, by (geometry, how values move, concurrency). 1.0: integrity is free."""
-    by_variant = {(row["geometry"], row["values"], row["concurrency"], row["checksum"]):
-                  row["gbps"] for row in rows}
-    return {
-        (geometry, values, concurrency): (on["save"] / off["save"], on["load"] / off["load"])
-        for (geometry, values, concurrency, checksum), on in by_variant.items()
-        if checksum == "on" and (off := by_variant.get((geometry, values, concurrency, "off")))
-    }
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--geometry", type=Geometry.parse, nargs="+",
@@ -453,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{row['geometry']:>9} {row['variant']:>22} {row['concurrency']:>9} "
               f"{ms['loop_save']:>10.2f} {ms['threads_save']:>8.2f} {ms['loop_load']:>10.2f} "
               f"{ms['threads_load']:>8.2f}")
-    integrity = integrity_ratios(results)
+    integrity = checksum_cost(results, ("geometry", "values", "concurrency"), "save", "load")
     for (geometry, values, concurrency), (save, load) in integrity.items():
         print(f"integrity at {geometry}, {values}, {concurrency} in flight: checksums on / off "
               f"= {save:.2f} for saves, {load:.2f} for loads")

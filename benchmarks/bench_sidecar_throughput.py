@@ -53,6 +53,7 @@ from harness import (
     DEFAULT_CONFIG,
     RESULTS_DIR,
     ROOT,
+    checksum_cost,
     median,
     run_requests,
     spawned_sidecar,
@@ -320,19 +321,6 @@ def measure_geometry(args: argparse.Namespace, geometry: Geometry, base: Config,
     return rows
 
 
-def integrity_ratios(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, int], tuple[float, float]]:
-    """What checksums cost, where both variants ran: sidecar GB/s with checksums on over
-    off, for saves and loads, by (geometry, concurrency). 1.0: integrity is free."""
-    by_variant = {(row["geometry"], row["concurrency"], row["checksum"]): row["gbps"]
-                  for row in rows}
-    return {
-        (geometry, concurrency): (on["sidecar_save"] / off["sidecar_save"],
-                                  on["sidecar_load"] / off["sidecar_load"])
-        for (geometry, concurrency, variant), on in by_variant.items()
-        if variant == "on" and (off := by_variant.get((geometry, concurrency, "off")))
-    }
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--geometry", type=Geometry.parse, nargs="+",
@@ -383,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{row['geometry']:>9} {row['checksum']:>8} {row['concurrency']:>9} "
               f"{ms['bare_save']:>10.2f} {ms['loop_save']:>6.2f} {ms['threads_save']:>8.2f} "
               f"{ms['bare_load']:>10.2f} {ms['loop_load']:>6.2f} {ms['threads_load']:>8.2f}")
-    integrity = integrity_ratios(rows)
+    integrity = checksum_cost(rows, ("geometry", "concurrency"), "sidecar_save", "sidecar_load")
     for (geometry, concurrency), (save, load) in integrity.items():
         print(f"integrity at {geometry}, {concurrency} in flight: checksums on / off "
               f"= {save:.2f} for saves, {load:.2f} for loads")

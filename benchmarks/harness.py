@@ -112,6 +112,19 @@ def thread_cpu_s(pid: int) -> tuple[float, float]:
     return main, others
 
 
+def checksum_cost(rows: Sequence[dict[str, Any]], by: Sequence[str], save: str, load: str
+                  ) -> dict[tuple[Any, ...], tuple[float, float]]:
+    """What integrity costs, where both variants ran: GB/s with checksums on over off
+    (``row["gbps"][save]`` and ``[load]``), by the values of the fields ``by`` of the
+    rows (each with ``"checksum": "on"`` or ``"off"``). 1.0: integrity is free."""
+    by_variant = {(*(row[name] for name in by), row["checksum"]): row["gbps"] for row in rows}
+    return {
+        key[:-1]: (on[save] / off[save], on[load] / off[load])
+        for key, on in by_variant.items()
+        if key[-1] == "on" and (off := by_variant.get((*key[:-1], "off")))
+    }
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 

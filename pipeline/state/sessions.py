@@ -32,9 +32,9 @@ class _KeptChain(msgspec.Struct, frozen=True, gc=False):
 
     Untracked by the cycle collector, and made of what it never tracks (bytes, request
     keys of strings): under load the cache is rewritten between two collections, and a
-    cached ``RequestHasher`` with its lists and arrays was some six tracked objects a
-    request, all walked by each young collection (a 4096-request cache per engine:
-    tens of thousands, some 15 ms a collection)."""
+    cached ``RequestHasher`` with its lists and token array was some six tracked objects
+    a request, all walked by each young collection (about half of the 45-80k objects
+    each one walked under a flood)."""
 
     keys: RequestKeys
     hashes: bytes
@@ -152,9 +152,10 @@ class EngineSession:
     def take_hasher(
         self, request_id: str, keys: RequestKeys, token_ids: Sequence[int]
     ) -> RequestHasher:
-        """The request's cached hasher if its chain is a prefix of ``token_ids``, else a
-        new one. It is taken out of the cache while used (safe from worker threads: two
-        calls for one request never extend the same chain; the second starts afresh)."""
+        """A hasher going on with the request's kept chain if that chain's tokens begin
+        ``token_ids`` under the same keys, else a new one. The chain is taken out of the
+        cache while used (safe from worker threads: two calls for one request never
+        extend the same chain; the second starts afresh)."""
         with self._hashers_lock:
             kept = self._hashers.pop(request_id, None)
         hasher = self.new_hasher(keys)
