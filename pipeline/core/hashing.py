@@ -31,6 +31,7 @@ __all__ = [
     "group_block_hashes",
     "none_hash",
     "sha256_cbor",
+    "uint32_tokens",
 ]
 
 DEFAULT_SEED = "vllm-none-hash"
@@ -130,7 +131,7 @@ class RequestHasher:
             return hashes
         parent = self._parent
         sha256, dumps, append = _sha256, _dumps, hashes.append
-        if self._simple and (ids := _uint32s(token_ids, first, end)) is not None:
+        if self._simple and (ids := uint32_tokens(token_ids, first, end)) is not None:
             new = _chain(parent, ids, size)  # the usual request: natively, ~4x quicker
             hashes.extend(new)
             parent = new[-1]
@@ -169,12 +170,12 @@ class RequestHasher:
         return tuple(keys) if keys else None
 
 
-def _uint32s(
+def uint32_tokens(
     token_ids: Sequence[int], start: int, end: int,
 ) -> memoryview | array.array[int] | None:
-    """``token_ids[start:end]`` as native uint32s for the native chain (an ``array('I')``,
-    as received, without a copy); None when one is out of that range (hashed in Python,
-    as CBOR spells any integer)."""
+    """``token_ids[start:end]`` as native uint32s, for the native chain and for a kept
+    chain's tokens (an ``array('I')``, as received, without a copy); None when one is out
+    of that range (hashed in Python, as CBOR spells any integer)."""
     if isinstance(token_ids, array.array) and token_ids.typecode == TOKEN_TYPECODE:
         return memoryview(token_ids)[start:end]
     try:

@@ -23,6 +23,7 @@ __all__ = [
     "HASH_ALGOS",
     "PROTOCOL_VERSION",
     "SIDECAR_HASH_ALGO",
+    "TOKEN_BYTES",
     "TOKEN_TYPECODE",
     "BlockReport",
     "BlockWhy",
@@ -72,8 +73,8 @@ else:
     TokenIds = array.array  # not subscriptable at run time before Python 3.12
 
 TOKEN_TYPECODE = "I"
-_TOKEN_BYTES = 4
-assert array.array(TOKEN_TYPECODE).itemsize == _TOKEN_BYTES
+TOKEN_BYTES = 4
+assert array.array(TOKEN_TYPECODE).itemsize == TOKEN_BYTES
 
 
 def pack_tokens(values: Iterable[int]) -> TokenIds:
@@ -101,7 +102,7 @@ def _dec_hook(kind: type, value: Any) -> Any:
     if kind is array.array:
         if not isinstance(value, bytes):
             raise TypeError(f"Expected `bytes` of uint32 token ids, got `{type(value).__name__}`")
-        if len(value) % _TOKEN_BYTES:
+        if len(value) % TOKEN_BYTES:
             raise ValueError(f"{len(value)} bytes is not a whole number of uint32 token ids")
         tokens = array.array(TOKEN_TYPECODE)
         tokens.frombytes(value)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import array
 import collections
 import functools
 import threading
@@ -15,10 +14,10 @@ import structlog
 
 from pipeline.core.errors import ProtocolError
 from pipeline.core.geometry import StoreGroupGeometry
-from pipeline.core.hashing import RequestHasher, group_block_hashes
+from pipeline.core.hashing import RequestHasher, group_block_hashes, uint32_tokens
 from pipeline.core.keys import KeySpeller
 from pipeline.core.layout import NULL_BLOCK_ID, KVCacheLayout
-from pipeline.core.messages import TOKEN_TYPECODE, RequestKeys
+from pipeline.core.messages import TOKEN_BYTES, RequestKeys
 
 __all__ = ["EngineSession", "TensorMapping"]
 
@@ -44,17 +43,10 @@ class _KeptChain(msgspec.Struct, frozen=True, gc=False):
     """The tokens hashed, as uint32s: the request's next call must begin with them."""
 
 
-_TOKEN_BYTES = array.array(TOKEN_TYPECODE).itemsize
-
-
 def _token_bytes(token_ids: Sequence[int], count: int) -> bytes | None:
     """The first ``count`` tokens as uint32 bytes; None when one is out of that range."""
-    if isinstance(token_ids, array.array) and token_ids.typecode == TOKEN_TYPECODE:
-        return memoryview(token_ids)[:count].tobytes()
-    try:
-        return array.array(TOKEN_TYPECODE, token_ids[:count]).tobytes()
-    except (OverflowError, TypeError):
-        return None
+    tokens = uint32_tokens(token_ids, 0, count)
+    return None if tokens is None else tokens.tobytes()
 
 
 class TensorMapping(Protocol):
@@ -161,7 +153,7 @@ class EngineSession:
         hasher = self.new_hasher(keys)
         # Same id, other keys or tokens: never trust the old chain.
         if kept is not None and kept.keys == keys and _token_bytes(
-                token_ids, len(kept.seen) // _TOKEN_BYTES) == kept.seen:
+                token_ids, len(kept.seen) // TOKEN_BYTES) == kept.seen:
             hasher.resume(kept.hashes, kept.mm_next)
         return hasher
 
