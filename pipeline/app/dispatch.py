@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from typing import Protocol
 
 import anyio
 import msgspec
@@ -72,12 +73,13 @@ class Receiver:
         tracker: JobTracker,
         metrics: Metrics,
         entrance: Callable[[str], EdgeSendStream[object]],
-        run_inline: Callable[[str, object], Awaitable[bool]] | None = None,
+        run_inline: RunInline | None = None,
         load_copy_waits: Callable[[int], bool] = lambda nbytes: True,
     ) -> None:
-        """``run_inline(path, item)`` runs an item through its path in this task, if the
-        path can take it now (``Graph.run_inline``): given for a store whose queries wait
-        on nothing, lookups and loads that wait on nothing else either are run that way.
+        """``run_inline(path, item, whole=...)`` runs an item through its path in this
+        task, if the path can take it now (``Graph.run_inline``): given for a store whose
+        queries wait on nothing, requests that wait on nothing else either are run that
+        way, saves and loads up to a copy that waits on other threads.
         ``load_copy_waits(nbytes)``: whether a load's copy of that many bytes is done by
         other threads (``CopyEngine.waits``)."""
         self._config = config
@@ -195,7 +197,7 @@ class Receiver:
             job = Job(session, message)
             if isinstance(message, Load):
                 self._tracker.accept(job)
-                if not await self._load_inline(job, message):
+                if not await self._run_job(job):
                     await self._enqueue(self._load_inbox, job)
             else:
                 await self._accept_save(job)
@@ -211,14 +213,19 @@ class Receiver:
             return
         await self._enqueue(self._lookup_inbox, request)
 
-    async def _load_inline(self, job: Job, message: Load) -> bool:
-        """Run a load through its path here, True once done, when it waits on nothing:
-        its prompt is hashed on the loop, and its copy is done there too. Handed to the
-        path instead, a load waits at each of its five stages behind everything else
-        ready on the event loop: under a flood of saves, most of its time."""
-        return (self._run_inline is not None and _hashed_on_the_loop(message)
-                and not self._load_copy_waits(load_bytes(job.session, message))
-                and await self._run_inline("load", job))
+    async def _run_job(self, job: Job) -> bool:
+        """Run a save or load through its path here, True once done (or handed to its
+        copy), when its prompt is hashed on the loop: a load whole if its copy is done
+        on the loop too, else (and a save) up to its copy. Handed to the path instead, a
+        job waits at each stage behind everything else ready on the event loop: under a
+        flood of saves, most of a load's time."""
+        message = job.message
+        if self._run_inline is None or not _hashed_on_the_loop(message):
+            return False
+        if isinstance(message, Load):
+            whole = not self._load_copy_waits(load_bytes(job.session, message))
+            return await self._run_inline("load", job, whole=whole)
+        return await self._run_inline("save", job, whole=False)
 
     async def _explain(self, identity: bytes, message: Explain) -> None:
         """Explain a prompt as a registered engine sees it, for whoever asks."""
@@ -252,10 +259,13 @@ class Receiver:
         receive = self._config.stages.receive
         if receive.overflow == "block":
             self._tracker.accept(job)
-            await self._enqueue(self._save_inbox, job)
+            if not await self._run_job(job):
+                await self._enqueue(self._save_inbox, job)
             return
         if job.session.saves_in_flight < receive.max_saves_per_engine:
             self._tracker.accept(job)
+            if await self._run_job(job):
+                return
             try:
                 self._save_inbox.send_nowait(job)
                 return
@@ -266,7 +276,13 @@ class Receiver:
         self._refused[job.session.engine_id] += 1
 
 
-def _hashed_on_the_loop(message: Lookup | Load) -> bool:
+class RunInline(Protocol):
+    """``Graph.run_inline``."""
+
+    async def __call__(self, path: str, item: object, *, whole: bool = True) -> bool: ...
+
+
+def _hashed_on_the_loop(message: Lookup | Save | Load) -> bool:
     """Whether the request's blocks are hashed on the event loop, not in a thread: the
     engine sent its hashes, or the prompt is short (``HashingStage``, ``LookupStage``)."""
     return message.block_hashes is not None or len(message.token_ids) <= INLINE_TOKENS

@@ -120,11 +120,13 @@ def paths(config: Config) -> list[PathSpec[Resources]]:
     # and the put checks what the store holds in the same call, without a hop of its own.
     save = tuple(s for s in SAVE if s.name != "dedup") if moves_in_place(config) else SAVE
     return [
-        PathSpec("save", save, when_full=when_full),
         # A lookup with nothing to hash, and a load that waits on nothing, are run by the
-        # receiver itself when they can be (Receiver._lookup, Receiver._load_inline): the
-        # hand-offs to the workers would cost more than the work.
-        PathSpec("load", LOAD, when_full="wait (loads are never dropped)", inline=True),
+        # receiver itself when they can be (Receiver._lookup, Receiver._run_job): the
+        # hand-offs to the workers would cost more than the work. A save, and a load
+        # whose copy waits on other threads, are run up to their copy, and handed to it.
+        PathSpec("save", save, when_full=when_full, inline=True, inline_until="transfer"),
+        PathSpec("load", LOAD, when_full="wait (loads are never dropped)", inline=True,
+                 inline_until="scatter"),
         PathSpec("lookup", LOOKUP, replies=True, inline=True),
         PathSpec(SAVE_COMPLETION, (COMPLETION,), replies=True, fed_by_stages=True),
         PathSpec(LOAD_COMPLETION, (COMPLETION,), replies=True, fed_by_stages=True,

@@ -42,12 +42,15 @@ class _EdgeEnd(Generic[S]):
     streams do) and the statistics of the stream underneath."""
 
     _stream: S
+    closed = False
+    """Whether this end was closed (its clones are ends of their own)."""
 
     def close(self) -> None:
+        self.closed = True
         self._stream.close()
 
     async def aclose(self) -> None:
-        self._stream.close()
+        self.close()
 
     def statistics(self) -> MemoryObjectStreamStatistics:
         return self._stream.statistics()

@@ -8,21 +8,24 @@ in the sink. Adding a stage is one entry plus its module.
 A path may also be run inline (``Graph.run_inline``): the sender's task runs the stages
 and the sink itself while nothing is queued on the path, sparing a cheap item the
 hand-off to each stage's worker and back. On a busy event loop each hand-off waits for
-everything ready before it, so a path of five stages waits five times.
+everything ready before it, so a path of five stages waits five times. An item whose
+work waits on other threads runs inline only up to the path's ``inline_until`` stage,
+and is handed to that stage's inbox: the sender never waits on a copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
 
 from pipeline.core.config import StageConfig, StagesConfig
-from pipeline.runner.edges import Edge, EdgeSendStream, create_edge
+from pipeline.runner.edges import Edge, EdgeReceiveStream, EdgeSendStream, create_edge
 from pipeline.runner.stages import (
     Batching,
     OnDone,
@@ -71,6 +74,9 @@ class PathSpec(Generic[R]):
     """What happens to an item offered to the path's full inbox."""
     inline: bool = False
     """Its items may be run in the sender's task (``Graph.run_inline``)."""
+    inline_until: str | None = None
+    """The stage an item run inline stops before when not run whole (its work waits on
+    other threads): the item is handed to that stage's inbox."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,32 +106,47 @@ class Graph(Generic[R]):
                     raise ValueError(f"stage {path.name}.{spec.name}: no stage config "
                                      f"section {spec.section!r}")
                 self._sections[spec.section] = section
+            names = [spec.name for spec in path.stages]
+            if path.inline_until is not None and path.inline_until not in names[1:]:
+                raise ValueError(f"path {path.name!r}: inline_until {path.inline_until!r} "
+                                 f"is none of its stages after the first")
         self._edges: dict[str, list[Edge[Any]]] = {
             path.name: [create_edge(self._sections[spec.section].inbox_size)
                         for spec in path.stages]
             for path in self._paths
         }
-        self._inline: dict[str, Callable[[Any], Awaitable[None]]] = {}
-        """Paths runnable inline, while their stages run: item -> processed and sunk."""
+        self._inline: dict[str, _InlinePath] = {}
+        """Paths runnable inline, while their stages run."""
 
     def entrance(self, path: str) -> EdgeSendStream[Any]:
         """Where the path's items go in (its first stage's inbox)."""
         return self._edges[path][0].outbox
 
-    async def run_inline(self, path: str, item: Any) -> bool:
+    async def run_inline(self, path: str, item: Any, *, whole: bool = True) -> bool:
         """Run ``item`` through ``path`` in this task, stage after stage as the workers
         would (a batching stage batches what the item brings), and hand the outputs to
-        the sink; True once done. False, having done nothing, while any of the path's
-        inboxes holds items (they go first) or its stages are not running inline (not
-        started, drained, or one behind a fault point): send the item to the entrance
-        then. The item counts as having waited 0 s in each inbox."""
-        run = self._inline.get(path)
+        the sink; True once done. Not ``whole``: only the stages before the path's
+        ``inline_until``, whose inbox then takes the outputs. False, having done nothing,
+        while any inbox the item would pass holds items (they go first), the inbox it
+        would be handed to is full, or the path's stages are not running inline (not
+        started, its entrance closed, or one behind a fault point): send the item to the
+        entrance then. The item counts as having waited 0 s in each inbox it passed."""
+        inline = self._inline.get(path)
         edges = self._edges[path]
-        if run is None or any(edge.queued() for edge in edges):
+        if inline is None or edges[0].outbox.closed:
             return False
-        for edge in edges:
+        stop = len(edges) if whole else inline.until
+        handed_to = edges[stop] if stop < len(edges) else None
+        if handed_to is not None and (inline.doors.closed
+                                      or handed_to.queued() >= handed_to.size):
+            return False
+        if any(edge.queued() for edge in edges[:stop]):
+            return False
+        for edge in edges[:stop]:
             edge.bypassed()
-        await run(item)
+        with inline.doors.running():
+            end = inline.sink if handed_to is None else inline.doors[stop].send
+            await _run_inline(inline.steps[:stop], end, item)
         return True
 
     def inline_first(self, path: str) -> InlineFirst:
@@ -199,35 +220,43 @@ class Graph(Generic[R]):
         edges = self._edges[path.name]
         steps: list[_Step] = []  # the path's stages, as run inline
         faulty = False  # a fault point delays its stage's workers: no item runs inline
+        # Cloned before the stages close their ends: inline runs hand items on through
+        # these, and the stages downstream drain only once they are closed too.
+        doors = _Doors(edges[1:]) if path.inline else None
         for index, spec in enumerate(path.stages):
             inbox = edges[index].inbox
             outbox = edges[index + 1].outbox if index + 1 < len(edges) else None
             name = f"{path.name}.{spec.name}"
+            start: Callable[[TaskGroup], None]
             if isinstance(spec, BatchSpec):
                 if outbox is None:
                     raise ValueError(f"stage {name}: a batching stage cannot end a path")
                 batching = spec.build(resources)
-                tg.start_soon(
-                    functools.partial(
-                        run_batcher, inbox, outbox, group_of=batching.group_of,
-                        limit_of=batching.limit_of, deadline_s=batching.deadline_s,
-                        new_batch=batching.new_batch,
-                    ),
-                    name=f"stage.{name}",
-                )
+                start = functools.partial(_start_batcher, name, batching, inbox, outbox)
                 steps.append(functools.partial(_batches, batching))
-                continue
-            stage_sink = sink if path.replies and outbox is None else None
-            fault = before(f"stage.{spec.name}")
-            process = wrapped(spec.build(resources).process, name, on_failure=on_failure,
-                              before=fault, on_done=on_done)
-            start_stage(tg, name, process, inbox, outbox, workers=self._workers(spec),
-                        sink=stage_sink)
-            steps.append(functools.partial(_processed, process))
-            faulty = faulty or fault is not None
-        if path.inline and not faulty:
-            sink_of_path = sink if path.replies else None
-            self._inline[path.name] = functools.partial(_run_inline, steps, sink_of_path)
+            else:
+                stage_sink = sink if path.replies and outbox is None else None
+                fault = before(f"stage.{spec.name}")
+                process = wrapped(spec.build(resources).process, name, on_failure=on_failure,
+                                  before=fault, on_done=on_done)
+                start = functools.partial(start_stage, name=name, process=process,
+                                          inbox=inbox, outbox=outbox,
+                                          workers=self._workers(spec), sink=stage_sink)
+                steps.append(functools.partial(_processed, process))
+                faulty = faulty or fault is not None
+            if index == 0 and doors is not None:
+                tg.start_soon(_then, start, doors.entrance_drained, name=f"stage.{name}")
+            else:
+                start(tg)
+        if doors is None:
+            return
+        if faulty:
+            doors.entrance_drained()  # no item will run inline: the doors go unused
+            return
+        until = len(edges) if path.inline_until is None else [
+            spec.name for spec in path.stages].index(path.inline_until)
+        self._inline[path.name] = _InlinePath(
+            steps, sink if path.replies else None, doors, until)
 
 
 class InlineFirst:
@@ -246,6 +275,73 @@ class InlineFirst:
 
 _Step = Callable[[Any], Awaitable[Sequence[Any]]]
 """One stage as an item runs inline: its outputs for the next (none: dropped)."""
+
+
+class _Doors:
+    """A path's inboxes past its entrance, as inline runs hand items to them: clones of
+    their sending ends, kept open while a run may still use one. That is until the
+    path's first stage has ended (its entrance was closed and has drained: no run can
+    start) and no run is in flight; the stages downstream drain once they are closed."""
+
+    def __init__(self, edges: Sequence[Edge[Any]]) -> None:
+        self._outboxes = [edge.outbox.clone() for edge in edges]
+        self._runs = 0
+        self._drained = False
+        self.closed = False
+
+    def __getitem__(self, index: int) -> EdgeSendStream[Any]:
+        """The door into the path's ``index``-th inbox (1: the second stage's)."""
+        return self._outboxes[index - 1]
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        self._runs += 1
+        try:
+            yield
+        finally:
+            self._runs -= 1
+            self._close_if_unused()
+
+    def entrance_drained(self) -> None:
+        self._drained = True
+        self._close_if_unused()
+
+    def _close_if_unused(self) -> None:
+        if self._drained and not self._runs and not self.closed:
+            self.closed = True
+            for outbox in self._outboxes:
+                outbox.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _InlinePath:
+    steps: Sequence[_Step]
+    sink: Sink | None
+    doors: _Doors
+    until: int
+    """Where a run that is not whole stops: the index of ``inline_until``'s stage."""
+
+
+def _start_batcher(name: str, batching: Batching[Any], inbox: EdgeReceiveStream[Any],
+                   outbox: EdgeSendStream[Any], tg: TaskGroup) -> None:
+    tg.start_soon(
+        functools.partial(
+            run_batcher, inbox, outbox, group_of=batching.group_of,
+            limit_of=batching.limit_of, deadline_s=batching.deadline_s,
+            new_batch=batching.new_batch,
+        ),
+        name=f"stage.{name}",
+    )
+
+
+async def _then(start: Callable[[TaskGroup], None], ended: Callable[[], None]) -> None:
+    """The tasks ``start`` starts, in a task group of their own; ``ended`` once all have
+    ended."""
+    try:
+        async with anyio.create_task_group() as tg:
+            start(tg)
+    finally:
+        ended()
 
 
 async def _processed(process: Callable[[Any], Awaitable[Any]], item: Any) -> Sequence[Any]:

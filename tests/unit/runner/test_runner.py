@@ -495,3 +495,126 @@ async def test_a_stage_behind_a_fault_point_never_runs_inline() -> None:
             assert not await graph.run_inline("p", 3)
             graph.entrance("p").close()
     assert replies == []
+
+
+def two_doublings(first: Double, second: Double, *, inbox: int = 64) -> Graph[int]:
+    """A path of two doublings, run inline up to the second when not run whole."""
+    return Graph[int](
+        [PathSpec("p", [StageSpec("first", lambda r: first, "hashing"),
+                        StageSpec("second", lambda r: second, "lookup")],
+                  replies=True, inline=True, inline_until="second")],
+        StagesConfig(lookup=StageConfig(workers=1, inbox_size=inbox)),
+    )
+
+
+async def no_failure(item: int, error: StoreError) -> None:
+    raise AssertionError("no item fails here")
+
+
+async def test_an_item_not_run_whole_is_handed_to_the_stage_its_path_runs_inline_until(
+) -> None:
+    """Not whole, run_inline runs the stages before inline_until in the caller's task,
+    and that stage's worker takes the outputs from its inbox; whole, the caller runs
+    every stage."""
+    first, second = Double(), Double()
+    graph = two_doublings(first, second)
+    (_, _, first_inbox), (_, _, second_inbox) = graph.inboxes()
+    waits: list[str] = []
+    first_inbox.on_wait(lambda s: waits.append("first"))
+    second_inbox.on_wait(lambda s: waits.append("second"))
+    replies: list[int] = []
+
+    async def sink(reply: int) -> None:
+        replies.append(reply)
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
+            await anyio.wait_all_tasks_blocked()
+            me = anyio.get_current_task().id
+            assert await graph.run_inline("p", 3, whole=False)
+            assert replies == [] and first.tasks == [me]
+            await anyio.wait_all_tasks_blocked()
+            assert replies == [12] and second.tasks[0] != me
+            assert await graph.run_inline("p", 5)
+            assert replies == [12, 20] and second.tasks[1:] == [me]
+            graph.entrance("p").close()
+    assert waits == ["first", "second", "first", "second"]
+
+
+async def test_an_item_not_run_whole_goes_behind_queued_items_and_needs_room_where_handed(
+) -> None:
+    """Refused, having done nothing, while the inbox of a stage it would run holds items,
+    and while the inbox it would be handed to is full."""
+    first, second = Double(), Double()
+    graph = two_doublings(first, second, inbox=1)
+    replies: list[int] = []
+
+    async def sink(reply: int) -> None:
+        replies.append(reply)
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
+            await anyio.wait_all_tasks_blocked()
+            entrance = graph.entrance("p")
+            await entrance.send(100)  # the first stage's worker waits on its gate
+            await anyio.wait_all_tasks_blocked()
+            await entrance.send(1)  # queued behind it
+            assert not await graph.run_inline("p", 2, whole=False)
+            first.gate.set()  # 200 holds the second's worker; 2 waits in its inbox
+            await anyio.wait_all_tasks_blocked()
+            assert not await graph.run_inline("p", 3, whole=False)  # no room there
+            second.gate.set()
+            await anyio.wait_all_tasks_blocked()
+            assert await graph.run_inline("p", 4, whole=False)
+            await anyio.wait_all_tasks_blocked()
+            entrance.close()
+    assert replies == [400, 4, 16]
+    assert first.tasks.count(anyio.get_current_task().id) == 1  # only 4 was run here
+
+
+async def test_a_path_drains_only_once_an_inline_run_in_flight_has_handed_its_item_on(
+) -> None:
+    """The entrance closed and drained while a run not whole waits in the first stage:
+    the run still hands its item to the second stage, the path drains after it, and no
+    run starts once the entrance is closed."""
+    first, second = Double(), Double()
+    second.gate.set()
+    graph = two_doublings(first, second)
+    replies: list[int] = []
+    drained = anyio.Event()
+
+    async def sink(reply: int) -> None:
+        replies.append(reply)
+
+    async def run_graph() -> None:
+        await graph.run(0, sink=sink, on_failure=no_failure)
+        drained.set()
+
+    async def run_inline(item: int) -> None:
+        assert await graph.run_inline("p", item, whole=False)
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_graph)
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(run_inline, 100)  # waits on the first stage's gate
+            await anyio.wait_all_tasks_blocked()
+            graph.entrance("p").close()
+            # The first stage's end reaches the graph some loop turns after its worker's.
+            await anyio.sleep(0.2)
+            assert not drained.is_set()
+            assert not await graph.run_inline("p", 1, whole=False)
+            assert not await graph.run_inline("p", 1)
+            first.gate.set()
+            await drained.wait()
+    assert replies == [400]
+
+
+def test_a_path_runs_inline_until_one_of_its_later_stages() -> None:
+    for until in ("first", "third"):
+        with pytest.raises(ValueError, match="inline_until"):
+            Graph[int]([PathSpec("p", [StageSpec("first", lambda r: Double(), "hashing"),
+                                       StageSpec("second", lambda r: Double(), "lookup")],
+                                 inline=True, inline_until=until)], StagesConfig())
