@@ -35,7 +35,7 @@ from bench_sidecar_throughput import Geometry, make_layout
 from harness import median, write_results
 
 from pipeline.backends.cpu_copy import CopyThreads, gather_and_seal, verify_and_scatter
-from pipeline.backends.threads import NativeThreads
+from pipeline.backends.threads import WorkerThreads
 from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.geometry import StoreGroupGeometry, build_store_groups
 from pipeline.core.layout import KVCacheLayout
@@ -102,7 +102,7 @@ async def measure(g: Geometry, checksum: bool, repeat: int) -> dict[str, float]:
         for i, page in enumerate(words):
             page.index_copy_(0, into(k), staging[k, :, i * width : (i + 1) * width])
 
-    inline = CopyThreads(NativeThreads(1, name="bench"), inline_bytes=1 << 62)  # in this thread
+    inline = CopyThreads(WorkerThreads(1, name="bench"), inline_bytes=1 << 62)  # in this thread
     capacity = sets * batch * value_span(size)
     async with EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=capacity)) as store:
         extents = [await store.reserve([f"k{k}-{i}" for i in range(batch)], size)

@@ -22,7 +22,7 @@ from pipeline.backends.cpu_copy import (
 from pipeline.backends.faults import Faults, FaultyStore
 from pipeline.backends.memory import InPlaceMemory, LentMemory, StagingMemory
 from pipeline.backends.staging import StagingPool
-from pipeline.backends.threads import NativeThreads
+from pipeline.backends.threads import WorkerThreads
 from pipeline.core.config import Config, StoreConfig, TransferStageConfig
 from pipeline.core.errors import ConfigError
 from pipeline.core.seams import BatchMemory, CopyEngine
@@ -158,9 +158,9 @@ async def open_backends(
                         guarded, require=config.store.verify == "required")
                 memory = StagingMemory(pool, store, skip_when_full=skip_when_full)
                 pool.touch()
-            save_threads = NativeThreads(transfer.threads, name="kvsidecar-save",
+            save_threads = WorkerThreads(transfer.threads, name="kvsidecar-save",
                                          nice=transfer.save_nice)
-            load_threads = NativeThreads(transfer.threads, name="kvsidecar-load")
+            load_threads = WorkerThreads(transfer.threads, name="kvsidecar-load")
             held.callback(save_threads.close)
             held.callback(load_threads.close)
             yield Backends(store, guarded, opened.usage, pool, memory,
@@ -174,7 +174,7 @@ async def open_backends(
                            in_place=guarded if in_place else None)
 
 
-def _copy_engine(transfer: TransferStageConfig, threads: NativeThreads, *,
+def _copy_engine(transfer: TransferStageConfig, threads: WorkerThreads, *,
                  in_place: bool, inline_bytes: int, stream_bytes: int | None) -> CopyEngine:
     """One direction's copy engine, with threads (and streams) of its own; batches up to
     ``inline_bytes`` are copied on the event loop, and from ``stream_bytes`` on written

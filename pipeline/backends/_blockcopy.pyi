@@ -30,23 +30,3 @@ def digests(pages: Buffer, sizes: Buffer, seed: int, out: Buffer) -> None:
 def stream_width(width: int = ...) -> int:
     """The bytes each streaming store writes (0: the CPU has none); with ``width``, use
     that width from now on (16, or 32 on a CPU with AVX): both kinds can be tested."""
-
-class Pool:
-    """Threads that run copies without the GIL (see ``threads.NativeThreads``)."""
-
-    nice_error: int
-    """The errno of a thread that could not lower its priority (0: none)."""
-
-    def __init__(self, threads: int, nice: int = 0, name: str = "") -> None:
-        """Threads named ``name`` and their index (15 bytes at most, as Linux keeps)."""
-    def run(self, scatter: bool, token: object, calls: list[tuple[Any, ...]]) -> None:
-        """Queue a batch: ``scatter(*args)`` (else ``gather(*args)``) for each ``args`` of
-        ``calls``; ``collect`` returns ``token`` once every one has run."""
-    def collect(self) -> list[object]:
-        """The tokens of the batches run since the last call."""
-    def fileno(self) -> int:
-        """An eventfd, readable once a copy has run."""
-    def native_ids(self) -> list[int]:
-        """Each thread's id (Linux's)."""
-    def close(self) -> None:
-        """Run what is queued, end the threads. Idempotent."""

@@ -19,6 +19,7 @@ writes costs about a fifth less CPU."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,7 +28,7 @@ import numpy
 import torch
 
 from pipeline.backends import _blockcopy
-from pipeline.backends.threads import CopyKind, NativeThreads
+from pipeline.backends.threads import WorkerThreads
 from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.integrity import CHECKSUM_BYTES
 from pipeline.core.store import value_span
@@ -92,22 +93,21 @@ cost half as much again. Measured: an 18 MiB load at 1 in flight gained 11%, 2-4
 loads the same either way, and the soak's 1.75 MiB loads into blocks it zeroes just
 before were 30% slower streamed."""
 
-Arguments = Callable[[int, torch.Tensor], tuple[Any, ...]]
-"""The arguments of one native copy of a run of values: (index of the first, its rows)."""
+Work = Callable[[Sequence[Piece]], None]
+"""Copies some runs of a batch's values (a part), in whatever thread calls it."""
 
 
 class CopyThreads:
-    """Runs one batch's copy: small ones inline, others in parts on the copy threads.
+    """Runs one batch's copy: small ones inline, others in parts, one worker thread each.
 
     Torch runs single-threaded in the sidecar (see ``service``): an OpenMP team per call
     would cost a wake-up per segment. A part is a range of adjacent values, so each
     thread checksums exactly the values it copied (no barrier between the copy and the
-    checksums), and each direction has threads of its own (``NativeThreads``, which
-    never take the GIL).
+    checksums), and each direction has threads of its own (``WorkerThreads``).
     """
 
     def __init__(
-        self, threads: NativeThreads, split_bytes: int = SPLIT_BYTES,
+        self, threads: WorkerThreads, split_bytes: int = SPLIT_BYTES,
         inline_bytes: int = INLINE_BYTES,
     ) -> None:
         self._threads = threads
@@ -119,30 +119,23 @@ class CopyThreads:
         """Whether a batch of ``nbytes`` goes to the threads, not done on the event loop."""
         return nbytes > self._inline_bytes
 
-    async def run(self, views: Sequence[torch.Tensor], size: int, kind: CopyKind,
-                  arguments: Arguments) -> None:
-        """``_blockcopy``'s ``kind`` over every value (each ``size`` bytes): one call per
-        run of adjacent values in each part, with ``arguments(first, rows)``."""
+    async def run(self, views: Sequence[torch.Tensor], size: int, work: Work) -> None:
+        """``work`` over every value (each ``size`` bytes), in parts."""
         nbytes = len(views) * size
-        pieces = runs(views, size)
         if not self.waits(nbytes):
-            copy = getattr(_blockcopy, kind)
-            for first, rows in pieces:
-                copy(*arguments(first, rows))
+            work(self._pieces(views, size))
             return
         parts = min(self._parts, len(views)) if nbytes >= self._split_bytes else 1
         bounds = [len(views) * part // parts for part in range(parts + 1)]
-        await self._threads.run(kind, [
-            arguments(first, rows)
+        await self._threads.run_each([
+            functools.partial(work, self._pieces(views, size, start, stop))
             for start, stop in itertools.pairwise(bounds)
-            for first, rows in _cut(pieces, start, stop)
         ])
 
-
-def _cut(pieces: Sequence[Piece], start: int, stop: int) -> list[Piece]:
-    """Values ``start:stop`` of a batch's runs, as runs."""
-    return [(max(first, start), rows[max(0, start - first) : stop - first])
-            for first, rows in pieces if first < stop and start < first + rows.shape[0]]
+    def _pieces(self, views: Sequence[torch.Tensor], size: int, start: int = 0,
+                stop: int | None = None) -> list[Piece]:
+        """Values ``start:stop`` as runs of adjacent values."""
+        return [(start + first, rows) for first, rows in runs(views[start:stop], size)]
 
 
 def page_addresses(geometry: StoreGroupGeometry, block_ids: Sequence[int]) -> numpy.ndarray:
@@ -157,6 +150,28 @@ def page_addresses(geometry: StoreGroupGeometry, block_ids: Sequence[int]) -> nu
     return addresses
 
 
+def _gather_and_seal(geometry: StoreGroupGeometry, pages: Any, stream: bool,
+                     pieces: Sequence[Piece]) -> None:
+    offsets, sizes = geometry.segment_table[2:]
+    seed = geometry.checksum_seed
+    for start, rows in pieces:
+        _blockcopy.gather(pages[start : start + rows.shape[0]], rows.data_ptr(),
+                          rows.stride(0), offsets, sizes, seed is not None, seed or 0,
+                          geometry.value_bytes, stream)
+
+
+def _verify_and_scatter(geometry: StoreGroupGeometry, pages: Any, stream: bool,
+                        intact: list[bool], pieces: Sequence[Piece]) -> None:
+    offsets, sizes = geometry.segment_table[2:]
+    seed = geometry.checksum_seed
+    for start, rows in pieces:
+        checked = bytearray(rows.shape[0])
+        _blockcopy.scatter(pages[start : start + len(checked)], rows.data_ptr(),
+                           rows.stride(0), offsets, sizes, seed is not None, seed or 0,
+                           geometry.value_bytes, checked, stream)
+        intact[start : start + len(checked)] = map(bool, checked)
+
+
 async def gather_and_seal(
     copy: CopyThreads, geometry: StoreGroupGeometry, block_ids: Sequence[int],
     views: Sequence[torch.Tensor], *, stream: bool = False,
@@ -164,14 +179,8 @@ async def gather_and_seal(
     """Fill each value from its engine block, sealing its checksum as its pages pass;
     ``stream``: write the values around the caches."""
     pages = page_addresses(geometry, block_ids)
-    offsets, sizes = geometry.segment_table[2:]
-    seed = geometry.checksum_seed
-
-    def arguments(first: int, rows: torch.Tensor) -> tuple[Any, ...]:
-        return (pages[first : first + rows.shape[0]], rows.data_ptr(), rows.stride(0),
-                offsets, sizes, seed is not None, seed or 0, geometry.value_bytes, stream)
-
-    await copy.run(views, geometry.stored_bytes, "gather", arguments)
+    await copy.run(views, geometry.stored_bytes,
+                   functools.partial(_gather_and_seal, geometry, pages, stream))
 
 
 async def verify_and_scatter(
@@ -183,21 +192,9 @@ async def verify_and_scatter(
     ``stream``: write the engine's pages around the caches.
     """
     pages = page_addresses(geometry, block_ids)
-    offsets, sizes = geometry.segment_table[2:]
-    seed = geometry.checksum_seed
-    checked: list[tuple[int, bytearray]] = []  # per run: its first value, whether each was
-
-    def arguments(first: int, rows: torch.Tensor) -> tuple[Any, ...]:
-        intact = bytearray(rows.shape[0])
-        checked.append((first, intact))
-        return (pages[first : first + len(intact)], rows.data_ptr(), rows.stride(0),
-                offsets, sizes, seed is not None, seed or 0, geometry.value_bytes, intact,
-                stream)
-
-    await copy.run(views, geometry.stored_bytes, "scatter", arguments)
     intact = [True] * len(views)
-    for first, run in checked:
-        intact[first : first + len(run)] = map(bool, run)
+    await copy.run(views, geometry.stored_bytes,
+                   functools.partial(_verify_and_scatter, geometry, pages, stream, intact))
     return intact
 
 
@@ -209,7 +206,7 @@ class CpuCopyEngine:
     store's values (None: none is).
     """
 
-    def __init__(self, threads: NativeThreads, *, inline_bytes: int = INLINE_BYTES,
+    def __init__(self, threads: WorkerThreads, *, inline_bytes: int = INLINE_BYTES,
                  stream_bytes: int | None = None) -> None:
         self._copy = CopyThreads(threads, inline_bytes=inline_bytes)
         self._stream_bytes = stream_bytes

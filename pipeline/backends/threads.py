@@ -27,14 +27,12 @@ import queue
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 import structlog
 
-from pipeline.backends import _blockcopy
-
-__all__ = ["CopyKind", "NativeThreads", "WorkerThreads"]
+__all__ = ["WorkerThreads"]
 
 log = structlog.get_logger("kvsidecar.copy")
 
@@ -163,80 +161,3 @@ def _call(batch: _Batch[T], index: int, call: Callable[[], T]) -> None:
         batch.returned(index, None, exc)
     else:
         batch.returned(index, result, None)
-
-
-CopyKind = Literal["gather", "scatter"]
-"""A copy of ``_blockcopy`` that ``NativeThreads`` run."""
-
-
-class NativeThreads:
-    """``threads`` threads of the native copy library's own (``_blockcopy.Pool``),
-    started on first use; ``nice`` as ``WorkerThreads``. They run ``_blockcopy``'s copies
-    and never take the GIL: not to start one, not to report it run. The last copy of a
-    batch run is counted on an eventfd the event loop watches (one wake-up a batch), and
-    the loop then sets the batch's future.
-
-    ``WorkerThreads`` running the same copies took the GIL back as each returned, and
-    again to report it, each time when the event loop might be letting it go for a
-    moment (a socket send, a torch op): the loop then waited for that thread to be
-    scheduled, let go and be scheduled again, on a host whose cores were busy."""
-
-    def __init__(self, threads: int, *, name: str, nice: int = 0) -> None:
-        if threads < 1:
-            raise ValueError(f"threads must be at least 1, got {threads}")
-        self.total = threads
-        self.nice = nice
-        self._name = name
-        self._pool: Any = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._closed = False
-
-    async def run(self, kind: CopyKind, calls: Sequence[tuple[Any, ...]]) -> None:
-        """``_blockcopy``'s ``kind`` with each of ``calls``' arguments, spread over the
-        threads; returns once all have run. Cancelling the caller waits for them all (the
-        copies own the buffers they were given until they have run)."""
-        if not calls:
-            return
-        pool = self._started()
-        ran: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        pool.run(kind == "scatter", ran, list(calls))
-        with anyio.CancelScope(shield=True):
-            await ran
-
-    def native_ids(self) -> list[int]:
-        """Each thread's id, once started (``threading.get_native_id``'s kind)."""
-        return [] if self._pool is None else list(self._pool.native_ids())
-
-    def close(self, *, wait: bool = True) -> None:
-        """Run what was handed over, then end the threads (``wait`` is accepted for
-        ``WorkerThreads``' sake: a copy always returns)."""
-        self._closed = True
-        if self._pool is None:
-            return
-        self._unwatch()
-        self._pool.close()
-
-    def _started(self) -> Any:
-        if self._closed:
-            raise RuntimeError(f"{self._name} threads are closed")
-        if self._pool is None:
-            self._pool = _blockcopy.Pool(self.total, nice=self.nice, name=self._name)
-            if self._pool.nice_error:
-                log.warning("copy.priority.unchanged", nice=self.nice,
-                            error=os.strerror(self._pool.nice_error))
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:  # first use, or a new event loop (tests run several)
-            self._unwatch()
-            loop.add_reader(self._pool.fileno(), self._collect)
-            self._loop = loop
-        return self._pool
-
-    def _unwatch(self) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._pool.fileno())
-        self._loop = None
-
-    def _collect(self) -> None:
-        for ran in self._pool.collect():
-            if not ran.done():  # cancelled: the loop is closing
-                ran.set_result(None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import threading
 
 import anyio
 import msgspec
@@ -20,9 +20,8 @@ PAGE_BYTES = 256 << 10
 
 
 def _copy_threads() -> set[str]:
-    """The copy threads running, by name (native threads: as Linux knows them)."""
-    names = {(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()}
-    return {name for name in names if name.startswith(("kvsidecar-save", "kvsidecar-load"))}
+    return {thread.name for thread in threading.enumerate()
+            if thread.name.startswith(("kvsidecar-save", "kvsidecar-load"))}
 
 
 def _one_layer(blocks: int) -> tuple[KVCacheLayout, torch.Tensor]:

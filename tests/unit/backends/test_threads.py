@@ -1,5 +1,4 @@
-"""Worker threads of their own (a store's calls) and a copy direction's native threads:
-their priority, cancellation, and what they keep."""
+"""A copy direction's own worker threads: their priority, and cancellation."""
 
 from __future__ import annotations
 
@@ -9,15 +8,11 @@ import sys
 import threading
 import time
 import weakref
-from pathlib import Path
-from typing import Any
 
 import anyio
-import numpy
 import pytest
-import torch
 
-from pipeline.backends.threads import NativeThreads, WorkerThreads
+from pipeline.backends.threads import WorkerThreads
 
 TIMEOUT_S = 10
 
@@ -128,86 +123,3 @@ async def test_closed_threads_refuse_new_work() -> None:
 def test_a_pool_needs_a_thread() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         WorkerThreads(0, name="none")
-
-
-def copies(source: torch.Tensor, rows: torch.Tensor, values: int) -> list[tuple[Any, ...]]:
-    """One native gather per value: row v of ``rows`` from row v of ``source`` (one
-    page each, no checksum)."""
-    size = source.shape[1]
-    table = numpy.array([0], dtype=numpy.int64), numpy.array([size], dtype=numpy.int64)
-    return [(numpy.array([[source[v].data_ptr()]], dtype=numpy.int64), rows[v].data_ptr(),
-             size, *table, False, 0, size, False) for v in range(values)]
-
-
-def native_names(ids: list[int]) -> list[str]:
-    return [(Path("/proc/self/task") / str(tid) / "comm").read_text().strip() for tid in ids]
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="nice is per thread on Linux only")
-async def test_native_threads_run_at_their_own_lower_priority_under_their_names() -> None:
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    source = torch.arange(4 * 64, dtype=torch.uint8).view(4, 64)
-    rows = torch.zeros_like(source)
-    lowered = NativeThreads(2, name="low", nice=5)
-    usual = NativeThreads(2, name="usual")
-    try:
-        with anyio.fail_after(TIMEOUT_S):
-            await lowered.run("gather", copies(source, rows, 4))
-            await usual.run("gather", copies(source, rows, 4))
-        low, same = lowered.native_ids(), usual.native_ids()
-        assert [os.getpriority(os.PRIO_PROCESS, tid) for tid in low] == [min(19, base + 5)] * 2
-        assert [os.getpriority(os.PRIO_PROCESS, tid) for tid in same] == [base] * 2
-        assert native_names(low) == ["low0", "low1"] and native_names(same) == ["usual0", "usual1"]
-    finally:
-        lowered.close()
-        usual.close()
-    assert torch.equal(rows, source)
-    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the event loop's thread: unchanged
-
-
-def test_native_threads_run_every_copy_once_then_let_go_of_its_buffers() -> None:
-    """A batch of copies more than the threads is answered once all have run, each
-    byte in place, in one event loop and then in another; nothing a copy was given is
-    kept once it is answered."""
-    source = torch.randint(0, 256, (64, 4096), dtype=torch.uint8)
-    threads = NativeThreads(3, name="batch")
-    try:
-        for _ in range(2):  # anyio.run: a new event loop each time
-            rows = torch.zeros_like(source)
-            calls = copies(source, rows, 64)
-            pages = weakref.ref(calls[0][0])
-            anyio.run(threads.run, "gather", calls)
-            assert torch.equal(rows, source)
-            del calls
-            assert pages() is None
-    finally:
-        threads.close()
-
-
-async def test_a_cancelled_caller_waits_for_its_native_copies_to_run() -> None:
-    """A copy owns its buffers until it has run: a cancelled caller does not go on
-    before every byte is in place."""
-    source = torch.randint(0, 256, (16, 8 << 20), dtype=torch.uint8)  # 128 MiB
-    rows = torch.zeros_like(source)
-    threads = NativeThreads(1, name="cancel")
-    try:
-        with anyio.fail_after(TIMEOUT_S):
-            with anyio.move_on_after(0.001) as scope:
-                await threads.run("gather", copies(source, rows, 16))
-        assert scope.cancel_called
-        assert torch.equal(rows, source)
-    finally:
-        threads.close()
-
-
-async def test_closed_native_threads_refuse_new_copies() -> None:
-    source = torch.ones(1, 64, dtype=torch.uint8)
-    rows = torch.zeros_like(source)
-    threads = NativeThreads(1, name="closed")
-    with anyio.fail_after(TIMEOUT_S):
-        await threads.run("gather", copies(source, rows, 1))
-        threads.close()
-        with pytest.raises(RuntimeError, match="closed"):
-            await threads.run("gather", copies(source, rows, 1))
-    with pytest.raises(ValueError, match="at least 1"):
-        NativeThreads(0, name="none")

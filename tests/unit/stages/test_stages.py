@@ -4,28 +4,28 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
-import numpy
 import pytest
 import torch
 from anyio.abc import ObjectReceiveStream
 
-from pipeline.backends import _blockcopy
 from pipeline.backends.cpu_copy import (
     CopyThreads,
     CpuCopyEngine,
     InPlaceCopyEngine,
+    Piece,
     gather_and_seal,
     seal_in_place,
     verify_and_scatter,
 )
 from pipeline.backends.memory import LentMemory, StagingMemory
 from pipeline.backends.staging import StagingPool
-from pipeline.backends.threads import NativeThreads
+from pipeline.backends.threads import WorkerThreads
 from pipeline.backends.wrapper import StoreWrapper
 from pipeline.core.config import EmbeddedStoreConfig, EventsConfig
 from pipeline.core.errors import StoreCallAbandoned, StoreError
@@ -177,7 +177,7 @@ def harness(
     )
     return Harness(
         session, tensors, JobTracker(send), receive, store, pool, limiter, memory,
-        CpuCopyEngine(NativeThreads(2, name="test-copy")),
+        CpuCopyEngine(WorkerThreads(2, name="test-copy")),
     )
 
 
@@ -494,7 +494,7 @@ async def test_split_copies_round_trip_and_verify_each_row(
     checksums checked row by row in parts fail exactly the corrupted value, which never
     reaches the engine."""
     geometry = hybrid.session.store_groups[0]  # two K/V-first layers: four segments
-    copy = CopyThreads(NativeThreads(threads, name="test"), split_bytes=0,
+    copy = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=0,
                        inline_bytes=inline_bytes)
     values = torch.zeros(5, geometry.stored_bytes, dtype=torch.uint8)
     before = hybrid.snapshot()
@@ -516,7 +516,7 @@ async def test_block_ids_out_of_range_are_refused_before_any_copy(hybrid: Harnes
     """An id past the engine's blocks, or a negative one, raises IndexError and leaves
     the values and the engine's blocks as they were."""
     geometry = hybrid.session.store_groups[0]
-    copy = CopyThreads(NativeThreads(1, name="test"))
+    copy = CopyThreads(WorkerThreads(1, name="test"))
     values = torch.zeros(2, geometry.stored_bytes, dtype=torch.uint8)
     before = hybrid.snapshot()
     for ids in ([1, geometry.num_blocks], [-1, 2]):
@@ -541,7 +541,7 @@ async def test_checksums_in_place_are_those_of_the_copied_values_and_fail_what_c
     views = torch.zeros(4, 2 * CHECKSUM_BYTES, dtype=torch.uint8)  # [sealed | measured]
     sealed, measured = list(views[:, :CHECKSUM_BYTES]), list(views[:, CHECKSUM_BYTES:])
     with anyio.fail_after(TIMEOUT_S):
-        await gather_and_seal(CopyThreads(NativeThreads(2, name="test")), geometry,
+        await gather_and_seal(CopyThreads(WorkerThreads(2, name="test")), geometry,
                               [1, 2, 3, 4], list(copied))
     seal_in_place(geometry, [1, 2, 3, 4], sealed, [1, 3])
     assert not views[0].any() and not views[2].any()
@@ -555,41 +555,37 @@ async def test_checksums_in_place_are_those_of_the_copied_values_and_fail_what_c
     assert intact == [True, False, True, False]
 
 
-@pytest.mark.parametrize(("threads", "split_bytes", "inline_bytes", "runs"), [
-    (3, 0, 0, [(0, 2), (2, 1), (3, 1), (4, 3)]),        # split in 3 parts, each cut at the gap
-    (3, 1 << 30, 0, [(0, 3), (3, 4)]),                  # below split_bytes: one part
-    (3, 0, 1 << 30, [(0, 3), (3, 4)]),                  # up to inline_bytes: on the event loop
+@pytest.mark.parametrize(("threads", "split_bytes", "inline_bytes", "parts"), [
+    (3, 0, 0, 3),          # split: one part per thread, each in a worker thread
+    (3, 1 << 30, 0, 1),    # below split_bytes: one part, in a worker thread
+    (3, 0, 1 << 30, 1),    # up to inline_bytes: one part, on the event loop
 ])
 async def test_copy_parts_cover_every_value_once_in_adjacent_runs(
-    threads: int, split_bytes: int, inline_bytes: int, runs: list[tuple[int, int]],
-    monkeypatch: pytest.MonkeyPatch,
+    threads: int, split_bytes: int, inline_bytes: int, parts: int
 ) -> None:
-    """A batch is cut into parts of adjacent values that cover each value once, with
-    runs broken where values are not adjacent in memory, one native copy per run; the
-    copy threads run them unless the batch is small enough to copy inline."""
-    source = torch.arange(7 * 16, dtype=torch.uint8)  # value i's one page: row i
+    """A batch is cut into ``parts`` ranges of adjacent values that cover each value
+    once, with runs broken where values are not adjacent in memory; worker threads copy
+    them unless the batch is small enough to copy inline."""
     memory = torch.zeros(8 * 16, dtype=torch.uint8)
     views = [memory[i * 16 : (i + 1) * 16] for i in (0, 1, 2, 4, 5, 6, 7)]  # a gap at 3
-    pages = numpy.array([[source[i * 16 :].data_ptr()] for i in range(7)], dtype=numpy.int64)
-    table = numpy.array([0], dtype=numpy.int64), numpy.array([16], dtype=numpy.int64)
-    called: list[tuple[int, int]] = []
+    calls: list[tuple[int, list[tuple[int, int]]]] = []
 
-    def arguments(first: int, rows: torch.Tensor) -> tuple[Any, ...]:
-        called.append((first, int(rows.shape[0])))
-        return (pages[first : first + rows.shape[0]], rows.data_ptr(), rows.stride(0),
-                *table, False, 0, 16, False)
+    def work(pieces: Sequence[Piece]) -> None:
+        calls.append((threading.get_ident(),
+                      [(start, int(rows.shape[0])) for start, rows in pieces]))
 
-    on_the_loop: list[int] = []
-    gather = _blockcopy.gather
-    monkeypatch.setattr(_blockcopy, "gather",
-                        lambda *args: (on_the_loop.append(1), gather(*args))[1])
-    copy = CopyThreads(NativeThreads(threads, name="test"), split_bytes=split_bytes,
+    copy = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=split_bytes,
                        inline_bytes=inline_bytes)
     with anyio.fail_after(TIMEOUT_S):
-        await copy.run(views, 16, "gather", arguments)
-    assert called == runs
-    assert torch.equal(torch.cat(views), source)
-    assert len(on_the_loop) == (len(runs) if inline_bytes else 0)
+        await copy.run(views, 16, work)
+    assert len(calls) == parts
+    covered = sorted(index for _, pieces in calls for start, count in pieces
+                     for index in range(start, start + count))
+    assert covered == list(range(len(views)))
+    inline = inline_bytes >= len(views) * 16
+    assert all((ident == threading.get_ident()) == inline for ident, _ in calls)
+    if parts == 1:
+        assert calls[0][1] == [(0, 3), (3, 4)]
 
 
 async def test_a_missing_key_fails_the_block_and_never_scatters(hybrid: Harness) -> None:
