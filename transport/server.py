@@ -189,6 +189,10 @@ class SidecarSocket:
         identity, *frames = await self._frames.recv_multipart()
         return identity, frames[0] if len(frames) == 1 else b"".join(frames)
 
+    def waiting(self) -> bool:
+        """Whether a frame waits to be received."""
+        return self._frames.readable()
+
     def send(self, identity: bytes, frame: bytes) -> bool:
         """Send one frame to an engine, never waiting; False if the engine cannot take
         it: it is gone, or its queue is full because it does not read its replies. A

@@ -76,6 +76,10 @@ class FastSocket:
         self._now.send_multipart(frames, zmq.NOBLOCK)
         self._recheck()
 
+    def readable(self) -> bool:
+        """Whether a frame has arrived that no one has taken yet."""
+        return bool(cast(int, self._now.get(zmq.EVENTS)) & zmq.POLLIN)
+
     async def recv_multipart(self) -> list[bytes]:
         waited = False
         while True:

@@ -216,16 +216,17 @@ class Receiver:
     async def _run_job(self, job: Job) -> bool:
         """Run a save or load through its path here, True once done (or handed to its
         copy), when its prompt is hashed on the loop: a load whole if its copy is done
-        on the loop too, else (and a save) up to its copy. Handed to the path instead, a
-        job waits at each stage behind everything else ready on the event loop: under a
-        flood of saves, most of a load's time."""
+        on the loop too, else up to its copy. Handed to the path instead, a job waits at
+        each stage behind everything else ready on the event loop: under a flood of
+        saves, most of a load's time. A save runs up to its copy only while no other
+        request waits at the socket: a load behind it would wait for it."""
         message = job.message
         if self._run_inline is None or not _hashed_on_the_loop(message):
             return False
         if isinstance(message, Load):
             whole = not self._load_copy_waits(load_bytes(job.session, message))
             return await self._run_inline("load", job, whole=whole)
-        return await self._run_inline("save", job, whole=False)
+        return not self._socket.waiting() and await self._run_inline("save", job, whole=False)
 
     async def _explain(self, identity: bytes, message: Explain) -> None:
         """Explain a prompt as a registered engine sees it, for whoever asks."""

@@ -156,3 +156,28 @@ def test_a_socket_waits_on_whichever_event_loop_it_is_used_from(tmp_path: Path) 
         for socket in (router, dealer):
             socket.close(0)
         context.term()
+
+
+async def test_a_socket_says_whether_a_frame_waits_to_be_received(tmp_path: Path) -> None:
+    """``readable`` is True once a frame has arrived and until the last one is taken."""
+    context = zmq.asyncio.Context()
+    router, (dealer,) = pair(tmp_path, context, clients=1)
+    server, client = FastSocket(router, fair=True), FastSocket(dealer)
+    try:
+        with anyio.fail_after(TIMEOUT_S):
+            assert not server.readable()
+            await client.send_multipart([b"one"])
+            await client.send_multipart([b"two"])
+            while not server.readable():  # on its way through ZMQ's I/O threads
+                await anyio.sleep(0.001)
+            assert (await server.recv_multipart())[1] == b"one"
+            while not server.readable():
+                await anyio.sleep(0.001)
+            assert (await server.recv_multipart())[1] == b"two"
+            assert not server.readable()
+    finally:
+        server.close()
+        client.close()
+        for socket in (router, dealer):
+            socket.close(0)
+        context.term()
