@@ -123,8 +123,10 @@ def paths(config: Config) -> list[PathSpec[Resources]]:
         # A lookup with nothing to hash, and a load that waits on nothing, are run by the
         # receiver itself when they can be (Receiver._lookup, Receiver._run_job): the
         # hand-offs to the workers would cost more than the work. A save, and a load
-        # whose copy waits on other threads, are run up to their copy, and handed to it.
-        PathSpec("save", save, when_full=when_full, inline=True, inline_until="transfer"),
+        # whose copy waits on other threads, are run up to their copy, and handed to it;
+        # a save not while batches wait for more (a batching deadline).
+        PathSpec("save", save, when_full=when_full,
+                 inline=config.stages.batching.deadline_ms == 0, inline_until="transfer"),
         PathSpec("load", LOAD, when_full="wait (loads are never dropped)", inline=True,
                  inline_until="scatter"),
         PathSpec("lookup", LOOKUP, replies=True, inline=True),

@@ -168,10 +168,11 @@ async def test_a_socket_says_whether_a_frame_waits_to_be_received(tmp_path: Path
             assert not server.readable()
             await client.send_multipart([b"one"])
             await client.send_multipart([b"two"])
-            while not server.readable():  # on its way through ZMQ's I/O threads
+            # On their way through ZMQ's I/O threads, which signal no event to wait on.
+            while not server.readable():  # noqa: ASYNC110
                 await anyio.sleep(0.001)
             assert (await server.recv_multipart())[1] == b"one"
-            while not server.readable():
+            while not server.readable():  # noqa: ASYNC110
                 await anyio.sleep(0.001)
             assert (await server.recv_multipart())[1] == b"two"
             assert not server.readable()
