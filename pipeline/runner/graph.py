@@ -97,6 +97,8 @@ class Graph(Generic[R]):
     def __init__(self, paths: Sequence[PathSpec[R]], config: StagesConfig) -> None:
         self._paths = list(paths)
         self._sections: dict[str, StageConfig] = {}
+        self._until: dict[str, int] = {}
+        """Where a path's runs that are not whole stop: ``inline_until``'s index."""
         for path in self._paths:
             if not path.stages:
                 raise ValueError(f"path {path.name!r} has no stages")
@@ -110,6 +112,8 @@ class Graph(Generic[R]):
             if path.inline_until is not None and path.inline_until not in names[1:]:
                 raise ValueError(f"path {path.name!r}: inline_until {path.inline_until!r} "
                                  f"is none of its stages after the first")
+            self._until[path.name] = (len(names) if path.inline_until is None
+                                      else names.index(path.inline_until))
         self._edges: dict[str, list[Edge[Any]]] = {
             path.name: [create_edge(self._sections[spec.section].inbox_size)
                         for spec in path.stages]
@@ -253,10 +257,8 @@ class Graph(Generic[R]):
         if faulty:
             doors.entrance_drained()  # no item will run inline: the doors go unused
             return
-        until = len(edges) if path.inline_until is None else [
-            spec.name for spec in path.stages].index(path.inline_until)
         self._inline[path.name] = _InlinePath(
-            steps, sink if path.replies else None, doors, until)
+            steps, sink if path.replies else None, doors, self._until[path.name])
 
 
 class InlineFirst:
