@@ -31,6 +31,16 @@ def pair(tmp_path: Path, context: zmq.asyncio.Context, clients: int,
     return router, dealers
 
 
+def close(context: zmq.asyncio.Context, sockets: list[zmq.asyncio.Socket],
+          *watched: FastSocket) -> None:
+    """Stop watching the sockets' descriptors, then close the sockets and the context."""
+    for fast in watched:
+        fast.close()
+    for socket in sockets:
+        socket.close(0)
+    context.term()
+
+
 async def test_requests_from_several_peers_are_all_answered_in_order(tmp_path: Path) -> None:
     """Echoing over FastSocket while peers keep several requests in flight: every reply
     arrives, in each peer's order. (Without re-checking the socket's events after a
@@ -151,11 +161,7 @@ def test_a_socket_waits_on_whichever_event_loop_it_is_used_from(tmp_path: Path) 
         assert anyio.run(round_trip, b"first") == b"first!"
         assert anyio.run(round_trip, b"second") == b"second!"
     finally:
-        server.close()
-        client.close()
-        for socket in (router, dealer):
-            socket.close(0)
-        context.term()
+        close(context, [router, dealer], server, client)
 
 
 async def test_a_socket_says_whether_a_frame_waits_to_be_received(tmp_path: Path) -> None:
@@ -177,8 +183,4 @@ async def test_a_socket_says_whether_a_frame_waits_to_be_received(tmp_path: Path
             assert (await server.recv_multipart())[1] == b"two"
             assert not server.readable()
     finally:
-        server.close()
-        client.close()
-        for socket in (router, dealer):
-            socket.close(0)
-        context.term()
+        close(context, [router, dealer], server, client)
