@@ -442,9 +442,6 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{ms['loop_save']:>10.2f} {ms['threads_save']:>8.2f} {ms['loop_load']:>10.2f} "
               f"{ms['threads_load']:>8.2f}")
     integrity = checksum_cost(results, ("geometry", "values", "concurrency"), "save", "load")
-    for (geometry, values, concurrency), (save, load) in integrity.items():
-        print(f"integrity at {geometry}, {values}, {concurrency} in flight: checksums on / off "
-              f"= {save:.2f} for saves, {load:.2f} for loads")
     path = write_results(
         "bench_mooncake_sidecar",
         {
@@ -454,9 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "goal": GOAL,
             "worst_ratio": worst,
             "results": results,
-            "integrity": [{"geometry": g, "values": v, "concurrency": c,
-                           "save_on_over_off": save, "load_on_over_off": load}
-                          for (g, v, c), (save, load) in integrity.items()],
+            "integrity": integrity,
         },
     )
     print(f"results: {path.relative_to(ROOT)}")

@@ -372,17 +372,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{ms['bare_save']:>10.2f} {ms['loop_save']:>6.2f} {ms['threads_save']:>8.2f} "
               f"{ms['bare_load']:>10.2f} {ms['loop_load']:>6.2f} {ms['threads_load']:>8.2f}")
     integrity = checksum_cost(rows, ("geometry", "concurrency"), "sidecar_save", "sidecar_load")
-    for (geometry, concurrency), (save, load) in integrity.items():
-        print(f"integrity at {geometry}, {concurrency} in flight: checksums on / off "
-              f"= {save:.2f} for saves, {load:.2f} for loads")
     path = write_results("bench_sidecar_throughput", {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                  if k != "geometry"},
         "geometries": [str(g) for g in args.geometry],
         "goal": GOAL, "worst_ratio": worst, "rows": rows,
-        "integrity": [{"geometry": g, "concurrency": c, "save_on_over_off": save,
-                       "load_on_over_off": load}
-                      for (g, c), (save, load) in integrity.items()],
+        "integrity": integrity,
     })
     print(f"results: {path.relative_to(ROOT)}")
     return 0 if worst >= GOAL else 1

@@ -113,16 +113,25 @@ def thread_cpu_s(pid: int) -> tuple[float, float]:
 
 
 def checksum_cost(rows: Sequence[dict[str, Any]], by: Sequence[str], save: str, load: str
-                  ) -> dict[tuple[Any, ...], tuple[float, float]]:
+                  ) -> list[dict[str, Any]]:
     """What integrity costs, where both variants ran: GB/s with checksums on over off
     (``row["gbps"][save]`` and ``[load]``), by the values of the fields ``by`` of the
-    rows (each with ``"checksum": "on"`` or ``"off"``). 1.0: integrity is free."""
+    rows (each with ``"checksum": "on"`` or ``"off"``), one entry each: those fields,
+    ``save_on_over_off`` and ``load_on_over_off``. 1.0: integrity is free. Each is
+    printed, the last of ``by`` as the requests in flight."""
     by_variant = {(*(row[name] for name in by), row["checksum"]): row["gbps"] for row in rows}
-    return {
-        key[:-1]: (on[save] / off[save], on[load] / off[load])
+    costs = [
+        {**dict(zip(by, key[:-1], strict=True)),
+         "save_on_over_off": on[save] / off[save], "load_on_over_off": on[load] / off[load]}
         for key, on in by_variant.items()
         if key[-1] == "on" and (off := by_variant.get((*key[:-1], "off")))
-    }
+    ]
+    for cost in costs:
+        where = ", ".join(str(cost[name]) for name in by)
+        print(f"integrity at {where} in flight: checksums on / off = "
+              f"{cost['save_on_over_off']:.2f} for saves, {cost['load_on_over_off']:.2f} "
+              "for loads")
+    return costs
 
 
 def median(values: Sequence[float]) -> float:
