@@ -57,11 +57,8 @@ class StagingPool:
         """A free slot of ``kind`` ("load" or "save"), waiting for one if none is free.
         With one free there is no trip through the event loop (anyio's ``receive``
         always makes one): the stage taking it yields once per item already."""
-        free = self._free[kind][1]
-        try:
-            return free.receive_nowait()
-        except anyio.WouldBlock:
-            return await free.receive()
+        slot = self.try_take(kind)
+        return slot if slot is not None else await self._free[kind][1].receive()
 
     def try_take(self, kind: str) -> Slot | None:
         """A free slot without waiting, or None (for skip-on-overflow policies)."""
