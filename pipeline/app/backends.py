@@ -121,8 +121,10 @@ def moves_in_place(config: Config) -> bool:
 
 @contextlib.asynccontextmanager
 async def open_backends(
-    config: Config, faults: Faults, on_evicted: Evicted
+    config: Config, faults: Faults, on_evicted: Evicted,
+    alone: Callable[[], bool] = lambda: False,
 ) -> AsyncIterator[Backends]:
+    """``alone()``: whether the event loop has nothing else to do now (``CpuCopyEngine``)."""
     staging = config.staging
     transfer = config.stages.transfer
     pool = StagingPool(staging.pool_bytes, staging.slot_bytes, load_slots=staging.load_slots)
@@ -166,22 +168,24 @@ async def open_backends(
             yield Backends(store, guarded, opened.usage, pool, memory,
                            save_copy=_copy_engine(transfer, save_threads, in_place=in_place,
                                                   inline_bytes=INLINE_BYTES,
-                                                  stream_bytes=save_stream_bytes),
+                                                  stream_bytes=save_stream_bytes, alone=alone),
                            load_copy=_copy_engine(transfer, load_threads, in_place=in_place,
                                                   inline_bytes=LOAD_INLINE_BYTES,
-                                                  stream_bytes=LOAD_STREAM_BYTES),
+                                                  stream_bytes=LOAD_STREAM_BYTES, alone=alone),
                            answers_at_once=opened.answers_at_once,
                            in_place=guarded if in_place else None)
 
 
 def _copy_engine(transfer: TransferStageConfig, threads: WorkerThreads, *,
-                 in_place: bool, inline_bytes: int, stream_bytes: int | None) -> CopyEngine:
+                 in_place: bool, inline_bytes: int, stream_bytes: int | None,
+                 alone: Callable[[], bool]) -> CopyEngine:
     """One direction's copy engine, with threads (and streams) of its own; batches up to
     ``inline_bytes`` are copied on the event loop, and from ``stream_bytes`` on written
-    around the caches."""
+    around the caches; while ``alone()``, the event loop's thread shares larger ones."""
     if in_place:
         return InPlaceCopyEngine()
-    cpu = CpuCopyEngine(threads, inline_bytes=inline_bytes, stream_bytes=stream_bytes)
+    cpu = CpuCopyEngine(threads, inline_bytes=inline_bytes, stream_bytes=stream_bytes,
+                        alone=alone)
     if transfer.device == "cpu":
         return cpu
     from pipeline.backends.cuda_copy import CudaCopyEngine

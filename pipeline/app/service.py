@@ -154,6 +154,11 @@ class Sidecar:
         )
         self.socket = socket
 
+    def alone(self) -> bool:
+        """Whether the event loop has nothing else to do: one job in flight (the one
+        asking) and no request waiting at the socket."""
+        return self.tracker.open_jobs <= 1 and not self.socket.waiting()
+
     def _metrics(self) -> Metrics:
         metrics = Metrics()
         pool = self.backends.pool
@@ -307,7 +312,12 @@ async def run_sidecar(
         events.removed(keys)
         history.evicted(keys)
 
-    async with open_backends(config, faults, on_evicted=evicted) as backends:
+    sidecar: Sidecar | None = None
+
+    def alone() -> bool:
+        return sidecar is not None and sidecar.alone()
+
+    async with open_backends(config, faults, on_evicted=evicted, alone=alone) as backends:
         with open_server_socket(config.server) as socket:
             sidecar = Sidecar(config, backends, socket, faults, events, history)
             await sidecar.run(stop, task_status=task_status)

@@ -4,6 +4,12 @@
 segment; ``offsets`` and ``sizes``: int64 ``[segments]``, where each page lies in a
 value. Value ``v``'s row starts at ``rows + v * row_stride``; its checksum (xxh3-64 of
 its ``payload_bytes`` with ``seed``) follows the payload.
+
+A run may be shared between callers (threads) given the same ``progress``, an int64
+``[2]`` (zeros at first: the values claimed, the values done): each value is copied by
+whichever claims it first, and a value counts as done once every thread sees its bytes.
+A caller given a ``limit`` copies at most that many (0: no limit). Both copies return
+how many values they copied.
 """
 
 from typing import Any
@@ -12,16 +18,25 @@ Buffer = Any
 """Any C-contiguous buffer (numpy arrays, bytearray): numpy declares none in its stubs."""
 
 def gather(pages: Buffer, rows: int, row_stride: int, offsets: Buffer, sizes: Buffer,
-           seal: bool, seed: int, payload_bytes: int, stream: bool) -> None:
+           seal: bool, seed: int, payload_bytes: int, stream: bool,
+           progress: Buffer | None = None, limit: int = 0) -> int:
     """Copy each value's pages into its row, then (``seal``) its checksum after them;
-    ``stream``: write the rows around the caches (streaming stores)."""
+    ``stream``: write the rows around the caches (streaming stores); ``progress`` and
+    ``limit``: the run is shared with the other callers given the same progress, and
+    this one copies at most ``limit`` values. The values copied by this call."""
 
 def scatter(pages: Buffer, rows: int, row_stride: int, offsets: Buffer, sizes: Buffer,
             check: bool, seed: int, payload_bytes: int, intact: Buffer,
-            stream: bool) -> None:
+            stream: bool, progress: Buffer | None = None, limit: int = 0) -> int:
     """Copy each intact value's row into its pages; ``intact[v]``: whether value ``v``
     was (always, unless ``check``). A value that fails is not copied at all. ``stream``:
-    write the pages around the caches (streaming stores)."""
+    write the pages around the caches (streaming stores); ``progress`` and ``limit``:
+    as ``gather``. The values copied by this call (failed ones included)."""
+
+def wait_done(progress: Buffer, values: int, spin_s: float) -> bool:
+    """Spin, without the GIL, until the ``values`` of the runs shared through
+    ``progress`` (int64 ``[runs, 2]``) are all done, for at most ``spin_s``: whether
+    they are."""
 
 def digests(pages: Buffer, sizes: Buffer, seed: int, out: Buffer) -> None:
     """Each value's checksum over its pages where they lie (engine memory), as ``gather``

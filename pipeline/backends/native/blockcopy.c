@@ -16,6 +16,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t, to keep one on the stack */
 #if defined(__x86_64__) || defined(__i386__)
@@ -124,19 +125,69 @@ static int plan_check(Plan *plan) {
     return 0;
 }
 
+/* A run's values are copied in order by one caller or, shared (progress: int64 [2], the
+   values claimed so far and the values done), by every caller given the same progress,
+   each value by whichever claims it first: callers that start at different times still
+   finish together, and one that may copy only so many (limit) leaves the rest to the
+   others. Returns the next value to copy (past the last: none left). */
+static Py_ssize_t claim(int64_t *progress, Py_ssize_t *next) {
+    if (!progress)
+        return (*next)++;
+    return (Py_ssize_t)__atomic_fetch_add(&progress[0], 1, __ATOMIC_RELAXED);
+}
+
+/* A shared value is done once every thread sees its bytes (streamed stores fenced). */
+static void value_done(int64_t *progress, int stream) {
+    if (!progress)
+        return;
+    if (stream)
+        stream_fence();
+    __atomic_fetch_add(&progress[1], 1, __ATOMIC_RELEASE);
+}
+
+/* The optional progress argument (None: the run is not shared) into *progress, held in
+   *buffer; on a bad one, an error is set. */
+static int progress_of(PyObject *object, Py_buffer *buffer, int64_t **progress) {
+    *progress = NULL;
+    if (object == Py_None)
+        return 0;
+    if (PyObject_GetBuffer(object, buffer, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (buffer->len != 2 * (Py_ssize_t)sizeof(int64_t) || (uintptr_t)buffer->buf % 8) {
+        PyErr_SetString(PyExc_ValueError, "progress must be an aligned int64 [2]");
+        PyBuffer_Release(buffer);
+        return -1;
+    }
+    *progress = buffer->buf;
+    return 0;
+}
+
 static PyObject *gather(PyObject *module, PyObject *args) {
     Plan plan;
+    Py_buffer shared = {0};
+    PyObject *share = Py_None;
+    int64_t *progress;
+    Py_ssize_t limit = 0, copied = 0;
     unsigned long long rows, row_stride, seed, payload_bytes;
     int seal, stream;
-    if (!PyArg_ParseTuple(args, "y*KKy*y*pKKp:gather", &plan.pages, &rows, &row_stride,
-                          &plan.offsets, &plan.sizes, &seal, &seed, &payload_bytes, &stream))
+    if (!PyArg_ParseTuple(args, "y*KKy*y*pKKp|On:gather", &plan.pages, &rows, &row_stride,
+                          &plan.offsets, &plan.sizes, &seal, &seed, &payload_bytes, &stream,
+                          &share, &limit))
         return NULL;
-    if (plan_check(&plan) < 0)
+    if (progress_of(share, &shared, &progress) < 0) {
+        plan_release(&plan);
         return NULL;
+    }
+    if (plan_check(&plan) < 0) {
+        PyBuffer_Release(&shared);
+        return NULL;
+    }
     const int64_t *pages = plan.pages.buf, *offsets = plan.offsets.buf, *sizes = plan.sizes.buf;
     Py_BEGIN_ALLOW_THREADS
     XXH3_state_t state;
-    for (Py_ssize_t v = 0; v < plan.values; v++) {
+    for (Py_ssize_t next = 0, v;
+         (limit <= 0 || copied < limit) && (v = claim(progress, &next)) < plan.values;
+         copied++) {
         char *row = (char *)(uintptr_t)(rows + v * row_stride);
         if (seal)
             XXH3_64bits_reset_withSeed(&state, seed);
@@ -154,37 +205,51 @@ static PyObject *gather(PyObject *module, PyObject *args) {
             uint64_t digest = XXH3_64bits_digest(&state);
             memcpy(row + payload_bytes, &digest, CHECKSUM_BYTES);
         }
+        value_done(progress, stream);
     }
     if (stream)
         stream_fence();
     Py_END_ALLOW_THREADS
     plan_release(&plan);
-    Py_RETURN_NONE;
+    PyBuffer_Release(&shared);
+    return PyLong_FromSsize_t(copied);
 }
 
 static PyObject *scatter(PyObject *module, PyObject *args) {
     Plan plan;
-    Py_buffer intact;
+    Py_buffer intact, shared = {0};
+    PyObject *share = Py_None;
+    int64_t *progress;
+    Py_ssize_t limit = 0, copied = 0;
     unsigned long long rows, row_stride, seed, payload_bytes;
     int check, stream;
-    if (!PyArg_ParseTuple(args, "y*KKy*y*pKKw*p:scatter", &plan.pages, &rows, &row_stride,
+    if (!PyArg_ParseTuple(args, "y*KKy*y*pKKw*p|On:scatter", &plan.pages, &rows, &row_stride,
                           &plan.offsets, &plan.sizes, &check, &seed, &payload_bytes, &intact,
-                          &stream))
+                          &stream, &share, &limit))
         return NULL;
+    if (progress_of(share, &shared, &progress) < 0) {
+        plan_release(&plan);
+        PyBuffer_Release(&intact);
+        return NULL;
+    }
     if (plan_check(&plan) < 0) {
         PyBuffer_Release(&intact);
+        PyBuffer_Release(&shared);
         return NULL;
     }
     if (intact.len != plan.values) {
         PyErr_SetString(PyExc_ValueError, "intact must hold one byte per value");
         plan_release(&plan);
         PyBuffer_Release(&intact);
+        PyBuffer_Release(&shared);
         return NULL;
     }
     const int64_t *pages = plan.pages.buf, *offsets = plan.offsets.buf, *sizes = plan.sizes.buf;
     unsigned char *ok = intact.buf;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t v = 0; v < plan.values; v++) {
+    for (Py_ssize_t next = 0, v;
+         (limit <= 0 || copied < limit) && (v = claim(progress, &next)) < plan.values;
+         copied++) {
         const char *row = (const char *)(uintptr_t)(rows + v * row_stride);
         /* The whole value is checked before a byte of it reaches the engine; the copy
            then reads it back from cache. */
@@ -195,18 +260,19 @@ static PyObject *scatter(PyObject *module, PyObject *args) {
         } else {
             ok[v] = 1;
         }
-        if (!ok[v])
-            continue;
-        for (Py_ssize_t s = 0; s < plan.segments; s++)
-            copy_bytes((char *)(uintptr_t)pages[v * plan.segments + s], row + offsets[s],
-                       (size_t)sizes[s], stream);
+        if (ok[v])
+            for (Py_ssize_t s = 0; s < plan.segments; s++)
+                copy_bytes((char *)(uintptr_t)pages[v * plan.segments + s], row + offsets[s],
+                           (size_t)sizes[s], stream);
+        value_done(progress, stream);
     }
     if (stream)
         stream_fence();
     Py_END_ALLOW_THREADS
     plan_release(&plan);
     PyBuffer_Release(&intact);
-    Py_RETURN_NONE;
+    PyBuffer_Release(&shared);
+    return PyLong_FromSsize_t(copied);
 }
 
 static PyObject *digests(PyObject *module, PyObject *args) {
@@ -243,6 +309,46 @@ static PyObject *digests(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static double seconds_now(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
+}
+
+/* Spins, without the GIL, until the shared runs' values are all done or spin_s have
+   passed: whether they are. For the last values of a copy, in another thread's hands
+   for at most the time one takes: a sleeping thread is woken late on a small VM. */
+static PyObject *wait_done(PyObject *module, PyObject *args) {
+    Py_buffer shared;
+    long long values;
+    double spin_s;
+    if (!PyArg_ParseTuple(args, "w*Ld:wait_done", &shared, &values, &spin_s))
+        return NULL;
+    if (shared.len % (2 * (Py_ssize_t)sizeof(int64_t)) || (uintptr_t)shared.buf % 8) {
+        PyErr_SetString(PyExc_ValueError, "progress must be an aligned int64 [runs, 2]");
+        PyBuffer_Release(&shared);
+        return NULL;
+    }
+    const int64_t *progress = shared.buf;
+    Py_ssize_t runs = shared.len / (2 * (Py_ssize_t)sizeof(int64_t));
+    long long done = 0;
+    Py_BEGIN_ALLOW_THREADS
+    double deadline = seconds_now() + spin_s;
+    for (unsigned spins = 0;; spins++) {
+        done = 0;
+        for (Py_ssize_t r = 0; r < runs; r++)
+            done += __atomic_load_n(&progress[2 * r + 1], __ATOMIC_ACQUIRE);
+        if (done >= values || (spins % 64 == 0 && seconds_now() > deadline))
+            break;
+#ifdef STREAMING
+        _mm_pause();
+#endif
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&shared);
+    return PyBool_FromLong(done >= values);
+}
+
 static PyObject *stream_width(PyObject *module, PyObject *args) {
     int width = -1;
     if (!PyArg_ParseTuple(args, "|i:stream_width", &width))
@@ -263,14 +369,20 @@ static PyObject *stream_width(PyObject *module, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
-     "gather(pages, rows, row_stride, offsets, sizes, seal, seed, payload_bytes, stream)\n"
+     "gather(pages, rows, row_stride, offsets, sizes, seal, seed, payload_bytes, stream\n"
+     "       [, progress[, limit]])\n"
      "Copy each value's pages into its row, then (seal) its checksum after them;\n"
-     "stream: write the rows around the caches."},
+     "stream: write the rows around the caches; progress: shared with other callers,\n"
+     "limit: at most so many values copied here. Returns the values copied here."},
     {"scatter", scatter, METH_VARARGS,
      "scatter(pages, rows, row_stride, offsets, sizes, check, seed, payload_bytes, intact,\n"
-     "        stream)\n"
+     "        stream[, progress[, limit]])\n"
      "Copy each intact value's row into its pages; intact[v]: whether value v was;\n"
-     "stream: write the pages around the caches."},
+     "stream: write the pages around the caches; progress: shared with other callers,\n"
+     "limit: at most so many values copied here. Returns the values copied here."},
+    {"wait_done", wait_done, METH_VARARGS,
+     "wait_done(progress, values, spin_s)\n"
+     "Spin until the shared runs' values are all done, for at most spin_s: whether they are."},
     {"digests", digests, METH_VARARGS,
      "digests(pages, sizes, seed, out)\n"
      "Each value's checksum over its pages where they lie, into out (8 bytes each)."},

@@ -3,6 +3,8 @@ size, and nothing written for a value that fails its checksum."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import numpy
@@ -153,3 +155,87 @@ def test_tables_of_mismatched_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="one byte per value"):
         _blockcopy.scatter(numpy.zeros(2, dtype=numpy.int64), rows.data_ptr(), 16, one, one,
                            False, 0, 8, bytearray(3), False)
+
+
+@pytest.mark.parametrize("callers", [1, 2, 4])
+def test_a_shared_run_is_copied_whole_however_many_threads_share_it(callers: int) -> None:
+    """Callers given one progress table copy a run between them, each value once: the
+    rows and checksums are those of one caller's copy, every value is counted done, and
+    the scatter that follows, shared too, restores every page and fails exactly the
+    value flipped meanwhile."""
+    pages = engine_pages(2, 40, 4096, seed=3)
+    payload = 2 * 4096
+    ids = list(range(1, 33))
+    offsets, sizes = layout(pages)
+    expected = torch.zeros(len(ids), payload + CHECKSUM_BYTES, dtype=torch.uint8)
+    _blockcopy.gather(addresses(pages, ids), expected.data_ptr(), expected.stride(0), offsets,
+                      sizes, True, 5, payload, True)
+    rows = torch.zeros_like(expected)
+    progress = numpy.zeros(2, dtype=numpy.int64)
+
+    def share(copy: Callable[[], None]) -> None:
+        threads = [threading.Thread(target=copy) for _ in range(callers - 1)]
+        for thread in threads:
+            thread.start()
+        copy()
+        for thread in threads:
+            thread.join()
+
+    share(lambda: _blockcopy.gather(addresses(pages, ids), rows.data_ptr(), rows.stride(0),
+                                    offsets, sizes, True, 5, payload, True, progress))
+    assert torch.equal(rows, expected)
+    assert progress[1] == len(ids) and progress[0] >= len(ids)
+    assert _blockcopy.wait_done(progress, len(ids), 0.0)
+
+    rows[7, 100] ^= 1
+    targets = [torch.zeros_like(p) for p in pages]
+    intact = bytearray(len(ids))
+    progress[:] = 0
+    share(lambda: _blockcopy.scatter(addresses(targets, ids), rows.data_ptr(), rows.stride(0),
+                                     offsets, sizes, True, 5, payload, intact, True, progress))
+    assert [i for i, ok in enumerate(intact) if not ok] == [7]
+    assert progress[1] == len(ids)
+    restored = [i for i in ids if i != ids[7]]
+    assert all(torch.equal(t[restored], p[restored]) for t, p in zip(targets, pages, strict=True))
+    assert all(int(t[ids[7]].count_nonzero()) == 0 for t in targets)
+
+
+def test_waiting_for_shared_values_gives_up_after_its_spin() -> None:
+    """Values of several runs count done together; while some are not, the wait spins
+    for its time, then says so. A progress table of the wrong shape is refused."""
+    progress = numpy.array([[3, 3], [2, 1]], dtype=numpy.int64)  # a value still in hand
+    started = time.perf_counter()
+    assert not _blockcopy.wait_done(progress, 5, 0.002)
+    assert time.perf_counter() - started >= 0.002
+    progress[1, 1] = 2
+    assert _blockcopy.wait_done(progress, 5, 10.0)
+    with pytest.raises(ValueError, match="int64"):
+        _blockcopy.wait_done(numpy.zeros(3, dtype=numpy.int64), 1, 0.0)
+    rows = torch.zeros(1, 16, dtype=torch.uint8)
+    one = numpy.zeros(1, dtype=numpy.int64)
+    with pytest.raises(ValueError, match="int64"):
+        _blockcopy.gather(numpy.zeros(1, dtype=numpy.int64), rows.data_ptr(), 16, one,
+                          numpy.full(1, 8, dtype=numpy.int64), False, 0, 8, False,
+                          numpy.zeros(3, dtype=numpy.int64))
+
+
+def test_a_limited_caller_copies_so_many_and_leaves_the_rest_to_the_others() -> None:
+    """Each call says how many values it copied: one limited to 5 copies 5, the next
+    copies the rest, and a late one finds nothing left and touches nothing."""
+    pages = engine_pages(1, 12, 256, seed=4)
+    ids = list(range(12))
+    offsets, sizes = layout(pages)
+    rows = torch.zeros(12, 256 + CHECKSUM_BYTES, dtype=torch.uint8)
+    progress = numpy.zeros(2, dtype=numpy.int64)
+
+    def gather(limit: int) -> int:
+        return _blockcopy.gather(addresses(pages, ids), rows.data_ptr(), rows.stride(0),
+                                 offsets, sizes, True, 0, 256, False, progress, limit)
+
+    assert gather(5) == 5 and progress[1] == 5
+    assert torch.equal(rows[:5, :256], pages[0][:5]) and not rows[5:].any()
+    assert gather(0) == 7 and progress[1] == 12
+    rows.zero_()
+    assert gather(0) == 0 and not rows.any()
+    assert _blockcopy.gather(addresses(pages, ids), rows.data_ptr(), rows.stride(0), offsets,
+                             sizes, True, 0, 256, False) == 12

@@ -14,6 +14,7 @@ import pytest
 import torch
 from anyio.abc import ObjectReceiveStream
 
+from pipeline.backends import cpu_copy
 from pipeline.backends.cpu_copy import (
     CopyThreads,
     CpuCopyEngine,
@@ -486,23 +487,27 @@ def test_shared_tensors_are_stored_once_per_value() -> None:
     assert groups[0].value_bytes == 2 * 4 * 2 * 4
 
 
-@pytest.mark.parametrize(("threads", "inline_bytes"), [(1, 0), (2, 0), (3, 0), (2, 1 << 20)])
+@pytest.mark.parametrize(("threads", "inline_bytes", "alone"), [
+    (1, 0, False), (2, 0, False), (3, 0, False), (2, 1 << 20, False),
+    (2, 0, True), (3, 0, True),  # shared by the event loop's thread and the workers
+])
 async def test_split_copies_round_trip_and_verify_each_row(
-    hybrid: Harness, threads: int, inline_bytes: int
+    hybrid: Harness, threads: int, inline_bytes: int, alone: bool
 ) -> None:
-    """A batch's copy, split across threads or done inline, moves every byte, and the
-    checksums checked row by row in parts fail exactly the corrupted value, which never
-    reaches the engine."""
+    """A batch's copy, split across threads, shared with the event loop's thread or done
+    inline, moves every byte of values in two runs, and the checksums checked row by row
+    fail exactly the corrupted value, which never reaches the engine."""
     geometry = hybrid.session.store_groups[0]  # two K/V-first layers: four segments
     copy = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=0,
                        inline_bytes=inline_bytes)
-    values = torch.zeros(5, geometry.stored_bytes, dtype=torch.uint8)
+    memory = torch.zeros(6, geometry.stored_bytes, dtype=torch.uint8)
+    values = [memory[i] for i in (0, 1, 2, 4, 5)]  # a gap at 3: two runs
     before = hybrid.snapshot()
     with anyio.fail_after(TIMEOUT_S):
-        await gather_and_seal(copy, geometry, [1, 2, 3, 4, 5], list(values))
-        values[3, 0] ^= 0xFF
+        await gather_and_seal(copy, geometry, [1, 2, 3, 4, 5], values, alone=lambda: alone)
+        values[3][0] ^= 0xFF
         intact = await verify_and_scatter(
-            copy, geometry, [11, 12, 13, 14, 15], list(values)
+            copy, geometry, [11, 12, 13, 14, 15], values, alone=lambda: alone
         )
     assert intact == [True, True, True, False, True]
     for source, target in ((1, 11), (2, 12), (3, 13), (5, 15)):
@@ -570,9 +575,11 @@ async def test_copy_parts_cover_every_value_once_in_adjacent_runs(
     views = [memory[i * 16 : (i + 1) * 16] for i in (0, 1, 2, 4, 5, 6, 7)]  # a gap at 3
     calls: list[tuple[int, list[tuple[int, int]]]] = []
 
-    def work(pieces: Sequence[Piece]) -> None:
+    def work(pieces: Sequence[Piece], progress: object, limit: int) -> int:
+        assert progress is None and limit == 0
         calls.append((threading.get_ident(),
                       [(start, int(rows.shape[0])) for start, rows in pieces]))
+        return sum(int(rows.shape[0]) for _, rows in pieces)
 
     copy = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=split_bytes,
                        inline_bytes=inline_bytes)
@@ -586,6 +593,94 @@ async def test_copy_parts_cover_every_value_once_in_adjacent_runs(
     assert all((ident == threading.get_ident()) == inline for ident, _ in calls)
     if parts == 1:
         assert calls[0][1] == [(0, 3), (3, 4)]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+async def test_a_copy_shared_with_the_loop_offers_every_run_to_it_and_all_threads_but_one(
+    threads: int,
+) -> None:
+    """``alone``: the event loop's thread and all worker threads but one are each handed
+    every run, with one progress table between them; the call returns only once the
+    workers have too when the values are not all done (here none ever is)."""
+    memory = torch.zeros(8 * 16, dtype=torch.uint8)
+    views = [memory[i * 16 : (i + 1) * 16] for i in (0, 1, 2, 4, 5, 6, 7)]  # a gap at 3
+    calls: list[tuple[int, list[tuple[int, int]], object]] = []
+
+    def work(pieces: Sequence[Piece], progress: object, limit: int) -> int:
+        calls.append((threading.get_ident(),
+                      [(start, int(rows.shape[0])) for start, rows in pieces], progress))
+        return 0  # claims nothing, and marks nothing done
+
+    copy = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=0, inline_bytes=0)
+    with anyio.fail_after(TIMEOUT_S):
+        await copy.run(views, 16, work, alone=lambda: True)
+    assert len(calls) == threads
+    assert sum(ident == threading.get_ident() for ident, _, _ in calls) == 1
+    assert all(pieces == [(0, 3), (3, 4)] for _, pieces, _ in calls)
+    progress = calls[0][2]
+    assert all(table is progress for _, _, table in calls)
+    assert getattr(progress, "shape", None) == (2, 2)
+
+
+async def test_a_copy_shared_with_the_loop_is_done_while_every_worker_thread_is_busy(
+    hybrid: Harness,
+) -> None:
+    """The event loop's thread copies whatever no worker claims: with both threads held
+    by other work, a shared save and load still move every byte."""
+    geometry = hybrid.session.store_groups[0]
+    threads = WorkerThreads(2, name="test")
+    copy = CopyThreads(threads, split_bytes=0, inline_bytes=0)
+    values = list(torch.zeros(4, geometry.stored_bytes, dtype=torch.uint8))
+    before = hybrid.snapshot()
+    release = threading.Event()
+    held = threads.submit([release.wait, release.wait])
+    try:
+        with anyio.fail_after(TIMEOUT_S):
+            await gather_and_seal(copy, geometry, [1, 2, 3, 4], values, alone=lambda: True)
+            intact = await verify_and_scatter(copy, geometry, [11, 12, 13, 14], values,
+                                              alone=lambda: True)
+    finally:
+        release.set()
+    with anyio.fail_after(TIMEOUT_S):
+        await held
+        await threads.run_each([lambda: None, lambda: None])  # the leftover shares ran
+    assert intact == [True] * 4
+    for source, target in ((1, 11), (2, 12), (3, 13), (4, 14)):
+        for layer in ("attn.0", "attn.1"):
+            assert torch.equal(hybrid.block(layer, target), before[layer][:, source])
+
+
+async def test_a_shared_copy_goes_back_to_the_threads_once_the_loop_is_not_alone(
+    hybrid: Harness, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Asked after each slice, a loop no longer alone hands the rest of its share to a
+    worker thread and waits instead of copying on: with both threads held, the copy
+    ends only once they are free, and it lands byte for byte."""
+    monkeypatch.setattr(cpu_copy, "SHARED_SLICE_BYTES", 1)  # a slice of one value
+    geometry = hybrid.session.store_groups[0]
+    threads = WorkerThreads(2, name="test")
+    copy = CopyThreads(threads, split_bytes=0, inline_bytes=0)
+    expected = list(torch.zeros(4, geometry.stored_bytes, dtype=torch.uint8))
+    values = list(torch.zeros(4, geometry.stored_bytes, dtype=torch.uint8))
+    answers = iter([True, True, False])  # at the start, after one value, after two
+    copied = anyio.Event()
+
+    async def save() -> None:
+        await gather_and_seal(copy, geometry, [1, 2, 3, 4], values,
+                              alone=lambda: next(answers))
+        copied.set()
+
+    with anyio.fail_after(TIMEOUT_S):
+        await gather_and_seal(copy, geometry, [1, 2, 3, 4], expected)
+        release = threading.Event()
+        held = threads.submit([release.wait, release.wait])
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(save)
+            await anyio.sleep(0.05)
+            assert not copied.is_set()
+            release.set()
+        await held
+    assert all(torch.equal(a, b) for a, b in zip(values, expected, strict=True))
 
 
 async def test_a_missing_key_fails_the_block_and_never_scatters(hybrid: Harness) -> None:
