@@ -4,7 +4,9 @@ Saves gather engine blocks into the values and seal each value's checksum; loads
 each value, then scatter the intact ones into engine blocks. A batch is cut into parts
 of adjacent values, one worker thread each (``CopyThreads``): a thread checksums exactly
 the values it copied, so a batch costs one hand-off per part, and a small batch none (it
-is copied on the event loop, quicker than a hand-off).
+is copied on the event loop, quicker than a hand-off). While the event loop has nothing
+else to do, its own thread takes part, value by value, rather than sleep until the
+threads have woken, copied and woken it in turn.
 
 A run of adjacent values is one call into ``_blockcopy`` (``native/blockcopy.c``), which
 copies every page and hashes it without the GIL. Copy threads that called torch once
@@ -115,7 +117,8 @@ values (0: no limit) (``_blockcopy``)."""
 
 
 class CopyThreads:
-    """Runs one batch's copy: small ones inline, others in parts, one worker thread each.
+    """Runs one batch's copy: small ones inline, others in parts, one worker thread each,
+    or, while the event loop has nothing else to do, shared with it (``_shared``).
 
     Torch runs single-threaded in the sidecar (see ``service``): an OpenMP team per call
     would cost a wake-up per segment. A part is a range of adjacent values, so each
@@ -223,15 +226,10 @@ def _gather_and_seal(geometry: StoreGroupGeometry, pages: Any, stream: bool,
                      limit: int) -> int:
     offsets, sizes = geometry.segment_table[2:]
     seed = geometry.checksum_seed
-    copied = 0
-    for index, (start, rows) in enumerate(pieces):
-        if limit and copied == limit:
-            break
-        copied += _blockcopy.gather(
-            pages[start : start + rows.shape[0]], rows.data_ptr(), rows.stride(0), offsets,
-            sizes, seed is not None, seed or 0, geometry.value_bytes, stream,
-            None if progress is None else progress[index], limit and limit - copied)
-    return copied
+    return _each_run(pieces, progress, limit, lambda start, rows, shared, most: (
+        _blockcopy.gather(pages[start : start + rows.shape[0]], rows.data_ptr(),
+                          rows.stride(0), offsets, sizes, seed is not None, seed or 0,
+                          geometry.value_bytes, stream, shared, most)))
 
 
 def _verify_and_scatter(geometry: StoreGroupGeometry, pages: Any, stream: bool,
@@ -239,15 +237,24 @@ def _verify_and_scatter(geometry: StoreGroupGeometry, pages: Any, stream: bool,
                         progress: numpy.ndarray | None, limit: int) -> int:
     offsets, sizes = geometry.segment_table[2:]
     seed = geometry.checksum_seed
+    return _each_run(pieces, progress, limit, lambda start, rows, shared, most: (
+        _blockcopy.scatter(pages[start : start + rows.shape[0]], rows.data_ptr(),
+                           rows.stride(0), offsets, sizes, seed is not None, seed or 0,
+                           geometry.value_bytes, intact[start : start + rows.shape[0]],
+                           stream, shared, most)))
+
+
+def _each_run(pieces: Sequence[Piece], progress: numpy.ndarray | None, limit: int,
+              copy: Callable[[int, torch.Tensor, Any, int], int]) -> int:
+    """``copy(start, rows, shared, most)`` over each run in turn (``shared``: its row of
+    ``progress``, or None; ``most``: the values it may copy, 0: any), at most ``limit``
+    values in all (0: no limit): the values copied."""
     copied = 0
     for index, (start, rows) in enumerate(pieces):
         if limit and copied == limit:
             break
-        copied += _blockcopy.scatter(
-            pages[start : start + rows.shape[0]], rows.data_ptr(), rows.stride(0), offsets,
-            sizes, seed is not None, seed or 0, geometry.value_bytes,
-            intact[start : start + rows.shape[0]], stream,
-            None if progress is None else progress[index], limit and limit - copied)
+        copied += copy(start, rows, None if progress is None else progress[index],
+                       limit and limit - copied)
     return copied
 
 
