@@ -79,8 +79,11 @@ class FastSocket:
         self._recheck()
 
     def readable(self) -> bool:
-        """Whether a frame has arrived that no one has taken yet."""
-        return bool(cast(int, self._now.get(zmq.EVENTS)) & zmq.POLLIN)
+        """Whether a frame has arrived that no one has taken yet. Reading the events takes
+        in the change the descriptor signalled, so whoever waits for it is woken here."""
+        events = cast(int, self._now.get(zmq.EVENTS))
+        self._wake(events)
+        return bool(events & zmq.POLLIN)
 
     async def recv_multipart(self) -> list[bytes]:
         waited = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import anyio
@@ -184,3 +185,35 @@ async def test_a_socket_says_whether_a_frame_waits_to_be_received(tmp_path: Path
             assert not server.readable()
     finally:
         close(context, [router, dealer], server, client)
+
+
+async def test_asking_whether_a_frame_waits_wakes_a_receive_waiting_for_it(
+    tmp_path: Path,
+) -> None:
+    """Reading the socket's events takes in the change its descriptor signalled. Asked
+    by another task while a receive waits (a copy asks whether it is still alone),
+    ``readable`` wakes that receive, which would otherwise wait for a change to come.
+    The event loop is held while the frame arrives, so the question comes first."""
+    context = zmq.asyncio.Context()
+    router, (dealer,) = pair(tmp_path, context, clients=1)
+    server = FastSocket(router)
+    received: list[list[bytes]] = []
+    done = anyio.Event()
+
+    async def receive() -> None:
+        received.append(await server.recv_multipart())
+        done.set()
+
+    try:
+        with anyio.fail_after(TIMEOUT_S):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(receive)
+                await anyio.sleep(0.05)  # the receive waits on the descriptor
+                zmq.Socket.shadow(dealer.underlying).send(b"frame")
+                while not server.readable():  # the event loop held: no wake-up runs
+                    time.sleep(0.001)  # noqa: ASYNC251
+                with anyio.fail_after(2):
+                    await done.wait()
+        assert received[0][1] == b"frame"
+    finally:
+        close(context, [router, dealer], server)
