@@ -79,11 +79,8 @@ class FastSocket:
         self._recheck()
 
     def readable(self) -> bool:
-        """Whether a frame has arrived that no one has taken yet. Reading the events takes
-        in the change the descriptor signalled, so whoever waits for it is woken here."""
-        events = cast(int, self._now.get(zmq.EVENTS))
-        self._wake(events)
-        return bool(events & zmq.POLLIN)
+        """Whether a frame has arrived that no one has taken yet."""
+        return bool(self._events() & zmq.POLLIN)
 
     async def recv_multipart(self) -> list[bytes]:
         waited = False
@@ -117,7 +114,7 @@ class FastSocket:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # the first wait, or a socket passed to another loop
             self.close()
-            loop.add_reader(self._now.FD, self._signalled)
+            loop.add_reader(self._now.FD, self._events)
             self._loop = loop
         waiter = loop.create_future()
         self._waiters[event].append(waiter)
@@ -128,12 +125,16 @@ class FastSocket:
             if waiter in waiters:  # cancelled before it was woken
                 waiters.remove(waiter)
 
-    def _signalled(self) -> None:
-        self._wake(cast(int, self._now.get(zmq.EVENTS)))
+    def _events(self) -> int:
+        """The socket's events, and whoever waits for one of them woken: reading them
+        takes in the change the descriptor signalled, which it will not signal again."""
+        events = cast(int, self._now.get(zmq.EVENTS))
+        self._wake(events)
+        return events
 
     def _recheck(self) -> None:
         if self._waiters[zmq.POLLIN] or self._waiters[zmq.POLLOUT]:
-            self._wake(cast(int, self._now.get(zmq.EVENTS)))
+            self._events()
 
     def _wake(self, events: int) -> None:
         for event, waiters in self._waiters.items():
