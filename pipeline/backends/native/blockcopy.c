@@ -128,12 +128,16 @@ static int plan_check(Plan *plan) {
 /* A run's values are copied in order by one caller or, shared (progress: int64 [2], the
    values claimed so far and the values done), by every caller given the same progress,
    each value by whichever claims it first: callers that start at different times still
-   finish together, and one that may copy only so many (limit) leaves the rest to the
-   others. Returns the next value to copy (past the last: none left). */
-static Py_ssize_t claim(int64_t *progress, Py_ssize_t *next) {
-    if (!progress)
-        return (*next)++;
-    return (Py_ssize_t)__atomic_fetch_add(&progress[0], 1, __ATOMIC_RELAXED);
+   finish together, and one that may copy only so many (limit > 0, of which it has
+   copied copied) leaves the rest to the others. Returns the next of the run's values
+   to copy, or -1: none is left, or the limit is reached. */
+static Py_ssize_t claim(int64_t *progress, Py_ssize_t *next, Py_ssize_t values,
+                        Py_ssize_t limit, Py_ssize_t copied) {
+    if (limit > 0 && copied >= limit)
+        return -1;
+    Py_ssize_t v = progress ? (Py_ssize_t)__atomic_fetch_add(&progress[0], 1, __ATOMIC_RELAXED)
+                            : (*next)++;
+    return v < values ? v : -1;
 }
 
 /* A shared value is done once every thread sees its bytes (streamed stores fenced). */
@@ -185,8 +189,7 @@ static PyObject *gather(PyObject *module, PyObject *args) {
     const int64_t *pages = plan.pages.buf, *offsets = plan.offsets.buf, *sizes = plan.sizes.buf;
     Py_BEGIN_ALLOW_THREADS
     XXH3_state_t state;
-    for (Py_ssize_t next = 0, v;
-         (limit <= 0 || copied < limit) && (v = claim(progress, &next)) < plan.values;
+    for (Py_ssize_t next = 0, v; (v = claim(progress, &next, plan.values, limit, copied)) >= 0;
          copied++) {
         char *row = (char *)(uintptr_t)(rows + v * row_stride);
         if (seal)
@@ -247,8 +250,7 @@ static PyObject *scatter(PyObject *module, PyObject *args) {
     const int64_t *pages = plan.pages.buf, *offsets = plan.offsets.buf, *sizes = plan.sizes.buf;
     unsigned char *ok = intact.buf;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t next = 0, v;
-         (limit <= 0 || copied < limit) && (v = claim(progress, &next)) < plan.values;
+    for (Py_ssize_t next = 0, v; (v = claim(progress, &next, plan.values, limit, copied)) >= 0;
          copied++) {
         const char *row = (const char *)(uintptr_t)(rows + v * row_stride);
         /* The whole value is checked before a byte of it reaches the engine; the copy
