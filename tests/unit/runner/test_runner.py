@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -511,6 +513,21 @@ async def no_failure(item: int, error: StoreError) -> None:
     raise AssertionError("no item fails here")
 
 
+@contextlib.asynccontextmanager
+async def running(graph: Graph[int]) -> AsyncIterator[list[int]]:
+    """The graph running, every worker waiting for items, and the replies its sink gets
+    as they come; the block closes the path's entrance, and ends once it has drained."""
+    replies: list[int] = []
+
+    async def sink(reply: int) -> None:
+        replies.append(reply)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
+        await anyio.wait_all_tasks_blocked()
+        yield replies
+
+
 async def test_an_item_not_run_whole_is_handed_to_the_stage_its_path_runs_inline_until(
 ) -> None:
     """Not whole, run_inline runs the stages before inline_until in the caller's task,
@@ -522,15 +539,8 @@ async def test_an_item_not_run_whole_is_handed_to_the_stage_its_path_runs_inline
     waits: list[str] = []
     first_inbox.on_wait(lambda s: waits.append("first"))
     second_inbox.on_wait(lambda s: waits.append("second"))
-    replies: list[int] = []
-
-    async def sink(reply: int) -> None:
-        replies.append(reply)
-
     with anyio.fail_after(TIMEOUT_S):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
-            await anyio.wait_all_tasks_blocked()
+        async with running(graph) as replies:
             me = anyio.get_current_task().id
             assert await graph.run_inline("p", 3, whole=False)
             assert replies == [] and first.tasks == [me]
@@ -548,15 +558,8 @@ async def test_an_item_not_run_whole_goes_behind_queued_items_and_needs_room_whe
     and while the inbox it would be handed to is full."""
     first, second = Double(), Double()
     graph = two_doublings(first, second, inbox=1)
-    replies: list[int] = []
-
-    async def sink(reply: int) -> None:
-        replies.append(reply)
-
     with anyio.fail_after(TIMEOUT_S):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
-            await anyio.wait_all_tasks_blocked()
+        async with running(graph) as replies:
             entrance = graph.entrance("p")
             await entrance.send(100)  # the first stage's worker waits on its gate
             await anyio.wait_all_tasks_blocked()
