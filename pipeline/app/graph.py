@@ -105,7 +105,7 @@ LOOKUP = (Spec("lookup", lambda r: LookupStage(
 
 SAVE_COMPLETION, LOAD_COMPLETION = "save.completion", "load.completion"
 """Finished jobs' lanes: a load's reply never queues behind a backlog of save replies.
-A finished load is answered by whoever finished it, while its lane is idle
+A finished job is answered by whoever finished it, while its lane is idle
 (``Graph.inline_first``): its reply does not wait behind everything else ready on the
 event loop."""
 
@@ -130,7 +130,8 @@ def paths(config: Config) -> list[PathSpec[Resources]]:
         PathSpec("load", LOAD, when_full="wait (loads are never dropped)", inline=True,
                  inline_until="scatter"),
         PathSpec("lookup", LOOKUP, replies=True, inline=True),
-        PathSpec(SAVE_COMPLETION, (COMPLETION,), replies=True, fed_by_stages=True),
+        PathSpec(SAVE_COMPLETION, (COMPLETION,), replies=True, fed_by_stages=True,
+                 inline=True),
         PathSpec(LOAD_COMPLETION, (COMPLETION,), replies=True, fed_by_stages=True,
                  inline=True),
     ]

@@ -144,7 +144,7 @@ class Sidecar:
             open_step_event=_step_events(config),
         )
         self.graph = build_graph(config)
-        self.tracker = JobTracker(self.graph.entrance(SAVE_COMPLETION),
+        self.tracker = JobTracker(self.graph.inline_first(SAVE_COMPLETION),
                                   self.graph.inline_first(LOAD_COMPLETION), history=history)
         self.metrics = self._metrics()
         self.receiver = Receiver(

@@ -981,6 +981,41 @@ async def test_a_batch_of_several_jobs_settles_each_once_its_last_block_is_in() 
     ]
 
 
+
+async def test_a_job_answered_at_once_is_recorded_in_the_history_after_its_reply() -> None:
+    """A lane that answers a finished save at once (as ``Graph.inline_first`` does) forgets
+    the job's blocks while answering it; the history hears what came of each block all
+    the same, once the reply is out."""
+    h = harness([full(4, "a")])
+    history = BlockHistory(64)
+    replies: list[SaveDone | LoadDone] = []
+
+    class AnsweringLane:
+        async def send(self, job: Job) -> None:
+            reply = await CompletionStage(tracker).process(job)
+            replies.append(reply.message)
+            # Not yet in the history: the engine was not kept waiting for it.
+            heard.extend(history.why(task.key, prefix, (0, task.block_hash),
+                                     Presence.ABSENT, RequestKeys())[0] for task in planned)
+
+    tracker = JobTracker(AnsweringLane(), history=history)
+    prefix = h.session.store_groups[0].keys.own
+    heard: list[Verdict] = []
+    job = Job(h.session, save(tokens(8), [1, 2]))
+    tracker.accept(job)
+    await GroupFilterStage(tracker).process(job)
+    await HashingStage(tracker, h.limiter).process(job)
+    planned = list(job.planned)
+    await tracker.settle_each(planned, [STORED, STORE_FULL])
+    assert [r.status for r in replies[0].blocks] == [BlockStatus.STORED, BlockStatus.SKIPPED]
+    assert job.planned == [] and tracker.open_jobs == 0
+    assert heard == [Verdict.NEVER_STORED, Verdict.NEVER_STORED]
+    assert [history.why(task.key, prefix, (0, task.block_hash), Presence.ABSENT,
+                        RequestKeys())[:2] for task in planned] == [
+        (Verdict.EVICTED, "stored, since gone from the store"),
+        (Verdict.SKIPPED, "store_full"),
+    ]
+
 async def test_an_abandoned_job_fails_only_its_unsettled_blocks(hybrid: Harness) -> None:
     """On abort, an open job keeps the outcomes already settled; the rest fail."""
     job = hybrid.job(save(tokens(8), [1, 2], [9], [0, 3]))
