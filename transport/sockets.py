@@ -33,6 +33,10 @@ import zmq.asyncio
 
 __all__ = ["FastSocket"]
 
+# Plain ints: pyzmq's constants are enum flags, and ``events & zmq.POLLIN`` builds an
+# enum member each time (0.6 µs against 0.03), several times a request.
+_IN, _OUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+
 
 class FastSocket:
     """A ZMQ socket's sends and receives for asyncio, the non-blocking way first. The
@@ -47,7 +51,7 @@ class FastSocket:
         self._fair = fair
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: dict[int, deque[asyncio.Future[None]]] = {
-            zmq.POLLIN: deque(), zmq.POLLOUT: deque()}
+            _IN: deque(), _OUT: deque()}
         self._sends_waiting = 0
 
     async def send_multipart(self, frames: list[bytes]) -> None:
@@ -61,7 +65,7 @@ class FastSocket:
         self._sends_waiting += 1
         try:
             while True:
-                await self._wait(zmq.POLLOUT)
+                await self._wait(_OUT)
                 try:
                     self.send_now(frames)
                 except zmq.Again:
@@ -80,7 +84,7 @@ class FastSocket:
 
     def readable(self) -> bool:
         """Whether a frame has arrived that no one has taken yet."""
-        return bool(self._events() & zmq.POLLIN)
+        return bool(self._events() & _IN)
 
     async def recv_multipart(self) -> list[bytes]:
         waited = False
@@ -94,7 +98,7 @@ class FastSocket:
                     pass
                 else:
                     break
-            await self._wait(zmq.POLLIN)
+            await self._wait(_IN)
             waited = True
         self._recheck()
         if self._fair and not waited:  # a wait has let the others run already
@@ -133,7 +137,7 @@ class FastSocket:
         return events
 
     def _recheck(self) -> None:
-        if self._waiters[zmq.POLLIN] or self._waiters[zmq.POLLOUT]:
+        if self._waiters[_IN] or self._waiters[_OUT]:
             self._events()
 
     def _wake(self, events: int) -> None:
