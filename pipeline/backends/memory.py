@@ -17,7 +17,7 @@ from typing import Generic, TypeVar, cast
 import anyio
 import torch
 
-from pipeline.backends.cpu_copy import page_addresses, seal_in_place
+from pipeline.backends.cpu_copy import ChecksumHelpers, page_addresses, seal_in_place
 from pipeline.backends.staging import Slot, StagingPool
 from pipeline.core.errors import StoreCallAbandoned, StoreError
 from pipeline.core.geometry import StoreGroupGeometry
@@ -189,6 +189,12 @@ class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
     The memory stays mapped until every such call has returned (``RegisteredMapping``).
     """
 
+    def __init__(self, pool: StagingPool, store: PiecewiseKVStore, *, skip_when_full: bool,
+                 helpers: ChecksumHelpers | None = None) -> None:
+        """``helpers`` share a large batch's checksums with the store's thread."""
+        super().__init__(pool, store, skip_when_full=skip_when_full)
+        self._helpers = helpers
+
     async def _put(self, values: Values) -> list[KeyOutcome]:
         hold = cast(_PiecesHold, values.hold)
         return await self._call(
@@ -235,7 +241,7 @@ class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
         if sealed:
             into = rows[:, CHECKSUM_BYTES:] if loading else rows
             checksums = functools.partial(seal_in_place, geometry, list(block_ids),
-                                          list(into.unbind(0)))
+                                          list(into.unbind(0)), helpers=self._helpers)
         views: list[torch.Tensor | None] = list(rows.unbind(0))
         return Values(list(keys), views, [STORED] * len(keys),
                       _PiecesHold(self._pool, slot, pieces, checksums))

@@ -22,7 +22,7 @@ import pytest_asyncio
 import torch
 from anyio.streams.text import TextReceiveStream
 
-from pipeline.backends.cpu_copy import InPlaceCopyEngine
+from pipeline.backends.cpu_copy import ChecksumHelpers, InPlaceCopyEngine
 from pipeline.backends.memory import InPlaceMemory
 from pipeline.backends.staging import StagingPool
 from pipeline.core.config import MooncakeStoreConfig
@@ -545,9 +545,10 @@ class InPlace:
     layers: list[torch.Tensor]
 
 
-async def in_place_engine(store: MooncakeStore) -> InPlace:
+async def in_place_engine(store: MooncakeStore,
+                          helpers: ChecksumHelpers | None = None) -> InPlace:
     """A two-layer engine's memory registered with ``store``, its store group, and the
-    in-place memory and copy engine over them (checksums on)."""
+    in-place memory and copy engine over them (checksums on, shared with ``helpers``)."""
     layout = KVCacheLayout.from_dict({"model": "m", "groups": [
         {"kind": "full_attention", "block_size": 16, "layers": ["a", "b"]}]})
     layers = [torch.randint(0, 256, (32, 2, 16, 1024), dtype=torch.uint8) for _ in range(2)]
@@ -557,19 +558,23 @@ async def in_place_engine(store: MooncakeStore) -> InPlace:
         layout, {name: (layer, 0) for name, layer in zip("ab", layers, strict=True)})
     pool = StagingPool(4 * 4096, 4096, load_slots=1)
     await store.register_buffer(pool.buffer)
-    return InPlace(geometry, pool, InPlaceMemory(pool, store, skip_when_full=False),
+    return InPlace(geometry, pool,
+                   InPlaceMemory(pool, store, skip_when_full=False, helpers=helpers),
                    InPlaceCopyEngine(), layers)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["alone", "checksums shared"])
 async def test_values_moved_in_place_load_byte_exact_into_other_blocks(
-    master: EmbeddedMaster, request: pytest.FixtureRequest,
+    master: EmbeddedMaster, request: pytest.FixtureRequest, shared: bool,
 ) -> None:
     """Saved from engine blocks and loaded into others with no copy in between: every
-    page arrives, every checksum checks, and the staging pool holds only checksums."""
+    page arrives, every checksum checks, and the staging pool holds only checksums;
+    alike when a helper thread shares the checksums of every batch."""
     keys = [f"{request.node.name}-{i}" for i in range(3)]
+    helpers = ChecksumHelpers(1, share_bytes=0) if shared else None
     with anyio.fail_after(30):
         async with await open_mooncake_store(client_config(master)) as store:
-            kv = await in_place_engine(store)
+            kv = await in_place_engine(store, helpers)
             saved = await kv.memory.reserve(kv.geometry, [1, 2, 3], keys)
             await kv.engine.gather(kv.geometry, [1, 2, 3], saved.views)
             assert await kv.memory.store(saved) == [STORED] * 3
@@ -579,6 +584,8 @@ async def test_values_moved_in_place_load_byte_exact_into_other_blocks(
             loaded.release()
             for layer in kv.layers:
                 store.unregister_memory(layer.view(-1))
+    if helpers is not None:
+        helpers.close()
     assert kv.pool.free_slots("load") == 1 and kv.pool.free_slots("save") == 3
     for layer in kv.layers:
         assert torch.equal(layer[7:10], layer[1:4])

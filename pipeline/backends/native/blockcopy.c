@@ -279,36 +279,50 @@ static PyObject *scatter(PyObject *module, PyObject *args) {
 
 static PyObject *digests(PyObject *module, PyObject *args) {
     Plan plan = {0}; /* no offsets: a digest reads pages where they lie */
-    Py_buffer out;
+    Py_buffer out, shared = {0};
+    PyObject *share = Py_None;
+    int64_t *progress;
+    Py_ssize_t copied = 0;
     unsigned long long seed;
-    if (!PyArg_ParseTuple(args, "y*y*Kw*:digests", &plan.pages, &plan.sizes, &seed, &out))
+    if (!PyArg_ParseTuple(args, "y*y*Kw*|O:digests", &plan.pages, &plan.sizes, &seed, &out,
+                          &share))
         return NULL;
+    if (progress_of(share, &shared, &progress) < 0) {
+        plan_release(&plan);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
     if (plan_check(&plan) < 0) {
         PyBuffer_Release(&out);
+        PyBuffer_Release(&shared);
         return NULL;
     }
     if (out.len != plan.values * (Py_ssize_t)sizeof(uint64_t)) {
         PyErr_SetString(PyExc_ValueError, "out must hold 8 bytes per value");
         plan_release(&plan);
         PyBuffer_Release(&out);
+        PyBuffer_Release(&shared);
         return NULL;
     }
     const int64_t *pages = plan.pages.buf, *sizes = plan.sizes.buf;
     char *digest_at = out.buf;
     Py_BEGIN_ALLOW_THREADS
     XXH3_state_t state;
-    for (Py_ssize_t v = 0; v < plan.values; v++) {
+    for (Py_ssize_t next = 0, v; (v = claim(progress, &next, plan.values, 0, copied)) >= 0;
+         copied++) {
         XXH3_64bits_reset_withSeed(&state, seed);
         for (Py_ssize_t s = 0; s < plan.segments; s++)
             XXH3_64bits_update(&state, (const void *)(uintptr_t)pages[v * plan.segments + s],
                                (size_t)sizes[s]);
         uint64_t digest = XXH3_64bits_digest(&state);
         memcpy(digest_at + v * CHECKSUM_BYTES, &digest, CHECKSUM_BYTES);
+        value_done(progress, 0);
     }
     Py_END_ALLOW_THREADS
     plan_release(&plan);
     PyBuffer_Release(&out);
-    Py_RETURN_NONE;
+    PyBuffer_Release(&shared);
+    return PyLong_FromSsize_t(copied);
 }
 
 static double seconds_now(void) {
@@ -386,8 +400,9 @@ static PyMethodDef methods[] = {
      "wait_done(progress, values, spin_s)\n"
      "Spin until the shared runs' values are all done, for at most spin_s: whether they are."},
     {"digests", digests, METH_VARARGS,
-     "digests(pages, sizes, seed, out)\n"
-     "Each value's checksum over its pages where they lie, into out (8 bytes each)."},
+     "digests(pages, sizes, seed, out[, progress])\n"
+     "Each value's checksum over its pages where they lie, into out (8 bytes each);\n"
+     "progress: shared with other callers. Returns the values digested here."},
     {"stream_width", stream_width, METH_VARARGS,
      "stream_width([width])\n"
      "The bytes each streaming store writes (0: the CPU has none); with width, use that\n"

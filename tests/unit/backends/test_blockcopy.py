@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.backends import _blockcopy
+from pipeline.backends.cpu_copy import ChecksumHelpers
 from pipeline.core.integrity import CHECKSUM_BYTES, seal_rows, verify_rows
 
 
@@ -131,6 +132,32 @@ def test_digests_of_pages_where_they_lie_are_the_checksums_gather_seals() -> Non
         _blockcopy.digests(addresses(pages, ids), sizes, 123, numpy.zeros(2, numpy.uint64))
 
 
+def test_checksum_helpers_share_a_large_batch_and_never_wait_for_one_that_has_not_started(
+) -> None:
+    """A batch of ``share_bytes`` or more is digested by the calling thread and the
+    helpers together, to the same checksums as one call; with the helper's thread held
+    by other work, the caller digests every value itself and returns without it."""
+    pages = engine_pages(2, 40, 4096, seed=6)
+    ids = list(range(1, 33))
+    _, sizes = layout(pages)
+    expected = numpy.zeros(len(ids), dtype=numpy.uint64)
+    _blockcopy.digests(addresses(pages, ids), sizes, 7, expected)
+    helpers = ChecksumHelpers(1, share_bytes=len(ids) * 2 * 4096)
+    try:
+        shared = numpy.zeros(len(ids), dtype=numpy.uint64)
+        helpers.digests(addresses(pages, ids), sizes, 7, shared)
+        assert numpy.array_equal(shared, expected)
+        held, release = threading.Event(), threading.Event()
+        helpers._pool.submit(lambda: (held.set(), release.wait(10)))
+        assert held.wait(10)
+        alone = numpy.zeros(len(ids), dtype=numpy.uint64)
+        helpers.digests(addresses(pages, ids), sizes, 7, alone)
+        assert not release.is_set() and numpy.array_equal(alone, expected)
+        release.set()
+    finally:
+        helpers.close()
+
+
 def test_only_a_width_the_cpu_streams_can_be_chosen(
         stream_width: Callable[[int], None]) -> None:
     """The width of streaming stores is one this CPU has (16 on any x86-64, 32 with AVX);
@@ -186,6 +213,13 @@ def test_a_shared_run_is_copied_whole_however_many_threads_share_it(callers: int
     assert torch.equal(rows, expected)
     assert progress[1] == len(ids) and progress[0] >= len(ids)
     assert _blockcopy.wait_done(progress, len(ids), 0.0)
+
+    digests = numpy.zeros(len(ids), dtype=numpy.uint64)
+    progress[:] = 0
+    share(lambda: _blockcopy.digests(addresses(pages, ids), sizes, 5, digests, progress))
+    assert torch.equal(torch.from_numpy(digests.view(numpy.uint8).reshape(-1, 8)),
+                       expected[:, payload:])
+    assert progress[1] == len(ids)
 
     rows[7, 100] ^= 1
     targets = [torch.zeros_like(p) for p in pages]
