@@ -102,7 +102,9 @@ class BatchingStageConfig(StageConfig, frozen=True):
 class TransferStageConfig(StageConfig, frozen=True):
     threads: Positive = 2
     """Threads a batch's copy is split across (its layers, or its rows for checksums).
-    Saves and loads each have this many, so a load never waits behind a save's copy."""
+    Saves and loads each have this many, so a load never waits behind a save's copy.
+    Values moved in place are not copied: their checksums are shared by the store's
+    thread and this many less one helper threads."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Who copies: CPU threads, or CUDA streams for engines whose KV is in GPU memory
     (shared by IPC handle; CPU tensors are still copied by threads). With ``cpu`` a
