@@ -101,8 +101,9 @@ before were 30% slower streamed."""
 
 SHARED_SPIN_S = 0.0005
 """How long the event loop's thread, done with its share of a copy (``CopyThreads.run``,
-``alone``), spins for the last values in other threads' hands before it sleeps until
-they are done: about two values' copy at 1 MiB. A thread asleep is woken about 0.14 ms
+``alone``), or the store's thread, done with its share of a batch's checksums
+(``ChecksumHelpers``), spins for the last values in other threads' hands before it
+sleeps until they are done: about two values' copy at 1 MiB. A thread asleep is woken about 0.14 ms
 late on a small VM (measured: copy threads started 0.07 and 0.17 ms after a batch was
 handed over, and the event loop resumed 0.14 ms after the last of them returned)."""
 
