@@ -5,6 +5,7 @@ from __future__ import annotations
 from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORE_FULL, STORED, KeyOutcome, failed
 
 __all__ = [
+    "LEASE_EXPIRED",
     "NO_AVAILABLE_HANDLE",
     "OBJECT_ALREADY_EXISTS",
     "OBJECT_NOT_FOUND",
@@ -18,6 +19,7 @@ OK = 0
 NO_AVAILABLE_HANDLE = -200
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
+LEASE_EXPIRED = -707
 RPC_ERRORS = range(-999, -899)
 """Mooncake's RPC error codes: -900 (the master is gone), -901 (it did not answer)."""
 

@@ -3,7 +3,9 @@ segment. Every step fails fast with an error that says what to check."""
 
 from __future__ import annotations
 
+import json
 import urllib.parse
+import urllib.request
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -42,6 +44,10 @@ async def open_mooncake_store(config: MooncakeStoreConfig) -> MooncakeStore:
                 address = f"{metadata.hostname}:{metadata.port or default_port}"
                 await _probe(address, "metadata server", config)
         client = await _setup_client(store_module, config, endpoints)
+        # Asked before anything else is registered: the segment, and the client's own
+        # transfer buffer, are all the metadata lists of this client yet.
+        here = await _segment_here(config, endpoints, client) if (
+            config.in_place and config.read_here) else []
         replicate_config = replicate(store_module, config, client)
         store = MooncakeStore(
             client,
@@ -49,6 +55,7 @@ async def open_mooncake_store(config: MooncakeStoreConfig) -> MooncakeStore:
             replicate_config=replicate_config,
             master_address=endpoints.master_address,
             master=master,
+            here=here,
         )
         stack.pop_all()
     log.info(
@@ -73,6 +80,35 @@ def replicate(store_module: Any, config: MooncakeStoreConfig, client: Any) -> An
     if segment:
         replicate_config.preferred_segment = segment
     return replicate_config
+
+
+async def _segment_here(config: MooncakeStoreConfig, endpoints: MasterEndpoints,
+                        client: MooncakeClient) -> list[tuple[int, int]]:
+    """Where this client's memory registered with Mooncake lies, its segment among it, as
+    ``[start, end)`` ranges: from the descriptor the client published on an HTTP metadata
+    server. Empty when there is none to ask or it cannot say: loads then move through
+    Mooncake's get (``MooncakeStore``)."""
+    server = urllib.parse.urlsplit(endpoints.metadata_server)
+    if server.scheme not in ("http", "https"):
+        log.info("store.mooncake.read_here.off", reason="the metadata server is not HTTP",
+                 metadata_server=endpoints.metadata_server)
+        return []
+    key = urllib.parse.quote(f"mooncake/ram/{client.get_hostname()}", safe="")
+    url = f"{endpoints.metadata_server}?key={key}"
+
+    def ask() -> list[tuple[int, int]]:
+        with urllib.request.urlopen(url, timeout=config.call_timeout_s) as reply:
+            buffers = json.loads(reply.read())["buffers"]
+        return [(int(b["addr"]), int(b["addr"]) + int(b["length"])) for b in buffers]
+
+    try:
+        here = await anyio.to_thread.run_sync(ask)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("store.mooncake.read_here.off", metadata_server=endpoints.metadata_server,
+                    reason=f"the client's segment descriptor cannot be read: {exc}")
+        return []
+    log.info("store.mooncake.read_here.on", bytes=sum(end - start for start, end in here))
+    return here
 
 
 def _import_mooncake() -> Any:

@@ -40,6 +40,10 @@ Mooncake facts this module relies on (0.3.13):
   engine memory is registered on the event loop).
 - A multi-buffer put or get moves one value as the concatenation of its buffers, with
   the codes of the single-buffer calls (a get returns the bytes read, their total).
+- ``batch_get_replica_desc`` takes a read lease on each object it describes, as a get
+  does, and describes only complete objects. A memory replica's descriptor names the
+  segment's owner (``transport_endpoint``, ``get_hostname()`` for this client's own) and
+  where the bytes lie in that owner's memory (``buffer_address``).
   Setup retries an unreachable master for ~90 s, hence the TCP probe before it.
 """
 
@@ -49,6 +53,7 @@ import asyncio
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -65,8 +70,15 @@ from pipeline.backends.threads import WorkerThreads
 from pipeline.core.config import MooncakeStoreConfig
 from pipeline.core.errors import StoreCallAbandoned, StoreError
 from pipeline.core.outcomes import PRESENT, STORED, KeyOutcome, failed
-from pipeline.core.store import PRESENCE_OUTCOMES, Pieces, Presence, Seal
-from transport.mooncake_codes import OK, RPC_ERRORS, get_outcome, put_outcome
+from pipeline.core.store import PRESENCE_OUTCOMES, Pieces, Presence, ReadHere, Seal
+from transport.mooncake_codes import (
+    LEASE_EXPIRED,
+    OBJECT_NOT_FOUND,
+    OK,
+    RPC_ERRORS,
+    get_outcome,
+    put_outcome,
+)
 from transport.mooncake_master import EmbeddedMaster
 
 __all__ = ["MooncakeClient", "MooncakeStore"]
@@ -85,6 +97,7 @@ _ABANDONED_CLIENTS: list[object] = []
 class MooncakeClient(Protocol):
     """The part of ``mooncake.store.MooncakeDistributedStore`` this backend uses."""
 
+    def get_hostname(self) -> str: ...
     def register_buffer(self, buffer_ptr: int, size: int) -> int: ...
     def batch_is_exist(self, keys: list[str]) -> list[int]: ...
     def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[Any]]: ...
@@ -117,7 +130,11 @@ class MooncakeStore(AsyncResource):
         replicate_config: Any,
         master_address: str,
         master: EmbeddedMaster | None = None,
+        here: Sequence[tuple[int, int]] = (),
     ) -> None:
+        """``here``: where this client's own segment lies in this process's memory, as
+        ``[start, end)`` ranges: a load whose values all lie there is copied from there
+        (``get_pieces_into``'s ``read``). Empty: loads move through Mooncake's get."""
         self._client = client
         self._config = config
         self._replicate_config = replicate_config
@@ -136,6 +153,9 @@ class MooncakeStore(AsyncResource):
         self._when_returned: list[Callable[[], None]] = []
         self._unusable: str | None = None
         self._closed = False
+        self._here = list(here)
+        self._hostname = client.get_hostname() if here else ""
+        self._lease_s = config.kv_lease_ttl_ms / 1000
 
     @property
     def master_address(self) -> str:
@@ -260,12 +280,13 @@ class MooncakeStore(AsyncResource):
         return _complete(batch.outcomes)
 
     async def get_pieces_into(
-        self, keys: Sequence[str], buffers: Pieces, *, measure: Seal | None = None
+        self, keys: Sequence[str], buffers: Pieces, *, measure: Seal | None = None,
+        read: ReadHere | None = None,
     ) -> list[KeyOutcome]:
         batch = self._prepare_pieces(keys, buffers)
         if batch.keys:
             codes = await self._call(
-                "batch_get_into_multi_buffers", self._get_measured, batch, measure)
+                "batch_get_into_multi_buffers", self._get_measured, batch, measure, read)
             for i, code, sizes in zip(batch.index, codes, batch.sizes, strict=True):
                 batch.outcomes[i] = get_outcome(code, sum(sizes))
         return _complete(batch.outcomes)
@@ -446,15 +467,68 @@ class MooncakeStore(AsyncResource):
         return outcomes
 
 
-    def _get_measured(self, batch: _Batch[list[int]], measure: Seal | None) -> list[int]:
+    def _get_measured(self, batch: _Batch[list[int]], measure: Seal | None,
+                      read: ReadHere | None) -> list[int]:
         """In a worker thread: the get, then ``measure`` of the values got whole (the
-        caller's positions), in one hop."""
+        caller's positions), in one hop; or, when every value found lies in this
+        client's own segment, ``read`` of them from there (``_read_here``)."""
+        if read is not None and self._here:
+            codes = self._read_here(batch, read)
+            if codes is not None:
+                return codes
         codes = self._client.batch_get_into_multi_buffers(batch.keys, batch.ptrs, batch.sizes)
         self._raise_if_unreachable("batch_get_into_multi_buffers", codes)
         if measure is not None:
             measure([i for i, code, sizes in zip(batch.index, codes, batch.sizes, strict=True)
                      if code == sum(sizes)])
         return codes
+
+
+    def _read_here(self, batch: _Batch[list[int]], read: ReadHere) -> list[int] | None:
+        """In a worker thread: every value found copied by ``read`` from where it lies
+        in this client's own segment, with a get's codes (each value's size, or
+        -704 missing). None, having copied nothing, when a value found lies elsewhere or
+        has another size, or none was found: the get then moves the batch (and tells a
+        master that is gone from keys that are). The descriptors take a read lease on each
+        value. A value copied after its lease may have ended may have been evicted and
+        its memory reused meanwhile, so such a batch fails (-707, lease expired)."""
+        totals = [sum(sizes) for sizes in batch.sizes]
+        leased = time.monotonic()
+        replicas = self._client.batch_get_replica_desc(batch.keys)
+        if not replicas:
+            return None
+        codes: list[int] = []
+        positions: list[int] = []
+        sources: list[int] = []
+        for position, key, total in zip(batch.index, batch.keys, totals, strict=True):
+            descriptors = replicas.get(key)
+            if not descriptors:
+                codes.append(OBJECT_NOT_FOUND)
+                continue
+            address = self._address_here(descriptors, total)
+            if address is None:
+                return None
+            codes.append(total)
+            positions.append(position)
+            sources.append(address)
+        read(positions, sources)
+        if time.monotonic() - leased > self._lease_s / 2:
+            return [LEASE_EXPIRED if code >= 0 else code for code in codes]
+        return codes
+
+    def _address_here(self, descriptors: list[Any], size: int) -> int | None:
+        """Where a value of ``size`` bytes lies in this process: a memory replica in
+        this client's own segment, wholly inside it (None: no such replica)."""
+        for descriptor in descriptors:
+            if not descriptor.is_memory_replica():
+                continue
+            buffer = descriptor.get_memory_descriptor().buffer_descriptor
+            address = int(buffer.buffer_address)
+            if (buffer.transport_endpoint == self._hostname and int(buffer.size) == size
+                    and any(low <= address and address + size <= high
+                            for low, high in self._here)):
+                return address
+        return None
 
 
 def _value_sizes(replicas: dict[str, list[Any]]) -> dict[str, int]:

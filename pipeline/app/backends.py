@@ -16,8 +16,8 @@ from pipeline.backends.cpu_copy import (
     INLINE_BYTES,
     LOAD_INLINE_BYTES,
     LOAD_STREAM_BYTES,
-    ChecksumHelpers,
     CpuCopyEngine,
+    HelperThreads,
     InPlaceCopyEngine,
 )
 from pipeline.backends.faults import Faults, FaultyStore
@@ -148,9 +148,9 @@ async def open_backends(
             save_stream_bytes: int | None = None
             if in_place:
                 helpers = None
-                if config.store.checksum and transfer.threads > 1:
+                if transfer.threads > 1:
                     # The threads the copies would have: the store's thread is one.
-                    helpers = ChecksumHelpers(transfer.threads - 1)
+                    helpers = HelperThreads(transfer.threads - 1)
                     held.callback(helpers.close)
                 memory = InPlaceMemory(pool, guarded, skip_when_full=skip_when_full,
                                        helpers=helpers)

@@ -39,13 +39,14 @@ from pipeline.core.integrity import CHECKSUM_BYTES
 from pipeline.core.store import value_span
 
 __all__ = [
-    "ChecksumHelpers",
     "CopyThreads",
     "CpuCopyEngine",
+    "HelperThreads",
     "InPlaceCopyEngine",
     "Piece",
     "gather_and_seal",
     "page_addresses",
+    "read_in_place",
     "runs",
     "seal_in_place",
     "verify_and_scatter",
@@ -101,10 +102,10 @@ before were 30% slower streamed."""
 
 SHARED_SPIN_S = 0.0005
 """How long the event loop's thread, done with its share of a copy (``CopyThreads.run``,
-``alone``), or the store's thread, done with its share of a batch's checksums
-(``ChecksumHelpers``), spins for the last values in other threads' hands before it
-sleeps until they are done: about two values' copy at 1 MiB. A thread asleep is woken about 0.14 ms
-late on a small VM (measured: copy threads started 0.07 and 0.17 ms after a batch was
+``alone``), or the store's thread, done with its share of a batch's work
+(``HelperThreads``), spins for the last values in other threads' hands before it
+sleeps until they are done: about two values' copy at 1 MiB. A thread asleep is woken
+about 0.14 ms late on a small VM (measured: copy threads started 0.07 and 0.17 ms after a batch was
 handed over, and the event loop resumed 0.14 ms after the last of them returned)."""
 
 SHARED_SLICE_BYTES = 1 << 20
@@ -326,42 +327,51 @@ class CpuCopyEngine:
                 and len(views) * geometry.stored_bytes >= self._stream_bytes)
 
 
-class ChecksumHelpers:
-    """Threads that take part in the checksums of a batch moved in place
-    (``seal_in_place``) of ``share_bytes`` or more, beside the store's thread that works
-    them out. Each value goes to whichever thread claims it first (``_blockcopy``'s
-    shared runs): the store's thread starts at once and never waits for a helper to
-    wake, and a helper that has not started by the time every value is claimed is called
-    off. Measured at 1 request of 24 x 48 KiB x 16 in flight, where the other core is
-    idle meanwhile: 18 MiB were digested in 1.4 ms by two threads against 2.1 ms by one."""
+class HelperThreads:
+    """Threads that take part in a large batch's work in the store's thread, for values
+    moved in place: their checksums (``seal_in_place``) and the copies of values the
+    store holds in this process's memory (``read_in_place``), from ``share_bytes`` on.
+    Each value goes to whichever thread claims it first (``_blockcopy``'s shared runs):
+    the store's thread starts at once and never waits for a helper to wake, and a helper
+    that has not started by the time every value is claimed is called off. Measured at 1
+    request of 24 x 48 KiB x 16 in flight, where the other core is idle meanwhile: 18 MiB
+    were digested in 1.4 ms by two threads against 2.1 ms by one."""
 
     def __init__(self, threads: int, *, share_bytes: int = SPLIT_BYTES) -> None:
         self._threads = threads
         self._share_bytes = share_bytes
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            threads, thread_name_prefix="kvsidecar-checksum")
+            threads, thread_name_prefix="kvsidecar-helper")
+
+    def share(self, work: Callable[[numpy.ndarray | None], int], runs: int, values: int,
+              nbytes: int) -> None:
+        """``work(progress)`` in this thread, and with the helpers when the batch is
+        large enough: ``progress`` is the int64 ``[runs, 2]`` every caller shares (None:
+        not shared), through which the ``values`` of the runs are claimed."""
+        if values < 2 or nbytes < self._share_bytes:
+            work(None)
+            return
+        progress = numpy.zeros((runs, 2), dtype=numpy.int64)
+        helpers = [self._pool.submit(work, progress) for _ in range(self._threads)]
+        work(progress)
+        running = [helper for helper in helpers if not helper.cancel()]
+        # A helper still running has claimed a value: its pages are read until it is done.
+        if not _blockcopy.wait_done(progress, values, SHARED_SPIN_S):
+            concurrent.futures.wait(running)
 
     def digests(self, pages: numpy.ndarray, sizes: numpy.ndarray, seed: int,
                 out: numpy.ndarray) -> None:
         """``_blockcopy.digests``, shared with the helpers when large enough."""
-        if len(pages) < 2 or len(pages) * int(sizes.sum()) < self._share_bytes:
-            _blockcopy.digests(pages, sizes, seed, out)
-            return
-        progress = numpy.zeros((1, 2), dtype=numpy.int64)
-        helpers = [self._pool.submit(_blockcopy.digests, pages, sizes, seed, out, progress[0])
-                   for _ in range(self._threads)]
-        _blockcopy.digests(pages, sizes, seed, out, progress[0])
-        running = [helper for helper in helpers if not helper.cancel()]
-        # A helper still running has claimed a value: its pages are read until it is done.
-        if not _blockcopy.wait_done(progress, len(pages), SHARED_SPIN_S):
-            concurrent.futures.wait(running)
+        self.share(lambda progress: _blockcopy.digests(
+            pages, sizes, seed, out, None if progress is None else progress[0]),
+            1, len(pages), len(pages) * int(sizes.sum()))
 
     def close(self) -> None:
         self._pool.shutdown()
 
 
 def _digests(geometry: StoreGroupGeometry, block_ids: Sequence[int], seed: int,
-             helpers: ChecksumHelpers | None) -> Any:
+             helpers: HelperThreads | None) -> Any:
     """The checksum of each block's pages as they lie in the engine: uint64 each."""
     digests = numpy.empty(len(block_ids), dtype=numpy.uint64)
     digest = _blockcopy.digests if helpers is None else helpers.digests
@@ -371,7 +381,7 @@ def _digests(geometry: StoreGroupGeometry, block_ids: Sequence[int], seed: int,
 
 def seal_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int],
                   trailers: Sequence[torch.Tensor], positions: Sequence[int], *,
-                  helpers: ChecksumHelpers | None = None) -> None:
+                  helpers: HelperThreads | None = None) -> None:
     """Seal value i, at each of ``positions``, in place: the checksum of engine block
     ``block_ids[i]``'s pages into the first 8 bytes of ``trailers[i]``. (A load measures
     what arrived the same way, into the 8 bytes after the trailer that came with it.)
@@ -382,6 +392,51 @@ def seal_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int],
     sealed = torch.from_numpy(digests.view(numpy.uint8).reshape(-1, CHECKSUM_BYTES))
     for i, row in zip(positions, sealed, strict=True):
         trailers[i][:CHECKSUM_BYTES].copy_(row)
+
+
+def read_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int],
+                  rows: torch.Tensor | None, positions: Sequence[int],
+                  sources: Sequence[int], *, helpers: HelperThreads | None = None) -> None:
+    """Copy value i (at each of ``positions``), which lies whole at ``sources[k]`` in this
+    process's memory (its pages back to back, then its checksum), into engine block
+    ``block_ids[i]``'s pages, checking it first as a load from a lending store does
+    (``verify_and_scatter``): one pass over the value, which is the store's move and the
+    measure of ``seal_in_place`` at once. ``rows``: a loaded batch's trailer rows (uint8
+    ``[values, 16]``, None without checksums). Row i gets the value's checksum, then what
+    its pages measure: the same bytes when the value is intact. A value that is not is
+    not copied at all, and its two halves differ. ``helpers`` share a large batch."""
+    seed = geometry.checksum_seed
+    offsets, sizes = geometry.segment_table[2:]
+    pages = page_addresses(geometry, [block_ids[i] for i in positions])
+    if rows is not None:  # the checksum after the pages goes into the value's trailer
+        trailers = rows.data_ptr() + rows.stride(0) * numpy.asarray(positions, numpy.int64)
+        pages = numpy.ascontiguousarray(numpy.column_stack([pages, trailers]))
+        offsets = numpy.append(offsets, geometry.value_bytes)
+        sizes = numpy.append(sizes, CHECKSUM_BYTES)
+    count = len(positions)
+    intact = bytearray(count)
+    stream = count * geometry.value_bytes >= LOAD_STREAM_BYTES
+    slots = memoryview(intact)
+
+    def work(progress: numpy.ndarray | None) -> int:
+        # Each value is a run of its own: the store places values apart.
+        return sum(_blockcopy.scatter(pages[k : k + 1], sources[k], 0, offsets, sizes,
+                                      seed is not None, seed or 0, geometry.value_bytes,
+                                      slots[k : k + 1], stream,
+                                      None if progress is None else progress[k])
+                   for k in range(count))
+
+    if helpers is None:
+        work(None)
+    else:
+        helpers.share(work, count, count, count * geometry.value_bytes)
+    if rows is not None:
+        table = rows.numpy()[numpy.asarray(positions, numpy.int64)]
+        ok = numpy.frombuffer(intact, dtype=numpy.bool_)
+        table[ok, CHECKSUM_BYTES:] = table[ok, :CHECKSUM_BYTES]
+        table[~ok, :CHECKSUM_BYTES] = 0
+        table[~ok, CHECKSUM_BYTES:] = 0xFF
+        rows.numpy()[numpy.asarray(positions, numpy.int64)] = table
 
 
 class InPlaceCopyEngine:

@@ -22,7 +22,7 @@ from pipeline.backends.wrapper import StoreWrapper
 from pipeline.core.config import FaultsConfig
 from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import KeyOutcome
-from pipeline.core.store import Extents, KVStore, Pieces, Seal
+from pipeline.core.store import Extents, KVStore, Pieces, ReadHere, Seal
 
 __all__ = ["Faults", "FaultyStore", "InjectedFault"]
 
@@ -99,9 +99,10 @@ class FaultyStore(StoreWrapper):
         return await super().put_pieces(keys, values, seal=seal_then_corrupt)
 
     async def get_pieces_into(
-        self, keys: Sequence[str], buffers: Pieces, *, measure: Seal | None = None
+        self, keys: Sequence[str], buffers: Pieces, *, measure: Seal | None = None,
+        read: ReadHere | None = None,
     ) -> list[KeyOutcome]:
-        outcomes = await super().get_pieces_into(keys, buffers, measure=measure)
+        outcomes = await super().get_pieces_into(keys, buffers, measure=measure, read=read)
         self._faults.corrupt("store.get", buffers.trailers or [])
         return outcomes
 

@@ -17,7 +17,12 @@ from typing import Generic, TypeVar, cast
 import anyio
 import torch
 
-from pipeline.backends.cpu_copy import ChecksumHelpers, page_addresses, seal_in_place
+from pipeline.backends.cpu_copy import (
+    HelperThreads,
+    page_addresses,
+    read_in_place,
+    seal_in_place,
+)
 from pipeline.backends.staging import Slot, StagingPool
 from pipeline.core.errors import StoreCallAbandoned, StoreError
 from pipeline.core.geometry import StoreGroupGeometry
@@ -30,6 +35,7 @@ from pipeline.core.store import (
     KVStore,
     Pieces,
     PiecewiseKVStore,
+    ReadHere,
     Seal,
 )
 
@@ -161,14 +167,16 @@ def _held(values: Values) -> list[torch.Tensor]:
 
 
 class _PiecesHold(_SlotHold):
-    """A slot holding a batch's checksums, where the batch's values lie, and what works
-    them out within the store's call (``Seal``: before a put, after a get)."""
+    """A slot holding a batch's checksums, where the batch's values lie, what works
+    them out within the store's call (``Seal``: before a put, after a get), and, for a
+    load, what copies the values the store holds in this process (``ReadHere``)."""
 
     def __init__(self, pool: StagingPool, slot: Slot, pieces: Pieces,
-                 checksums: Seal | None) -> None:
+                 checksums: Seal | None, read: ReadHere | None = None) -> None:
         super().__init__(pool, slot)
         self.pieces = pieces
         self.checksums = checksums
+        self.read = read
 
 
 class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
@@ -178,7 +186,9 @@ class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
     in flight as staging does. A saved value's view is its trailer, which the put seals
     in its own call for the values the store lacks; a loaded value's view is the
     trailer that came with it, then the checksum of its pages as they landed, which the
-    get measures in its own call (``InPlaceCopyEngine`` compares the two).
+    get measures in its own call (``InPlaceCopyEngine`` compares the two). A store
+    holding a batch's values in this process's own memory (Mooncake's segment) hands
+    them to ``read_in_place`` instead, which checks and copies each in one pass.
 
     A store call given up on (``StoreCallAbandoned``) may still touch engine memory.
     A get may still write it, so its batch is answered only once the call has returned:
@@ -190,8 +200,9 @@ class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
     """
 
     def __init__(self, pool: StagingPool, store: PiecewiseKVStore, *, skip_when_full: bool,
-                 helpers: ChecksumHelpers | None = None) -> None:
-        """``helpers`` share a large batch's checksums with the store's thread."""
+                 helpers: HelperThreads | None = None) -> None:
+        """``helpers`` share a large batch's checksums and copies with the store's
+        thread."""
         super().__init__(pool, store, skip_when_full=skip_when_full)
         self._helpers = helpers
 
@@ -205,7 +216,7 @@ class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
         hold = cast(_PiecesHold, values.hold)
         return await self._call(
             lambda: self._store.get_pieces_into(values.keys, hold.pieces,
-                                                measure=hold.checksums),
+                                                measure=hold.checksums, read=hold.read),
             hold, saving=False)
 
     async def _call(self, call: Callable[[], Awaitable[list[KeyOutcome]]], hold: _PiecesHold,
@@ -237,14 +248,17 @@ class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
             sizes=geometry.page_sizes,
             trailers=list(rows[:, :CHECKSUM_BYTES].unbind(0)) if sealed else None,
         )
-        checksums = None
+        checksums = read = None
         if sealed:
             into = rows[:, CHECKSUM_BYTES:] if loading else rows
             checksums = functools.partial(seal_in_place, geometry, list(block_ids),
                                           list(into.unbind(0)), helpers=self._helpers)
+        if loading:
+            read = functools.partial(read_in_place, geometry, list(block_ids),
+                                     rows if sealed else None, helpers=self._helpers)
         views: list[torch.Tensor | None] = list(rows.unbind(0))
         return Values(list(keys), views, [STORED] * len(keys),
-                      _PiecesHold(self._pool, slot, pieces, checksums))
+                      _PiecesHold(self._pool, slot, pieces, checksums, read))
 
 
 class _LeaseHold:

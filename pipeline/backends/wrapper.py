@@ -16,6 +16,7 @@ from pipeline.core.store import (
     Pieces,
     PiecewiseKVStore,
     Presence,
+    ReadHere,
     Seal,
 )
 
@@ -85,10 +86,12 @@ class StoreWrapper:
             "put", lambda: self._pieces().put_pieces(keys, values, seal=seal))
 
     async def get_pieces_into(
-        self, keys: Sequence[str], buffers: Pieces, *, measure: Seal | None = None
+        self, keys: Sequence[str], buffers: Pieces, *, measure: Seal | None = None,
+        read: ReadHere | None = None,
     ) -> list[KeyOutcome]:
         return await self._around(
-            "get", lambda: self._pieces().get_pieces_into(keys, buffers, measure=measure))
+            "get", lambda: self._pieces().get_pieces_into(keys, buffers, measure=measure,
+                                                          read=read))
 
     def _pieces(self) -> PiecewiseKVStore:
         if self._piecewise is None:

@@ -191,7 +191,9 @@ class MooncakeStoreConfig(_Section, frozen=True):
     master_log: str = ""
     """File the embedded master's output is appended to; empty: a temporary file."""
     kv_lease_ttl_ms: Positive = 5000
-    """Embedded master: how long a read or write lease protects an object from removal."""
+    """Embedded master: how long a read or write lease protects an object from removal.
+    Also the lease a load read from this sidecar's own segment counts on (``read_here``):
+    with a cluster's master, set it no longer than that master's."""
     eviction_high_watermark: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     """Embedded master: segment usage ratio above which objects are evicted."""
     eviction_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.05
@@ -207,6 +209,11 @@ class MooncakeStoreConfig(_Section, frozen=True):
     """Values move straight between the engine's KV memory (registered with Mooncake
     while mapped) and the store, with no staging copy: native values of CPU engines.
     Otherwise, and always for vllm values or a CUDA sidecar, they pass through staging."""
+    read_here: bool = True
+    """With ``in_place``: a load of values that lie in this sidecar's own segment copies
+    them from there into the engine's blocks itself, checking each as it goes (one pass
+    over the bytes, no transfer by Mooncake). Needs an HTTP metadata server, which says
+    where the segment lies; otherwise loads move through Mooncake's get."""
 
 
 class BreakerConfig(_Section, frozen=True):

@@ -27,6 +27,7 @@ __all__ = [
     "Pieces",
     "PiecewiseKVStore",
     "Presence",
+    "ReadHere",
     "Seal",
     "value_span",
 ]
@@ -149,6 +150,11 @@ class Pieces:
 Seal = Callable[[Sequence[int]], None]
 """Works on the values at these positions of a batch where they lie, within a store's
 call: seals their trailers (checksums) before a put, or measures them after a get."""
+ReadHere = Callable[[Sequence[int], Sequence[int]], None]
+"""``read(positions, sources)``, within a store's get: the values at these positions of
+a batch lie whole (their bytes back to back) at these addresses in this process's own
+memory; copies each into its pieces, and leaves them as the get and its ``measure``
+would have."""
 
 
 @runtime_checkable
@@ -176,8 +182,11 @@ class PiecewiseKVStore(Protocol):
         and no hop of its own is spent on it."""
 
     async def get_pieces_into(
-        self, keys: Sequence[str], buffers: Pieces, *, measure: Seal | None = None
+        self, keys: Sequence[str], buffers: Pieces, *, measure: Seal | None = None,
+        read: ReadHere | None = None,
     ) -> list[KeyOutcome]:
         """As ``KVStore.get_into``, each value spread over its pieces in order.
         ``measure`` is called within the call with the positions of the values got whole
-        (to checksum them where they landed, with no hop of its own)."""
+        (to checksum them where they landed, with no hop of its own). A store that holds
+        values in this process's own memory may hand them to ``read`` instead of moving
+        them itself (then ``measure`` is not called for them)."""

@@ -8,7 +8,8 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
 import anyio
@@ -22,7 +23,7 @@ import pytest_asyncio
 import torch
 from anyio.streams.text import TextReceiveStream
 
-from pipeline.backends.cpu_copy import ChecksumHelpers, InPlaceCopyEngine
+from pipeline.backends.cpu_copy import HelperThreads, InPlaceCopyEngine
 from pipeline.backends.memory import InPlaceMemory
 from pipeline.backends.staging import StagingPool
 from pipeline.core.config import MooncakeStoreConfig
@@ -39,7 +40,7 @@ from pipeline.core.outcomes import (
     KeyOutcome,
     failed,
 )
-from pipeline.core.store import KVStore, Pieces, PiecewiseKVStore, Presence
+from pipeline.core.store import KVStore, Pieces, PiecewiseKVStore, Presence, ReadHere, Seal
 from tests.kit import StallProxy, stall_proxy
 from transport.mooncake_codes import get_outcome, put_outcome
 from transport.mooncake_master import EmbeddedMaster, open_embedded_master
@@ -50,6 +51,10 @@ pytestmark = [pytest.mark.mooncake, pytest.mark.asyncio(loop_scope="module")]
 
 MIB = 1024 * 1024
 REPO = Path(__file__).resolve().parents[2]
+LONG_LEASE_MS = 10_000
+"""The read lease a client counts on where no test evicts or removes what it reads:
+a load read where it lies then never fails for a slow machine. (The master's own
+lease is SMALL's: removal tests wait that long.)"""
 SMALL = MooncakeStoreConfig(
     global_segment_bytes=16 * MIB,
     local_buffer_bytes=0,
@@ -545,10 +550,11 @@ class InPlace:
     layers: list[torch.Tensor]
 
 
-async def in_place_engine(store: MooncakeStore,
-                          helpers: ChecksumHelpers | None = None) -> InPlace:
+async def in_place_engine(store: MooncakeStore, helpers: HelperThreads | None = None, *,
+                          through: PiecewiseKVStore | None = None) -> InPlace:
     """A two-layer engine's memory registered with ``store``, its store group, and the
-    in-place memory and copy engine over them (checksums on, shared with ``helpers``)."""
+    in-place memory (over ``through``, a wrapper of ``store``, if given) and copy engine
+    over them (checksums on, shared with ``helpers``)."""
     layout = KVCacheLayout.from_dict({"model": "m", "groups": [
         {"kind": "full_attention", "block_size": 16, "layers": ["a", "b"]}]})
     layers = [torch.randint(0, 256, (32, 2, 16, 1024), dtype=torch.uint8) for _ in range(2)]
@@ -559,22 +565,58 @@ async def in_place_engine(store: MooncakeStore,
     pool = StagingPool(4 * 4096, 4096, load_slots=1)
     await store.register_buffer(pool.buffer)
     return InPlace(geometry, pool,
-                   InPlaceMemory(pool, store, skip_when_full=False, helpers=helpers),
+                   InPlaceMemory(pool, through or store, skip_when_full=False,
+                                 helpers=helpers),
                    InPlaceCopyEngine(), layers)
 
 
+class ReadsSeen:
+    """A Mooncake store whose loads count the batches it read where they lie, each
+    after ``delay_s``."""
+
+    def __init__(self, store: MooncakeStore, delay_s: float = 0.0) -> None:
+        self.store = store
+        self.delay_s = delay_s
+        self.read = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+    async def get_pieces_into(self, keys: Sequence[str], buffers: Pieces, *,
+                              measure: Seal | None = None,
+                              read: ReadHere | None = None) -> list[KeyOutcome]:
+        assert read is not None
+
+        def counted(positions: Sequence[int], sources: Sequence[int]) -> None:
+            self.read += 1
+            time.sleep(self.delay_s)
+            read(positions, sources)
+
+        return await self.store.get_pieces_into(keys, buffers, measure=measure, read=counted)
+
+
+READ_HERE = pytest.mark.parametrize("read_here", [True, False],
+                                    ids=["read where they lie", "through the get"])
+
+
+@READ_HERE
 @pytest.mark.parametrize("shared", [False, True], ids=["alone", "checksums shared"])
 async def test_values_moved_in_place_load_byte_exact_into_other_blocks(
-    master: EmbeddedMaster, request: pytest.FixtureRequest, shared: bool,
+    master: EmbeddedMaster, request: pytest.FixtureRequest, shared: bool, read_here: bool,
 ) -> None:
     """Saved from engine blocks and loaded into others with no copy in between: every
     page arrives, every checksum checks, and the staging pool holds only checksums;
-    alike when a helper thread shares the checksums of every batch."""
+    alike when a helper thread shares the checksums and copies of every batch, and
+    whether the load reads the values where they lie in this client's segment or
+    through Mooncake's get."""
     keys = [f"{request.node.name}-{i}" for i in range(3)]
-    helpers = ChecksumHelpers(1, share_bytes=0) if shared else None
+    helpers = HelperThreads(1, share_bytes=0) if shared else None
     with anyio.fail_after(30):
-        async with await open_mooncake_store(client_config(master)) as store:
-            kv = await in_place_engine(store, helpers)
+        async with await open_mooncake_store(
+                client_config(master, read_here=read_here, kv_lease_ttl_ms=LONG_LEASE_MS),
+        ) as store:
+            seen = ReadsSeen(store)
+            kv = await in_place_engine(store, helpers, through=seen)
             saved = await kv.memory.reserve(kv.geometry, [1, 2, 3], keys)
             await kv.engine.gather(kv.geometry, [1, 2, 3], saved.views)
             assert await kv.memory.store(saved) == [STORED] * 3
@@ -586,6 +628,7 @@ async def test_values_moved_in_place_load_byte_exact_into_other_blocks(
                 store.unregister_memory(layer.view(-1))
     if helpers is not None:
         helpers.close()
+    assert seen.read == int(read_here)
     assert kv.pool.free_slots("load") == 1 and kv.pool.free_slots("save") == 3
     for layer in kv.layers:
         assert torch.equal(layer[7:10], layer[1:4])
@@ -662,16 +705,22 @@ async def test_an_abandoned_put_from_engine_memory_is_answered_at_once(
     assert kv.pool.withheld == 0
 
 
-async def test_a_value_whose_pages_changed_in_the_store_fails_where_it_landed(
-    master: EmbeddedMaster, request: pytest.FixtureRequest,
+@READ_HERE
+async def test_a_value_whose_pages_changed_in_the_store_fails_its_check(
+    master: EmbeddedMaster, request: pytest.FixtureRequest, read_here: bool,
 ) -> None:
     """A value stored in place, then replaced by the same bytes with one page byte
-    flipped (its sealed checksum kept), is measured where it lands in the engine and
-    fails its check; its neighbour in the batch loads intact."""
+    flipped (its sealed checksum kept), fails its check; its neighbour in the batch
+    loads intact. Read where it lies, it is checked before any of it is copied, and its
+    engine block keeps its own bytes; through Mooncake's get, it is measured where it
+    landed."""
     keys = [f"{request.node.name}-{i}" for i in range(2)]
     with anyio.fail_after(30):
-        async with await open_mooncake_store(client_config(master)) as store:
+        async with await open_mooncake_store(
+                client_config(master, read_here=read_here, kv_lease_ttl_ms=LONG_LEASE_MS),
+        ) as store:
             kv = await in_place_engine(store)
+            own = [layer[7].clone() for layer in kv.layers]
             size = kv.geometry.stored_bytes
             whole = torch.zeros(size, dtype=torch.uint8)
             await store.register_buffer(whole)
@@ -688,3 +737,65 @@ async def test_a_value_whose_pages_changed_in_the_store_fails_where_it_landed(
             for layer in kv.layers:
                 store.unregister_memory(layer.view(-1))
     assert intact == [False, True]
+    assert torch.equal(kv.layers[1][8], kv.layers[1][2])
+    landed = [layer[7] for layer in kv.layers]
+    stored = [layer[1] for layer in kv.layers]
+    if read_here:
+        assert all(torch.equal(a, b) for a, b in zip(landed, own, strict=True))
+    else:  # the flipped byte, 100 bytes into the value, is in the first layer's page
+        assert not torch.equal(landed[0], stored[0])
+        assert torch.equal(landed[1], stored[1])
+
+
+async def test_a_load_read_here_after_its_lease_may_have_ended_fails(
+    master: EmbeddedMaster, request: pytest.FixtureRequest,
+) -> None:
+    """The read lease the values' descriptors took must still hold once they are
+    copied: a copy that ends past half of it fails every value (the master may have
+    evicted one and given its memory to another meanwhile); one within it loads."""
+    keys = [f"{request.node.name}-{i}" for i in range(2)]
+    with anyio.fail_after(30):
+        for lease_ms, expected in ((20, [failed("mooncake:-707")] * 2),
+                                   (LONG_LEASE_MS, [LOADED] * 2)):
+            async with await open_mooncake_store(
+                    client_config(master, kv_lease_ttl_ms=lease_ms)) as store:
+                seen = ReadsSeen(store, delay_s=0.05)
+                kv = await in_place_engine(store, through=seen)
+                saved = await kv.memory.reserve(kv.geometry, [1, 2], keys)
+                assert await kv.memory.store(saved) == [STORED] * 2
+                loaded = await kv.memory.fetch(kv.geometry, [7, 8], keys)
+                outcomes = loaded.outcomes
+                loaded.release()
+                for layer in kv.layers:
+                    store.unregister_memory(layer.view(-1))
+                assert await store.remove(keys) == 2
+            assert seen.read == 1 and outcomes == expected
+
+
+async def test_values_in_another_clients_segment_load_through_mooncake(
+    master: EmbeddedMaster, request: pytest.FixtureRequest,
+) -> None:
+    """A value another client stored lies in that client's segment: a load moves it
+    through Mooncake's get, byte-exact, and reads nothing where it lies."""
+    keys = [f"{request.node.name}-{i}" for i in range(2)]
+    config = client_config(master, kv_lease_ttl_ms=LONG_LEASE_MS)
+    with anyio.fail_after(30):
+        async with await open_mooncake_store(config) as saver, \
+                await open_mooncake_store(config) as loader:
+            source = await in_place_engine(saver)
+            saved = await source.memory.reserve(source.geometry, [1, 2], keys)
+            assert await source.memory.store(saved) == [STORED] * 2
+            seen = ReadsSeen(loader)
+            target = await in_place_engine(loader, through=seen)
+            target.layers[0].zero_()
+            loaded = await target.memory.fetch(target.geometry, [7, 8], keys)
+            assert loaded.outcomes == [LOADED] * 2
+            assert await target.engine.scatter(target.geometry, [7, 8],
+                                               loaded.views) == [True] * 2
+            loaded.release()
+            for kv, store in ((source, saver), (target, loader)):
+                for layer in kv.layers:
+                    store.unregister_memory(layer.view(-1))
+    assert seen.read == 0
+    for mine, theirs in zip(target.layers, source.layers, strict=True):
+        assert torch.equal(mine[7:9], theirs[1:3])

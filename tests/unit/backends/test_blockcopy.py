@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.backends import _blockcopy
-from pipeline.backends.cpu_copy import ChecksumHelpers
+from pipeline.backends.cpu_copy import HelperThreads
 from pipeline.core.integrity import CHECKSUM_BYTES, seal_rows, verify_rows
 
 
@@ -142,7 +142,7 @@ def test_checksum_helpers_share_a_large_batch_and_never_wait_for_one_that_has_no
     _, sizes = layout(pages)
     expected = numpy.zeros(len(ids), dtype=numpy.uint64)
     _blockcopy.digests(addresses(pages, ids), sizes, 7, expected)
-    helpers = ChecksumHelpers(1, share_bytes=len(ids) * 2 * 4096)
+    helpers = HelperThreads(1, share_bytes=len(ids) * 2 * 4096)
     try:
         shared = numpy.zeros(len(ids), dtype=numpy.uint64)
         helpers.digests(addresses(pages, ids), sizes, 7, shared)

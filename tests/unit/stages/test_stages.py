@@ -18,9 +18,11 @@ from pipeline.backends import cpu_copy
 from pipeline.backends.cpu_copy import (
     CopyThreads,
     CpuCopyEngine,
+    HelperThreads,
     InPlaceCopyEngine,
     Piece,
     gather_and_seal,
+    read_in_place,
     seal_in_place,
     verify_and_scatter,
 )
@@ -558,6 +560,48 @@ async def test_checksums_in_place_are_those_of_the_copied_values_and_fail_what_c
     with anyio.fail_after(TIMEOUT_S):
         intact = await InPlaceCopyEngine().scatter(geometry, [1, 2, 3, 4], list(views))
     assert intact == [True, False, True, False]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["alone", "shared"])
+async def test_values_read_where_a_store_holds_them_land_checked_in_one_pass(
+    hybrid: Harness, shared: bool,
+) -> None:
+    """Values a store holds whole in this process's memory, apart from one another, are
+    copied into their engine blocks as a copying engine would restore them; each row
+    holds the value's checksum twice, but one whose bytes changed in the store is not
+    copied at all and its halves differ, so the in-place check fails it. Alike when a
+    helper thread shares the batch."""
+    geometry = hybrid.session.store_groups[0]
+    copy = CopyThreads(WorkerThreads(2, name="test"))
+
+    async def values_of(block_ids: list[int]) -> torch.Tensor:
+        values = torch.zeros(len(block_ids), geometry.stored_bytes, dtype=torch.uint8)
+        with anyio.fail_after(TIMEOUT_S):
+            await gather_and_seal(copy, geometry, block_ids, list(values))
+        return values
+
+    span = geometry.stored_bytes + 4096  # values lie apart, as a store places them
+    held = torch.zeros(4, span, dtype=torch.uint8)
+    held[:, : geometry.stored_bytes] = await values_of([1, 2, 3, 4])
+    held[2, 5] ^= 0xFF
+    untouched = await values_of([7])
+    rows = torch.full((5, 2 * CHECKSUM_BYTES), 7, dtype=torch.uint8)
+    helpers = HelperThreads(1, share_bytes=0) if shared else None
+    try:
+        read_in_place(geometry, [0, 5, 6, 7, 8], rows, [1, 2, 3, 4],
+                      [row.data_ptr() for row in held], helpers=helpers)
+    finally:
+        if helpers is not None:
+            helpers.close()
+    assert torch.equal(rows[0], torch.full((2 * CHECKSUM_BYTES,), 7, dtype=torch.uint8))
+    with anyio.fail_after(TIMEOUT_S):
+        intact = await InPlaceCopyEngine().scatter(geometry, [0, 5, 6, 7, 8], list(rows))
+    assert intact == [True, True, True, False, True]
+    landed = await values_of([5, 6, 7, 8])
+    for k in (0, 1, 3):
+        assert torch.equal(landed[k], held[k, : geometry.stored_bytes])
+        assert torch.equal(rows[k + 1, :CHECKSUM_BYTES], landed[k, geometry.value_bytes :])
+    assert torch.equal(landed[2], untouched[0])
 
 
 @pytest.mark.parametrize(("threads", "split_bytes", "inline_bytes", "parts"), [
