@@ -3,7 +3,6 @@ segment. Every step fails fast with an error that says what to check."""
 
 from __future__ import annotations
 
-import json
 import urllib.parse
 import urllib.request
 from contextlib import AsyncExitStack
@@ -11,6 +10,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import msgspec
 import structlog
 
 from pipeline.core.config import MooncakeStoreConfig
@@ -82,6 +82,17 @@ def replicate(store_module: Any, config: MooncakeStoreConfig, client: Any) -> An
     return replicate_config
 
 
+class _Buffer(msgspec.Struct):
+    addr: int
+    length: int
+
+
+class _SegmentDescriptor(msgspec.Struct):
+    """The part of a client's published segment descriptor read here."""
+
+    buffers: list[_Buffer]
+
+
 async def _segment_here(config: MooncakeStoreConfig, endpoints: MasterEndpoints,
                         client: MooncakeClient) -> list[tuple[int, int]]:
     """Where this client's memory registered with Mooncake lies, its segment among it, as
@@ -98,12 +109,12 @@ async def _segment_here(config: MooncakeStoreConfig, endpoints: MasterEndpoints,
 
     def ask() -> list[tuple[int, int]]:
         with urllib.request.urlopen(url, timeout=config.call_timeout_s) as reply:
-            buffers = json.loads(reply.read())["buffers"]
-        return [(int(b["addr"]), int(b["addr"]) + int(b["length"])) for b in buffers]
+            segment = msgspec.json.decode(reply.read(), type=_SegmentDescriptor)
+        return [(buffer.addr, buffer.addr + buffer.length) for buffer in segment.buffers]
 
     try:
         here = await anyio.to_thread.run_sync(ask)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, msgspec.MsgspecError) as exc:
         log.warning("store.mooncake.read_here.off", metadata_server=endpoints.metadata_server,
                     reason=f"the client's segment descriptor cannot be read: {exc}")
         return []

@@ -105,8 +105,9 @@ SHARED_SPIN_S = 0.0005
 ``alone``), or the store's thread, done with its share of a batch's work
 (``HelperThreads``), spins for the last values in other threads' hands before it
 sleeps until they are done: about two values' copy at 1 MiB. A thread asleep is woken
-about 0.14 ms late on a small VM (measured: copy threads started 0.07 and 0.17 ms after a batch was
-handed over, and the event loop resumed 0.14 ms after the last of them returned)."""
+about 0.14 ms late on a small VM (measured: copy threads started 0.07 and 0.17 ms after a
+batch was handed over, and the event loop resumed 0.14 ms after the last of them
+returned)."""
 
 SHARED_SLICE_BYTES = 1 << 20
 """The event loop's thread, sharing a copy, asks again after copying this much whether
@@ -408,8 +409,9 @@ def read_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int],
     seed = geometry.checksum_seed
     offsets, sizes = geometry.segment_table[2:]
     pages = page_addresses(geometry, [block_ids[i] for i in positions])
+    at = numpy.asarray(positions, dtype=numpy.int64)
     if rows is not None:  # the checksum after the pages goes into the value's trailer
-        trailers = rows.data_ptr() + rows.stride(0) * numpy.asarray(positions, numpy.int64)
+        trailers = rows.data_ptr() + rows.stride(0) * at
         pages = numpy.ascontiguousarray(numpy.column_stack([pages, trailers]))
         offsets = numpy.append(offsets, geometry.value_bytes)
         sizes = numpy.append(sizes, CHECKSUM_BYTES)
@@ -431,12 +433,10 @@ def read_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int],
     else:
         helpers.share(work, count, count, count * geometry.value_bytes)
     if rows is not None:
-        table = rows.numpy()[numpy.asarray(positions, numpy.int64)]
+        table = rows.numpy()
         ok = numpy.frombuffer(intact, dtype=numpy.bool_)
-        table[ok, CHECKSUM_BYTES:] = table[ok, :CHECKSUM_BYTES]
-        table[~ok, :CHECKSUM_BYTES] = 0
-        table[~ok, CHECKSUM_BYTES:] = 0xFF
-        rows.numpy()[numpy.asarray(positions, numpy.int64)] = table
+        table[at[ok], CHECKSUM_BYTES:] = table[at[ok], :CHECKSUM_BYTES]
+        table[at[~ok]] = [0] * CHECKSUM_BYTES + [0xFF] * CHECKSUM_BYTES
 
 
 class InPlaceCopyEngine:

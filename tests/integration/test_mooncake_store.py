@@ -43,8 +43,8 @@ from pipeline.core.outcomes import (
 from pipeline.core.store import KVStore, Pieces, PiecewiseKVStore, Presence, ReadHere, Seal
 from tests.kit import StallProxy, stall_proxy
 from transport.mooncake_codes import get_outcome, put_outcome
-from transport.mooncake_master import EmbeddedMaster, open_embedded_master
-from transport.mooncake_setup import open_mooncake_store
+from transport.mooncake_master import EmbeddedMaster, MasterEndpoints, open_embedded_master
+from transport.mooncake_setup import _segment_here, open_mooncake_store
 from transport.mooncake_store import MooncakeStore
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.asyncio(loop_scope="module")]
@@ -799,3 +799,22 @@ async def test_values_in_another_clients_segment_load_through_mooncake(
     assert seen.read == 0
     for mine, theirs in zip(target.layers, source.layers, strict=True):
         assert torch.equal(mine[7:9], theirs[1:3])
+
+
+class _Named:
+    def get_hostname(self) -> str:
+        return "127.0.0.1:1"
+
+
+@pytest.mark.parametrize("metadata_server", ["P2PHANDSHAKE", "http://127.0.0.1:{port}/metadata"])
+async def test_where_the_segment_lies_is_unknown_without_an_http_metadata_server_to_say(
+    metadata_server: str,
+) -> None:
+    """Without an HTTP metadata server, or with one that does not answer, the store does
+    not know where its segment lies, and loads move through Mooncake's get."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    endpoints = MasterEndpoints("127.0.0.1:2", metadata_server.format(port=port))
+    with anyio.fail_after(10):
+        assert await _segment_here(SMALL, endpoints, _Named()) == []  # type: ignore[arg-type]
