@@ -488,10 +488,12 @@ class MooncakeStore(AsyncResource):
         """In a worker thread: every value found copied by ``read`` from where it lies
         in this client's own segment, with a get's codes (each value's size, or
         -704 missing). None, having copied nothing, when a value found lies elsewhere or
-        has another size, or none was found: the get then moves the batch (and tells a
-        master that is gone from keys that are). The descriptors take a read lease on each
-        value. A value copied after its lease may have ended may have been evicted and
-        its memory reused meanwhile, so such a batch fails (-707, lease expired)."""
+        has another size, or none was found: the get then moves the batch (it alone tells
+        missing keys from a master that is gone). The descriptors take a read lease on
+        each value, as the get would. A value copied after its lease may have ended may
+        have been evicted and its memory reused meanwhile, so such a batch fails (-707,
+        lease expired), as Mooncake's get fails a value whose lease ends before its
+        transfer does."""
         totals = [sum(sizes) for sizes in batch.sizes]
         leased = time.monotonic()
         replicas = self._client.batch_get_replica_desc(batch.keys)
