@@ -156,6 +156,7 @@ class MooncakeStore(AsyncResource):
         self._here = list(here)
         self._hostname = client.get_hostname() if here else ""
         self._lease_s = config.kv_lease_ttl_ms / 1000
+        self._values_read_here = [0, 0]  # values loaded, values read past their lease
 
     @property
     def master_address(self) -> str:
@@ -165,6 +166,12 @@ class MooncakeStore(AsyncResource):
     def master(self) -> EmbeddedMaster | None:
         """The embedded master this store started and will stop, if any."""
         return self._master
+
+    def reads_here(self) -> tuple[int, int]:
+        """Values loads have read where they lie so far: (loaded, failed as read past
+        their lease)."""
+        loaded, late = self._values_read_here
+        return loaded, late
 
     @property
     def raw_client(self) -> MooncakeClient:
@@ -514,7 +521,9 @@ class MooncakeStore(AsyncResource):
             positions.append(position)
             sources.append(address)
         read(positions, sources)
-        if time.monotonic() - leased > self._lease_s / 2:
+        late = time.monotonic() - leased > self._lease_s / 2
+        self._values_read_here[late] += len(positions)
+        if late:
             return [LEASE_EXPIRED if code >= 0 else code for code in codes]
         return codes
 

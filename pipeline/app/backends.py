@@ -38,6 +38,9 @@ Evicted = Callable[[Sequence[str]], None]
 """Hears the keys a store evicted."""
 Usage = Callable[[], tuple[int, int, int]]
 """A store's bytes used, its capacity in bytes, and its evictions so far."""
+ReadsHere = Callable[[], tuple[int, int]]
+"""Values loads read where they lie in the store's memory so far: loaded, and failed as
+read past their lease (``MooncakeStore.reads_here``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +51,8 @@ class OpenStore:
     answers_at_once: bool
     """Its queries wait on nothing (in-process, no fault points): a lookup may be
     answered in the receiving task."""
+    reads_here: ReadsHere | None = None
+    """None: loads never read values where they lie (not Mooncake)."""
 
 
 @contextlib.asynccontextmanager
@@ -60,11 +65,13 @@ async def open_store(
     with contextlib.ExitStack() as pinned:
         store: KVStore
         usage: Usage | None = None
+        reads_here: ReadsHere | None = None
         call_timeout_s: float | None = config.breaker.call_timeout_s
         if config.backend == "mooncake":
             from transport.mooncake_setup import open_mooncake_store
 
-            store = await open_mooncake_store(config.mooncake)
+            store = mooncake = await open_mooncake_store(config.mooncake)
+            reads_here = mooncake.reads_here
         else:
             from transport.embedded_store import EmbeddedStore
 
@@ -88,7 +95,7 @@ async def open_store(
         )
         try:
             yield OpenStore(guarded, usage, answers_at_once=call_timeout_s is None
-                            and not isinstance(store, FaultyStore))
+                            and not isinstance(store, FaultyStore), reads_here=reads_here)
         finally:
             with anyio.CancelScope(shield=True):
                 await guarded.aclose()
@@ -110,6 +117,8 @@ class Backends:
     in_place: PiecewiseKVStore | None = None
     """The store that moves values straight from and into engine memory, which must be
     registered with it while mapped; None: values are copied."""
+    reads_here: ReadsHere | None = None
+    """``OpenStore.reads_here``."""
 
 
 def moves_in_place(config: Config) -> bool:
@@ -180,7 +189,8 @@ async def open_backends(
                                                   inline_bytes=LOAD_INLINE_BYTES,
                                                   stream_bytes=LOAD_STREAM_BYTES, alone=alone),
                            answers_at_once=opened.answers_at_once,
-                           in_place=guarded if in_place else None)
+                           in_place=guarded if in_place else None,
+                           reads_here=opened.reads_here)
 
 
 def _copy_engine(transfer: TransferStageConfig, threads: WorkerThreads, *,

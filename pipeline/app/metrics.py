@@ -45,6 +45,9 @@ class BackendGauges:
     breaker_state: Callable[[], str]
     staging: Callable[[], tuple[int, int, int, int]]
     """(save slots in use, save slots, load slots in use, load slots)."""
+    reads_here: Callable[[], tuple[int, int]] | None = None
+    """Values loads read where they lie: (loaded, failed as read past their lease); None
+    where loads never do."""
 
 
 class _Collector(Collector):
@@ -65,6 +68,15 @@ class _Collector(Collector):
                                     "Bytes the store may hold", value=capacity)
             yield CounterMetricFamily("kvsidecar_store_evictions",
                                       "Values evicted to make room", value=evictions)
+        if backends.reads_here is not None:
+            read = CounterMetricFamily(
+                "kvsidecar_store_values_read_here",
+                "Values loads copied from where they lie in the sidecar's own segment, by "
+                "outcome (the others move through the store's get)", labels=["outcome"])
+            for outcome, count in zip(("loaded", "lease_expired"), backends.reads_here(),
+                                      strict=True):
+                read.add_metric([outcome], count)
+            yield read
         breaker = GaugeMetricFamily(
             "kvsidecar_store_breaker", "The store's circuit breaker (1: its state now)",
             labels=["state"])

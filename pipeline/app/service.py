@@ -173,6 +173,7 @@ class Sidecar:
                 breaker_state=lambda: str(self.backends.breaker.state),
                 staging=lambda: (save_slots - pool.free_slots("save"), save_slots,
                                  pool.load_slots - pool.free_slots("load"), pool.load_slots),
+                reads_here=self.backends.reads_here,
             ),
             lambda: self.registry.sessions.values(),
         )

@@ -12,6 +12,7 @@ import pytest_asyncio
 import torch
 
 from pipeline.core.config import MooncakeStoreConfig
+from pipeline.core.outcomes import BlockStatus
 from pipeline.testing import run_sidecar_process
 from tests.kit import KVEngine, hybrid_layout, random_tokens, stall_proxy
 from transport.mooncake_master import EmbeddedMaster, open_embedded_master
@@ -47,11 +48,13 @@ async def test_save_lookup_load_through_a_sidecar_on_mooncake_is_byte_exact(
 ) -> None:
     """With its own embedded master, a sidecar stores, dedups, finds and loads exactly,
     values moved in place or through staging; on SIGTERM it stops the master too, and
-    engine memory registered with Mooncake is unregistered as each engine leaves."""
+    engine memory registered with Mooncake is unregistered as each engine leaves. In
+    place, the load reads every value where it lies in the sidecar's own segment, as
+    its metrics say."""
     layout = hybrid_layout(page_bytes=8192)
     writer, reader = KVEngine(layout), KVEngine(layout)
     tokens = random_tokens(4 * 16 + 3, seed=21)
-    with run_sidecar_process(mooncake_overrides(in_place=in_place)) as sidecar:
+    with run_sidecar_process(mooncake_overrides(in_place=in_place), metrics=True) as sidecar:
         with anyio.fail_after(TIMEOUT):
             async with await writer.connect(sidecar.endpoint) as a, \
                     await reader.connect(sidecar.endpoint) as b:
@@ -60,6 +63,9 @@ async def test_save_lookup_load_through_a_sidecar_on_mooncake_is_byte_exact(
                 hit = await b.lookup(tokens)
                 loaded = await b.load("r", tokens, [[11, 12, 13, 14, 15], [9],
                                                    [21, 22, 23, 24, 25]], hit)
+            samples = await anyio.to_thread.run_sync(sidecar.metrics)
+        read_here = {sample.labels["outcome"]: sample.value for sample in samples
+                     if sample.name == "kvsidecar_store_values_read_here_total"}
         masters = [p for p in psutil.Process(sidecar.pid).children(recursive=True)
                    if "mooncake_master" in p.name()]
         assert masters, "the sidecar should run its own master"
@@ -73,6 +79,8 @@ async def test_save_lookup_load_through_a_sidecar_on_mooncake_is_byte_exact(
     assert hit == 64 and loaded.loaded_tokens == 64 and not loaded.invalid_block_ids
     assert all(writer.same_block(0, 1 + j, reader, 11 + j) for j in range(4))
     assert writer.same_block(2, 4, reader, 24)
+    loaded_blocks = sum(1 for block in loaded.blocks if block.status is BlockStatus.LOADED)
+    assert read_here == {"loaded": loaded_blocks if in_place else 0, "lease_expired": 0}
     for process in masters:
         assert not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
 

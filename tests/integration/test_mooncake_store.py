@@ -626,9 +626,10 @@ async def test_values_moved_in_place_load_byte_exact_into_other_blocks(
             loaded.release()
             for layer in kv.layers:
                 store.unregister_memory(layer.view(-1))
+            reads_here = store.reads_here()
     if helpers is not None:
         helpers.close()
-    assert seen.read == int(read_here)
+    assert seen.read == int(read_here) and reads_here == ((3, 0) if read_here else (0, 0))
     assert kv.pool.free_slots("load") == 1 and kv.pool.free_slots("save") == 3
     for layer in kv.layers:
         assert torch.equal(layer[7:10], layer[1:4])
@@ -769,7 +770,9 @@ async def test_a_load_read_here_after_its_lease_may_have_ended_fails(
                 for layer in kv.layers:
                     store.unregister_memory(layer.view(-1))
                 assert await store.remove(keys) == 2
+                reads_here = store.reads_here()
             assert seen.read == 1 and outcomes == expected
+            assert reads_here == ((2, 0) if expected == [LOADED] * 2 else (0, 2))
 
 
 async def test_values_in_another_clients_segment_load_through_mooncake(
