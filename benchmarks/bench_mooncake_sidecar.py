@@ -21,7 +21,10 @@ Both land in the same cluster (the sidecar's segment and the raw client's, place
 master). Every object is removed (forced) after each repetition, so every put lands in
 free space. The raw calls are the floor of what the sidecar must do; its extra work is
 the existence checks, hashing, checksums and the socket, and through staging the
-engine <-> staging copies.
+engine <-> staging copies. In place, a sidecar's loads read the values where they lie
+in its own segment (``store.mooncake.read_here``), checked and copied in one pass by
+its own threads, where the raw get is Mooncake's copy in one thread: a load's ratio can
+pass 1.
 
     python benchmarks/bench_mooncake_sidecar.py [--geometry 8x64x8 24x48x16 16x64x32]
         [--requests 8] [--concurrency 1 4] [--repeat 7] [--in-place on off]
