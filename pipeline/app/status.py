@@ -143,6 +143,11 @@ def _store(now: Snapshot) -> Table:
         table.add_row("store fill", f"{used / 2**20:.1f} / {capacity / 2**20:.0f} MiB "
                                     f"({100 * used / capacity:.1f}%)")
         table.add_row("evictions", f"{now.total('kvsidecar_store_evictions_total'):.0f}")
+    read_here = now.by("kvsidecar_store_values_read_here_total", "outcome")
+    if read_here:  # Mooncake: loads of values in the sidecar's own segment
+        table.add_row("values loads read where they lie",
+                      f"{read_here.get(('loaded',), 0):.0f} "
+                      f"({read_here.get(('lease_expired',), 0):.0f} failed, past their lease)")
     breaker = [state for (state,), on in now.by("kvsidecar_store_breaker", "state").items() if on]
     table.add_row("breaker", ", ".join(breaker) or "-")
     slots = now.by("kvsidecar_staging_slots", "lane", "use")

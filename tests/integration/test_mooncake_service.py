@@ -10,7 +10,9 @@ import psutil
 import pytest
 import pytest_asyncio
 import torch
+from rich.console import Console
 
+from pipeline.app.status import Snapshot, render
 from pipeline.core.config import MooncakeStoreConfig
 from pipeline.core.outcomes import BlockStatus
 from pipeline.testing import run_sidecar_process
@@ -81,6 +83,10 @@ async def test_save_lookup_load_through_a_sidecar_on_mooncake_is_byte_exact(
     assert writer.same_block(2, 4, reader, 24)
     loaded_blocks = sum(1 for block in loaded.blocks if block.status is BlockStatus.LOADED)
     assert read_here == {"loaded": loaded_blocks if in_place else 0, "lease_expired": 0}
+    console = Console(record=True, width=120)
+    console.print(render(Snapshot(samples)))
+    assert (f"values loads read where they lie │ {loaded_blocks if in_place else 0} "
+            "(0 failed, past their lease)") in console.export_text()
     for process in masters:
         assert not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
 
