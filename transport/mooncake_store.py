@@ -536,8 +536,7 @@ class MooncakeStore(AsyncResource):
             buffer = descriptor.get_memory_descriptor().buffer_descriptor
             address = int(buffer.buffer_address)
             if (buffer.transport_endpoint == self._hostname and int(buffer.size) == size
-                    and any(low <= address and address + size <= high
-                            for low, high in self._here)):
+                    and not _outside([address], [size], self._here)):
                 return address
         return None
 
