@@ -9,9 +9,10 @@ it. The run has four phases, all against the same sidecar:
    blocks, repeatedly: the unloaded load latency;
 3. soak: ``--engines`` engine processes offer ``--offer`` times that capacity in saves,
    open loop (a save every interval, not waiting for the previous one), fresh tokens
-   every request, for ``--seconds``; meanwhile the probe engine keeps looking up and
-   loading its prefix (saving it again when the flood evicted it), and the sidecar's
-   RSS is sampled;
+   every request, for ``--seconds``; each engine's client sheds the saves the sidecar
+   has said it would refuse, as every engine's does (``EngineClient.save``). Meanwhile
+   the probe engine keeps looking up and loading its prefix (saving it again when the
+   flood evicted it), and the sidecar's RSS is sampled;
 4. drain: the engines stop sending and wait for every reply.
 
 Reported: RSS over time (peak, and against baseline + staging.pool_bytes + store
@@ -85,6 +86,9 @@ class Tally:
     max_in_flight: int = 0
     late_sends: int = 0
     """Sends that started more than one interval late (the engine could not keep up)."""
+    shed: int = 0
+    """Saves the engine's client answered itself as overloaded (``SaveResult.shed``):
+    the sidecar had said it would refuse them. Counted as completed, never sent."""
 
     def count_save(self, blocks: Sequence[Any], value_bytes: int) -> None:
         for block in blocks:
@@ -142,6 +146,7 @@ async def save_tracked(
         tally.other_errors += 1
     else:
         tally.completed += 1
+        tally.shed += result.shed
         tally.count_save(result.blocks, value_bytes)
     finally:
         in_flight[0] -= 1
@@ -448,6 +453,7 @@ async def soak(args: argparse.Namespace, sidecar_pid: int, endpoint: str,
         engines_total.other_errors += tally["other_errors"]
         engines_total.bytes_stored += tally["bytes_stored"]
         engines_total.late_sends += tally["late_sends"]
+        engines_total.shed += tally["shed"]
         for name, count in tally["rejected"].items():
             engines_total.rejected[name] = engines_total.rejected.get(name, 0) + count
         for name, count in tally["blocks"].items():
@@ -580,9 +586,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"end {rss['end'] / MIB:.0f} MiB"
     )
     print(
-        f"saves: {total['sent']} sent, {total['completed']} completed, rejected "
-        f"{total['rejected']}, no reply {total['no_reply']}, late sends "
-        f"{total['late_sends']}"
+        f"saves: {total['sent']} offered ({total['shed']} shed by the engines, never sent), "
+        f"{total['completed']} completed, rejected {total['rejected']}, no reply "
+        f"{total['no_reply']}, late sends {total['late_sends']}"
     )
     print(
         "blocks: "

@@ -28,7 +28,7 @@ from anyio.abc import AsyncResource
 
 from pipeline.core.errors import ConfigError, ProtocolError, RequestRejected, TransportError
 from pipeline.core.hashing import MMItem, block_hashes
-from pipeline.core.layout import KVCacheLayout
+from pipeline.core.layout import NULL_BLOCK_ID, KVCacheLayout
 from pipeline.core.messages import (
     SIDECAR_HASH_ALGO,
     BlockReport,
@@ -55,7 +55,7 @@ from pipeline.core.messages import (
     encode,
     pack_tokens,
 )
-from pipeline.core.outcomes import BlockStatus
+from pipeline.core.outcomes import OVERLOADED, BlockStatus
 from transport.sockets import FastSocket
 from transport.tensors import tensor_handle
 
@@ -75,14 +75,17 @@ class SaveResult:
     skipped: int
     failed: int
     blocks: tuple[BlockReport, ...]
+    shed: bool = False
+    """Never sent: the sidecar had said it would refuse it (``EngineClient.save``)."""
 
     @classmethod
-    def from_reply(cls, reply: SaveDone) -> SaveResult:
+    def from_reply(cls, reply: SaveDone, *, shed: bool = False) -> SaveResult:
         count = {status: 0 for status in BlockStatus}
         for block in reply.blocks:
             count[block.status] += 1
         return cls(count[BlockStatus.STORED], count[BlockStatus.PRESENT],
-                   count[BlockStatus.SKIPPED], count[BlockStatus.FAILED], reply.blocks)
+                   count[BlockStatus.SKIPPED], count[BlockStatus.FAILED], reply.blocks,
+                   shed)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,6 +111,18 @@ def _request_keys(
     mm_items: Sequence[MMItem] = (),
 ) -> RequestKeys:
     return RequestKeys(lora_name, lora_path, cache_salt, tuple(tuple(i) for i in mm_items))  # type: ignore[misc]
+
+
+def _overloaded(request_id: str, block_ids: Sequence[Sequence[int]],
+                store_group_ids: Sequence[int]) -> SaveDone:
+    """The sidecar's answer to a save it refuses as overloaded: every block of every
+    stored group, null blocks left out, skipped."""
+    status, reason = OVERLOADED.status, OVERLOADED.reason
+    return SaveDone(0, request_id, tuple(
+        BlockReport(group_id, index, block_id, status, reason)
+        for group_id in store_group_ids
+        for index, block_id in enumerate(block_ids[group_id]) if block_id != NULL_BLOCK_ID
+    ), save_credits=0)
 
 
 def _block_dim(tensor: torch.Tensor, shape: KVCacheShape | None) -> int:
@@ -154,6 +169,10 @@ class EngineClient(AsyncResource):
         self.save_credits = -1
         """Saves the sidecar would accept now, from its last reply (0: skip saving;
         -1: not known or never refused)."""
+        self.saves_shed = 0
+        """Saves answered here as overloaded, never sent (``save``)."""
+        self._saves_waiting = 0
+        self._kv_groups = 0
 
     @classmethod
     async def connect(
@@ -214,6 +233,7 @@ class EngineClient(AsyncResource):
         assert isinstance(reply, Registered)
         client.registered = reply
         client._registration = registration
+        client._kv_groups = len(layout.groups)
         return client
 
     @classmethod
@@ -340,13 +360,31 @@ class EngineClient(AsyncResource):
 
         KV in GPU memory: the save first marks the step (``mark_step``), so the sidecar
         copies the blocks only once the work queued so far on this thread's current
-        stream is done; ``mark_step=False`` when it was marked already."""
+        stream is done; ``mark_step=False`` when it was marked already.
+
+        A save the sidecar has said it would refuse is not sent: while its last reply
+        gave no save credits and a save of this engine still awaits its reply (which
+        brings fresh credits), every block is answered here as skipped, overloaded
+        (``shed``), as the sidecar would have answered it. Under a flood, neither side
+        then spends a round trip on it, and the blocks are free at once. Once no save
+        awaits a reply, the next one is sent whatever the credits were: its reply tells
+        whether the sidecar has room again."""
+        if (self.save_credits == 0 and self._saves_waiting and self.registered is not None
+                and len(block_ids) == self._kv_groups):  # else the sidecar says what is wrong
+            self.saves_shed += 1
+            return SaveResult.from_reply(
+                _overloaded(request_id, block_ids, self.registered.store_group_ids),
+                shed=True)
         if mark_step:
             self.mark_step()
         seq = next(self._seq)
         message = Save(seq, request_id, pack_tokens(token_ids), _blocks(block_ids),
                        _request_keys(**request_keys), _hashes(block_hashes))
-        reply = await self._call(seq, message, timeout_s)
+        self._saves_waiting += 1
+        try:
+            reply = await self._call(seq, message, timeout_s)
+        finally:
+            self._saves_waiting -= 1
         assert isinstance(reply, SaveDone)
         self.save_credits = reply.save_credits
         return SaveResult.from_reply(reply)

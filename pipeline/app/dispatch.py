@@ -47,7 +47,7 @@ from pipeline.core.messages import (
     outcome_counts,
     prompt_length,
 )
-from pipeline.core.outcomes import BlockStatus, KeyOutcome
+from pipeline.core.outcomes import OVERLOADED
 from pipeline.runner import EdgeSendStream
 from pipeline.state.jobs import Job, JobTracker, LookupRequest, Reply, load_bytes
 from pipeline.state.registry import SessionRegistry
@@ -58,8 +58,6 @@ from transport.server import SidecarSocket
 __all__ = ["Receiver"]
 
 log = structlog.get_logger("kvsidecar.service")
-
-OVERLOADED = KeyOutcome(BlockStatus.SKIPPED, "overloaded")
 
 
 class Receiver:

@@ -14,6 +14,7 @@ from pipeline.core.errors import StoreError, StoreUnavailable
 __all__ = [
     "LOADED",
     "MISSING",
+    "OVERLOADED",
     "PRESENT",
     "STORED",
     "STORE_FULL",
@@ -45,6 +46,9 @@ LOADED = KeyOutcome(BlockStatus.LOADED)
 MISSING = KeyOutcome(BlockStatus.MISSING, "missing")
 STORE_FULL = KeyOutcome(BlockStatus.SKIPPED, "store_full")
 STORE_UNAVAILABLE = KeyOutcome(BlockStatus.SKIPPED, "store_unavailable")
+OVERLOADED = KeyOutcome(BlockStatus.SKIPPED, "overloaded")
+"""A save refused as the sidecar's save path is full, or shed by the engine's client
+that was told so (``SaveDone.save_credits``)."""
 
 
 def failed(reason: str) -> KeyOutcome:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from pipeline.core.messages import ErrorReply, decode_sidecar_message
 from pipeline.testing import SidecarProcess, run_sidecar_process
 from tests.kit import KVEngine, hybrid_layout, random_tokens, shm_names
+from transport.client import SaveResult
 
 TIMEOUT = 30
 
@@ -68,6 +69,58 @@ async def test_a_flood_of_saves_does_not_starve_another_engines_loads(
     if "overloaded" in reasons:  # the engine was told to stop pinning blocks for saves
         assert min(credits) == 0
     assert all(r.failed == 0 for r in flood_results)
+
+
+async def test_saves_the_sidecar_said_it_would_refuse_are_shed_by_the_engine() -> None:
+    """Told by a refusal that it has no save credits, while a save of its own still
+    awaits its reply, an engine's client answers further saves itself, exactly as the
+    sidecar would have (every block skipped, overloaded), and never sends them. With no
+    save awaiting a reply, saves go to the sidecar again and are stored."""
+    import urllib.request
+
+    engine = KVEngine(hybrid_layout(page_bytes=16 * 1024))
+    overrides = {"stages": {"receive": {"max_saves_per_engine": 1}},
+                 "faults": {"points": {"stage.transfer": {"delay_ms": 500}}}}
+    blocks = [[1, 2, 3, 4], [7], [1, 2, 3, 4]]
+    with run_sidecar_process(overrides, metrics=True) as sidecar:
+        with anyio.fail_after(TIMEOUT):
+            async with await engine.connect(sidecar.endpoint) as client:
+                slow: list[SaveResult] = []
+                async with anyio.create_task_group() as tg:
+                    async def save_slowly() -> None:
+                        slow.append(await client.save("slow", random_tokens(64, seed=1),
+                                                      blocks))
+
+                    tg.start_soon(save_slowly)
+                    await anyio.sleep(0.2)  # the slow save is in flight
+                    refused = await client.save("refused", random_tokens(64, seed=2),
+                                                [[5, 6, 8, 9], [7], [5, 6, 8, 9]])
+                    assert client.save_credits == 0
+                    shed = await client.save("shed", random_tokens(64, seed=3),
+                                             [[5, 6, 8, 9], [7], [5, 0, 8, 9]])
+                    assert not slow  # the slow save still awaited its reply
+                assert client.save_credits > 0
+                # Even told there is no room, with no save awaiting a reply the next
+                # one is sent: only its reply can say there is room again.
+                client.save_credits = 0
+                after = await client.save("after", random_tokens(64, seed=4),
+                                          [[10, 11, 12, 13], [7], [10, 11, 12, 13]])
+
+        def scrape() -> str:
+            assert sidecar.metrics_url is not None
+            with urllib.request.urlopen(sidecar.metrics_url, timeout=10) as r:
+                return str(r.read().decode())
+
+        text = await anyio.to_thread.run_sync(scrape)
+    assert not refused.shed and refused.skipped == 8
+    assert {b.reason for b in refused.blocks} == {"overloaded"}
+    # As the sidecar answers: stored groups (0 and 2) only, null blocks left out.
+    assert shed.shed and (shed.stored, shed.skipped) == (0, 7)
+    assert shed.blocks == tuple(
+        b for b in refused.blocks if (b.group_id, b.block_index) != (2, 1))
+    assert client.saves_shed == 1
+    assert slow[0].stored == 8 and after.stored == 8 and not after.shed
+    assert 'kvsidecar_requests_total{kind="save"} 3.0' in text  # slow, refused, after
 
 
 frames = st.one_of(
