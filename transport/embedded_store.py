@@ -305,7 +305,8 @@ class EmbeddedStore(AsyncResource):
 
     def _views(self, entries: list[_Entry | None]) -> list[torch.Tensor | None]:
         """Each entry's bytes; entries back to back in the arena (a batch reserved as one
-        run) are cut from one matrix view in one call, not sliced one by one."""
+        run) are cut from one matrix view in one call, not sliced one by one, and an
+        entry alone is one slice (a quarter of the torch calls of a run of one)."""
         views: list[torch.Tensor | None] = [None] * len(entries)
         start = 0
         for end in range(1, len(entries) + 1):
@@ -313,7 +314,9 @@ class EmbeddedStore(AsyncResource):
             growing = end < len(entries) and _follows(entries[end], entries[end - 1])
             if first is not None and growing:
                 continue
-            if first is not None:
+            if first is not None and end - start == 1:
+                views[start] = self._slot(first)
+            elif first is not None:
                 run = self._arena[first.offset : first.offset + (end - start) * first.span]
                 views[start:end] = run.view(end - start, first.span)[:, : first.size].unbind(0)
             start = end

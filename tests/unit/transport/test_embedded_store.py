@@ -550,6 +550,33 @@ async def test_leased_values_are_never_evicted_until_released() -> None:
     assert await stored(store, ["a"]) == [False]
 
 
+async def test_a_lease_lends_runs_and_lone_values_each_with_its_own_bytes() -> None:
+    """Values reserved together lie back to back and are lent as one run; values put
+    one by one, asked for out of order, are lent each alone: every view holds exactly
+    its value."""
+    size = 1000
+    span = value_span(size)
+    async with EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=8 * span)) as store:
+        extents = await store.reserve(["a", "b", "c"], size)
+        for index, view in enumerate(extents.views):
+            view.copy_(value(size, index))  # type: ignore[union-attr]
+        store.commit(extents, written=True)
+        for index, key in enumerate("de", start=3):
+            assert await store.put([key], [value(size, index)]) == [STORED]
+        lease = await store.lease(["e", "a", "b", "c", "missing", "d"], size)
+        views = lease.views
+        assert lease.outcomes == [LOADED] * 4 + [MISSING, LOADED]
+        assert [views[i].data_ptr() - views[1].data_ptr() for i in (1, 2, 3)] == [  # type: ignore[union-attr]
+            0, span, 2 * span]
+        for view, index in zip(views, [4, 0, 1, 2, None, 3], strict=True):
+            if index is None:
+                assert view is None
+            else:
+                assert view is not None and view.numel() == size
+                assert torch.equal(view, value(size, index))
+        store.release(lease)
+
+
 async def test_a_lease_of_the_wrong_size_fails_naming_both_sizes() -> None:
     """A value of another size under the same key is never lent as if it fitted."""
     store = make_store(1024)
