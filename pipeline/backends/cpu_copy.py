@@ -371,36 +371,39 @@ class HelperThreads:
         self._pool.shutdown()
 
 
-def _digests(geometry: StoreGroupGeometry, block_ids: Sequence[int], seed: int,
+def _digests(geometry: StoreGroupGeometry, pages: numpy.ndarray, seed: int,
              helpers: HelperThreads | None) -> Any:
-    """The checksum of each block's pages as they lie in the engine: uint64 each."""
-    digests = numpy.empty(len(block_ids), dtype=numpy.uint64)
+    """The checksum of each block's pages (``page_addresses``) as they lie in the
+    engine: uint64 each."""
+    digests = numpy.empty(len(pages), dtype=numpy.uint64)
     digest = _blockcopy.digests if helpers is None else helpers.digests
-    digest(page_addresses(geometry, block_ids), geometry.segment_table[3], seed, digests)
+    digest(numpy.ascontiguousarray(pages), geometry.segment_table[3], seed, digests)
     return digests
 
 
-def seal_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int],
+def seal_in_place(geometry: StoreGroupGeometry, pages: numpy.ndarray,
                   trailers: Sequence[torch.Tensor], positions: Sequence[int], *,
                   helpers: HelperThreads | None = None) -> None:
-    """Seal value i, at each of ``positions``, in place: the checksum of engine block
-    ``block_ids[i]``'s pages into the first 8 bytes of ``trailers[i]``. (A load measures
-    what arrived the same way, into the 8 bytes after the trailer that came with it.)
-    ``helpers`` share a large batch's checksums."""
+    """Seal value i, at each of ``positions``, in place: the checksum of its engine
+    block's pages (row i of ``pages``, the batch's ``page_addresses``) into the first 8
+    bytes of ``trailers[i]``. (A load measures what arrived the same way, into the 8
+    bytes after the trailer that came with it.) ``helpers`` share a large batch's
+    checksums."""
     seed = geometry.checksum_seed
     assert seed is not None, "values without checksums have no trailer to seal"
-    digests = _digests(geometry, [block_ids[i] for i in positions], seed, helpers)
+    digests = _digests(geometry, pages[list(positions)], seed, helpers)
     sealed = torch.from_numpy(digests.view(numpy.uint8).reshape(-1, CHECKSUM_BYTES))
     for i, row in zip(positions, sealed, strict=True):
         trailers[i][:CHECKSUM_BYTES].copy_(row)
 
 
-def read_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int],
+def read_in_place(geometry: StoreGroupGeometry, pages: numpy.ndarray,
                   rows: torch.Tensor | None, positions: Sequence[int],
                   sources: Sequence[int], *, helpers: HelperThreads | None = None) -> None:
     """Copy value i (at each of ``positions``), which lies whole at ``sources[k]`` in this
-    process's memory (its pages back to back, then its checksum), into engine block
-    ``block_ids[i]``'s pages, checking it first as a load from a lending store does
+    process's memory (its pages back to back, then its checksum), into its engine
+    block's pages (row i of ``pages``, the batch's ``page_addresses``), checking it first
+    as a load from a lending store does
     (``verify_and_scatter``): one pass over the value, which is the store's move and the
     measure of ``seal_in_place`` at once. ``rows``: a loaded batch's trailer rows (uint8
     ``[values, 16]``, None without checksums). Row i gets the value's checksum, then what
@@ -408,8 +411,8 @@ def read_in_place(geometry: StoreGroupGeometry, block_ids: Sequence[int],
     not copied at all, and its two halves differ. ``helpers`` share a large batch."""
     seed = geometry.checksum_seed
     offsets, sizes = geometry.segment_table[2:]
-    pages = page_addresses(geometry, [block_ids[i] for i in positions])
     at = numpy.asarray(positions, dtype=numpy.int64)
+    pages = numpy.ascontiguousarray(pages[at])
     if rows is not None:  # the checksum after the pages goes into the value's trailer
         trailers = rows.data_ptr() + rows.stride(0) * at
         pages = numpy.ascontiguousarray(numpy.column_stack([pages, trailers]))

@@ -22,6 +22,7 @@ from pipeline.backends.cpu_copy import (
     InPlaceCopyEngine,
     Piece,
     gather_and_seal,
+    page_addresses,
     read_in_place,
     seal_in_place,
     verify_and_scatter,
@@ -550,13 +551,14 @@ async def test_checksums_in_place_are_those_of_the_copied_values_and_fail_what_c
     with anyio.fail_after(TIMEOUT_S):
         await gather_and_seal(CopyThreads(WorkerThreads(2, name="test")), geometry,
                               [1, 2, 3, 4], list(copied))
-    seal_in_place(geometry, [1, 2, 3, 4], sealed, [1, 3])
+    pages = page_addresses(geometry, [1, 2, 3, 4])
+    seal_in_place(geometry, pages, sealed, [1, 3])
     assert not views[0].any() and not views[2].any()
-    seal_in_place(geometry, [1, 2, 3, 4], sealed, [0, 2])
+    seal_in_place(geometry, pages, sealed, [0, 2])
     assert torch.equal(views[:, :CHECKSUM_BYTES], copied[:, geometry.value_bytes :])
     hybrid.block("attn.1", 2)[1, 0, 0] += 1.0  # V of the second layer, block 2
     views[3, 0] ^= 0xFF
-    seal_in_place(geometry, [1, 2, 3, 4], measured, [0, 1, 2, 3])
+    seal_in_place(geometry, pages, measured, [0, 1, 2, 3])
     with anyio.fail_after(TIMEOUT_S):
         intact = await InPlaceCopyEngine().scatter(geometry, [1, 2, 3, 4], list(views))
     assert intact == [True, False, True, False]
@@ -588,8 +590,8 @@ async def test_values_read_where_a_store_holds_them_land_checked_in_one_pass(
     rows = torch.full((5, 2 * CHECKSUM_BYTES), 7, dtype=torch.uint8)
     helpers = HelperThreads(1, share_bytes=0) if shared else None
     try:
-        read_in_place(geometry, [0, 5, 6, 7, 8], rows, [1, 2, 3, 4],
-                      [row.data_ptr() for row in held], helpers=helpers)
+        read_in_place(geometry, page_addresses(geometry, [0, 5, 6, 7, 8]), rows,
+                      [1, 2, 3, 4], [row.data_ptr() for row in held], helpers=helpers)
     finally:
         if helpers is not None:
             helpers.close()
