@@ -3,6 +3,11 @@ segment. Every step fails fast with an error that says what to check."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
+import os
+import time
 import urllib.parse
 import urllib.request
 from contextlib import AsyncExitStack
@@ -22,6 +27,8 @@ from transport.mooncake_store import MooncakeClient, MooncakeStore
 __all__ = ["LIBIBVERBS_HINT", "open_mooncake_store", "replicate"]
 
 log = structlog.get_logger("kvsidecar.store.mooncake")
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 LIBIBVERBS_HINT = "install Debian's libibverbs1 (apt-get install -y libibverbs1)"
 
@@ -46,8 +53,11 @@ async def open_mooncake_store(config: MooncakeStoreConfig) -> MooncakeStore:
         client = await _setup_client(store_module, config, endpoints)
         # Asked before anything else is registered: the segment, and the client's own
         # transfer buffer, are all the metadata lists of this client yet.
-        here = await _segment_here(config, endpoints, client) if (
-            config.in_place and config.read_here) else []
+        memory = await _segment_here(config, endpoints, client)
+        await _prefault(_segment_of(memory, config))
+        here = memory if config.in_place and config.read_here else []
+        if here:
+            log.info("store.mooncake.read_here.on", bytes=sum(end - start for start, end in here))
         replicate_config = replicate(store_module, config, client)
         store = MooncakeStore(
             client,
@@ -98,10 +108,10 @@ async def _segment_here(config: MooncakeStoreConfig, endpoints: MasterEndpoints,
     """Where this client's memory registered with Mooncake lies, its segment among it, as
     ``[start, end)`` ranges: from the descriptor the client published on an HTTP metadata
     server. Empty when there is none to ask or it cannot say: loads then move through
-    Mooncake's get (``MooncakeStore``)."""
+    Mooncake's get (``MooncakeStore``), and the segment is not faulted in at start."""
     server = urllib.parse.urlsplit(endpoints.metadata_server)
     if server.scheme not in ("http", "https"):
-        log.info("store.mooncake.read_here.off", reason="the metadata server is not HTTP",
+        log.info("store.mooncake.segment.unknown", reason="the metadata server is not HTTP",
                  metadata_server=endpoints.metadata_server)
         return []
     key = urllib.parse.quote(f"mooncake/ram/{client.get_hostname()}", safe="")
@@ -115,11 +125,61 @@ async def _segment_here(config: MooncakeStoreConfig, endpoints: MasterEndpoints,
     try:
         here = await anyio.to_thread.run_sync(ask)
     except (OSError, msgspec.MsgspecError) as exc:
-        log.warning("store.mooncake.read_here.off", metadata_server=endpoints.metadata_server,
+        log.warning("store.mooncake.segment.unknown", metadata_server=endpoints.metadata_server,
                     reason=f"the client's segment descriptor cannot be read: {exc}")
         return []
-    log.info("store.mooncake.read_here.on", bytes=sum(end - start for start, end in here))
     return here
+
+
+def _segment_of(memory: list[tuple[int, int]], config: MooncakeStoreConfig
+                ) -> list[tuple[int, int]]:
+    """The segment's ranges among the client's memory: all but its own transfer buffer,
+    told apart by its size (``local_buffer_bytes``); both where the sizes are equal."""
+    if config.local_buffer_bytes == config.global_segment_bytes:
+        return memory
+    return [(start, end) for start, end in memory
+            if end - start != config.local_buffer_bytes]
+
+
+PAGE_BYTES = mmap.PAGESIZE
+MADV_POPULATE_WRITE = 23
+"""``madvise`` advice (Linux 5.14): fault pages in as if written, their bytes kept."""
+PREFAULT_CHUNK_BYTES = 256 << 20
+"""Faulted in per call, so that a start cancelled meanwhile stops within one."""
+
+
+async def _prefault(ranges: list[tuple[int, int]]) -> None:
+    """Fault the segment's pages in, writable, without changing a byte (Linux's
+    ``MADV_POPULATE_WRITE``), as the embedded store touches its arena at start. Mooncake
+    leaves its segment untouched, so each put into a page never written before took a
+    page fault, and a fresh sidecar's puts ran about 5x slower (4 MiB: 6 ms against 1.2
+    ms) until it had filled its segment once. Other clients may already be putting into
+    the segment: the bytes they write are kept."""
+    started = time.monotonic()
+    faulted = 0
+    try:
+        for start, end in ranges:
+            first, last = -(-start // PAGE_BYTES) * PAGE_BYTES, end // PAGE_BYTES * PAGE_BYTES
+            for at in range(first, last, PREFAULT_CHUNK_BYTES):
+                size = min(PREFAULT_CHUNK_BYTES, last - at)
+                await anyio.to_thread.run_sync(_populate_write, at, size)
+                faulted += size
+    except OSError as exc:  # a kernel before 5.14, or no memory left for it
+        log.warning("store.mooncake.segment.prefault_failed", faulted_bytes=faulted,
+                    error=str(exc))
+        return
+    if faulted:
+        log.info("store.mooncake.segment.prefaulted", bytes=faulted,
+                 seconds=round(time.monotonic() - started, 3))
+
+
+def _populate_write(address: int, size: int) -> None:
+    """Fault ``size`` bytes at ``address`` (page-aligned) in as if written, keeping
+    their bytes; in a worker thread (ctypes lets the GIL go)."""
+    if _LIBC.madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), MADV_POPULATE_WRITE):
+        code = ctypes.get_errno()
+        raise OSError(code, f"madvise(MADV_POPULATE_WRITE): {os.strerror(code)}"
+                      + (" (Linux 5.14 or later has it)" if code == errno.EINVAL else ""))
 
 
 def _import_mooncake() -> Any:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import mmap
 import os
 import signal
 import socket
@@ -44,7 +46,7 @@ from pipeline.core.store import KVStore, Pieces, PiecewiseKVStore, Presence, Rea
 from tests.kit import StallProxy, stall_proxy
 from transport.mooncake_codes import get_outcome, put_outcome
 from transport.mooncake_master import EmbeddedMaster, MasterEndpoints, open_embedded_master
-from transport.mooncake_setup import _segment_here, open_mooncake_store
+from transport.mooncake_setup import _prefault, _segment_here, open_mooncake_store
 from transport.mooncake_store import MooncakeStore
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.asyncio(loop_scope="module")]
@@ -386,6 +388,50 @@ async def test_two_clients_see_each_others_keys(
             ]
             assert torch.equal(buffers[0][MIB // 2 : MIB // 2 + 65536], buffers[1][:65536])
             assert torch.equal(buffers[1][MIB // 2 : MIB // 2 + 65536], buffers[0][:65536])
+
+
+def resident_pages(memory: mmap.mmap) -> int:
+    """How many of an anonymous mapping's pages have memory behind them (``mincore``)."""
+    pages = len(memory) // mmap.PAGESIZE
+    address = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+    vector = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(len(memory)), vector) == 0
+    return sum(flags & 1 for flags in vector)
+
+
+async def test_faulting_memory_in_gives_every_page_memory_and_keeps_its_bytes() -> None:
+    """What the store does to its segment as it opens: every page gets memory, and bytes
+    already written (another client may be putting into the segment) stay as they were."""
+    memory = mmap.mmap(-1, 8 * MIB)
+    try:
+        written = {3: b"three", 700: b"seven hundred", 2047: b"last"}
+        for page, data in written.items():
+            memory[page * mmap.PAGESIZE : page * mmap.PAGESIZE + len(data)] = data
+        assert resident_pages(memory) == len(written)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+        with anyio.fail_after(10):
+            # Unaligned ends, as a segment's may be: the pages wholly inside are faulted.
+            await _prefault([(address + 100, address + 8 * MIB)])
+        assert resident_pages(memory) == 8 * MIB // mmap.PAGESIZE - 1  # all but page 0
+        for page, data in written.items():
+            assert memory[page * mmap.PAGESIZE : page * mmap.PAGESIZE + len(data)] == data
+        assert memory[mmap.PAGESIZE : 2 * mmap.PAGESIZE] == bytes(mmap.PAGESIZE)
+    finally:
+        memory.close()
+
+
+async def test_a_store_faults_its_segment_in_as_it_opens(master: EmbeddedMaster) -> None:
+    """Mooncake leaves its segment untouched (opening a client grows this process by
+    some 50 MiB, whatever the segment's size), so a put into a page never written took
+    a page fault; the store faults the segment in before it serves."""
+    segment = 128 * MIB
+    process = psutil.Process()
+    before = process.memory_info().rss
+    with anyio.fail_after(30):
+        async with await open_mooncake_store(client_config(master, global_segment_bytes=segment)):
+            grown = process.memory_info().rss - before
+    assert grown >= segment, f"{grown / MIB:.0f} MiB resident after opening"
 
 
 async def test_a_full_store_skips_puts_and_keeps_serving() -> None:
