@@ -243,22 +243,19 @@ class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
         sealed = geometry.checksum_seed is not None
         width = (2 if loading else 1) * CHECKSUM_BYTES if sealed else 0
         rows = slot.rows(len(keys), width)
+        views: list[torch.Tensor] = list(rows.unbind(0))
         pages = page_addresses(geometry, block_ids)
-        pieces = Pieces(
-            addresses=pages,
-            sizes=geometry.page_sizes,
-            trailers=list(rows[:, :CHECKSUM_BYTES].unbind(0)) if sealed else None,
-        )
-        checksums = read = None
-        if sealed:
+        trailers = checksums = read = None
+        if sealed:  # a save's view is its trailer: one unbind, not two
+            trailers = list(rows[:, :CHECKSUM_BYTES].unbind(0) if loading else views)
             into = rows[:, CHECKSUM_BYTES:] if loading else rows
-            checksums = functools.partial(seal_in_place, geometry, pages,
-                                          list(into.unbind(0)), helpers=self._helpers)
+            checksums = functools.partial(seal_in_place, geometry, pages, into,
+                                          helpers=self._helpers)
+        pieces = Pieces(addresses=pages, sizes=geometry.page_sizes, trailers=trailers)
         if loading:
             read = functools.partial(read_in_place, geometry, pages,
                                      rows if sealed else None, helpers=self._helpers)
-        views: list[torch.Tensor | None] = list(rows.unbind(0))
-        return Values(list(keys), views, [STORED] * len(keys),
+        return Values(list(keys), list[torch.Tensor | None](views), [STORED] * len(keys),
                       _PiecesHold(self._pool, slot, pieces, checksums, read))
 
 

@@ -547,7 +547,7 @@ async def test_checksums_in_place_are_those_of_the_copied_values_and_fail_what_c
     geometry = hybrid.session.store_groups[0]  # two K/V-first layers: four segments
     copied = torch.zeros(4, geometry.stored_bytes, dtype=torch.uint8)
     views = torch.zeros(4, 2 * CHECKSUM_BYTES, dtype=torch.uint8)  # [sealed | measured]
-    sealed, measured = list(views[:, :CHECKSUM_BYTES]), list(views[:, CHECKSUM_BYTES:])
+    sealed, measured = views[:, :CHECKSUM_BYTES], views[:, CHECKSUM_BYTES:]
     with anyio.fail_after(TIMEOUT_S):
         await gather_and_seal(CopyThreads(WorkerThreads(2, name="test")), geometry,
                               [1, 2, 3, 4], list(copied))
