@@ -29,6 +29,11 @@ __all__ = ["LIBIBVERBS_HINT", "open_mooncake_store", "replicate"]
 log = structlog.get_logger("kvsidecar.store.mooncake")
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
+PAGE_BYTES = mmap.PAGESIZE
+MADV_POPULATE_WRITE = 23
+"""``madvise`` advice (Linux 5.14): fault pages in as if written, their bytes kept."""
+PREFAULT_CHUNK_BYTES = 256 << 20
+"""Faulted in per call, so that a start cancelled meanwhile stops within one."""
 
 LIBIBVERBS_HINT = "install Debian's libibverbs1 (apt-get install -y libibverbs1)"
 
@@ -139,13 +144,6 @@ def _segment_of(memory: list[tuple[int, int]], config: MooncakeStoreConfig
         return memory
     return [(start, end) for start, end in memory
             if end - start != config.local_buffer_bytes]
-
-
-PAGE_BYTES = mmap.PAGESIZE
-MADV_POPULATE_WRITE = 23
-"""``madvise`` advice (Linux 5.14): fault pages in as if written, their bytes kept."""
-PREFAULT_CHUNK_BYTES = 256 << 20
-"""Faulted in per call, so that a start cancelled meanwhile stops within one."""
 
 
 async def _prefault(ranges: list[tuple[int, int]]) -> None:
