@@ -410,7 +410,7 @@ def read_in_place(geometry: StoreGroupGeometry, pages: numpy.ndarray,
     seed = geometry.checksum_seed
     offsets, sizes = geometry.segment_table[2:]
     at = numpy.asarray(positions, dtype=numpy.int64)
-    pages = numpy.ascontiguousarray(pages[at])
+    pages = pages[at]  # a copy of the rows asked for, contiguous
     if rows is not None:  # the checksum after the pages goes into the value's trailer
         trailers = rows.data_ptr() + rows.stride(0) * at
         pages = numpy.ascontiguousarray(numpy.column_stack([pages, trailers]))
