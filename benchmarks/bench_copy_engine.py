@@ -27,7 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 
 import anyio
 import torch
@@ -39,7 +39,7 @@ from pipeline.backends.threads import WorkerThreads
 from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.geometry import StoreGroupGeometry, build_store_groups
 from pipeline.core.layout import KVCacheLayout
-from pipeline.core.store import value_span
+from pipeline.core.runs import value_span
 from transport.embedded_store import EmbeddedStore
 
 NUM_BLOCKS = 1024
@@ -107,13 +107,12 @@ async def measure(g: Geometry, checksum: bool, repeat: int) -> dict[str, float]:
     async with EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=capacity)) as store:
         extents = [await store.reserve([f"k{k}-{i}" for i in range(batch)], size)
                    for k in range(sets)]
-        views: list[Sequence[torch.Tensor]] = [
-            [v for v in e.views if v is not None] for e in extents]
+        runs = [e.runs for e in extents]
 
         def gather(name: str, stream: bool) -> Callable[[], Awaitable[None]]:
             async def case() -> None:
                 k = next_set(name)
-                await gather_and_seal(inline, geometry, ids[k].tolist(), views[k],
+                await gather_and_seal(inline, geometry, ids[k].tolist(), runs[k],
                                       stream=stream)
             return case
 
@@ -121,13 +120,13 @@ async def measure(g: Geometry, checksum: bool, repeat: int) -> dict[str, float]:
             async def case() -> None:
                 k = next_set(name)
                 intact = await verify_and_scatter(inline, geometry, into(k).tolist(),
-                                                  views[k], stream=stream)
+                                                  runs[k], stream=stream)
                 assert all(intact), "a value failed its checksum"
             return case
 
         # Every value sealed once before the scatters check them.
         for k in range(sets):
-            await gather_and_seal(inline, geometry, ids[k].tolist(), views[k])
+            await gather_and_seal(inline, geometry, ids[k].tolist(), runs[k])
         figures = await cpu_ms({
             "bare_gather": bare_gather, "gather": gather("gather", True),
             "gather_cached": gather("gather_cached", False),

@@ -29,7 +29,7 @@ class FetchStage:
         )
         batch, missed, outcomes = StagedBatch.split(tasks, values, BlockStatus.LOADED)
         if batch is not None:
-            self._fetched(len(batch.views) * batch.geometry.stored_bytes)
+            self._fetched(len(batch.tasks) * batch.geometry.stored_bytes)
         try:
             await self._tracker.settle_each(missed, [_as_failure(o) for o in outcomes])
         except BaseException:

@@ -35,7 +35,7 @@ class ScatterStage:
 
     async def process(self, batch: StagedBatch) -> None:
         try:
-            intact = await self._copy.scatter(batch.geometry, batch.block_ids, batch.views)
+            intact = await self._copy.scatter(batch.geometry, batch.block_ids, batch.runs)
         finally:
             batch.values.release()
         corrupt = [task for task, ok in zip(batch.tasks, intact, strict=True) if not ok]

@@ -49,9 +49,9 @@ class TransferStage:
         if batch is None:
             return None
         try:
-            await self._copy.gather(batch.geometry, batch.block_ids, batch.views)
+            await self._copy.gather(batch.geometry, batch.block_ids, batch.runs)
         except BaseException:
             values.release()
             raise
-        self._copied(len(batch.views) * batch.geometry.stored_bytes)
+        self._copied(len(batch.tasks) * batch.geometry.stored_bytes)
         return batch

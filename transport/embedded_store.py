@@ -34,7 +34,8 @@ from anyio.abc import AsyncResource
 from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORE_FULL, STORED, KeyOutcome, failed
-from pipeline.core.store import VALUE_ALIGN, Extents, Presence, value_span
+from pipeline.core.runs import VALUE_ALIGN, Run, value_span
+from pipeline.core.store import Extents, Presence
 from transport.arena import ArenaAllocator
 
 __all__ = ["EmbeddedStore", "EmbeddedStoreStats"]
@@ -298,29 +299,26 @@ class EmbeddedStore(AsyncResource):
     def _extents(self, lent: list[tuple[_Entry | None, KeyOutcome]]) -> Extents:
         entries = [entry for entry, _ in lent]
         return Extents(
-            views=self._views(entries),
+            runs=self._runs(entries),
             outcomes=[outcome for _, outcome in lent],
             handle=entries,
         )
 
-    def _views(self, entries: list[_Entry | None]) -> list[torch.Tensor | None]:
-        """Each entry's bytes; entries back to back in the arena (a batch reserved as one
-        run) are cut from one matrix view in one call, not sliced one by one, and an
-        entry alone is one slice (a quarter of the torch calls of a run of one)."""
-        views: list[torch.Tensor | None] = [None] * len(entries)
+    def _runs(self, entries: list[_Entry | None]) -> list[Run]:
+        """The entries' bytes as runs: entries back to back in the arena (a batch
+        reserved as one extent) are one matrix view, whatever their number."""
+        result = []
         start = 0
         for end in range(1, len(entries) + 1):
             first = entries[start]
-            growing = end < len(entries) and _follows(entries[end], entries[end - 1])
-            if first is not None and growing:
+            if end < len(entries) and first is not None and _follows(entries[end],
+                                                                     entries[end - 1]):
                 continue
-            if first is not None and end - start == 1:
-                views[start] = self._slot(first)
-            elif first is not None:
+            if first is not None:
                 run = self._arena[first.offset : first.offset + (end - start) * first.span]
-                views[start:end] = run.view(end - start, first.span)[:, : first.size].unbind(0)
+                result.append(Run(start, run.view(end - start, first.span)[:, : first.size]))
             start = end
-        return views
+        return result
 
     async def remove(self, keys: Sequence[str]) -> int:
         self._check_open()

@@ -36,45 +36,19 @@ from pipeline.backends import _blockcopy
 from pipeline.backends.threads import WorkerThreads
 from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.integrity import CHECKSUM_BYTES
-from pipeline.core.store import value_span
+from pipeline.core.runs import Run, cut
 
 __all__ = [
     "CopyThreads",
     "CpuCopyEngine",
     "HelperThreads",
     "InPlaceCopyEngine",
-    "Piece",
     "gather_and_seal",
     "page_addresses",
     "read_in_place",
-    "runs",
     "seal_in_place",
     "verify_and_scatter",
 ]
-
-Piece = tuple[int, torch.Tensor]
-"""Adjacent values as one matrix: (index of the first, a ``[count, size]`` view)."""
-
-
-def runs(views: Sequence[torch.Tensor], size: int) -> list[Piece]:
-    """Adjacent values as matrices: (index of the first, a [count, size] view). Values
-    are adjacent when each starts ``size`` bytes after the last, or ``value_span(size)``
-    (a direct store's padded values): one stride per run."""
-    strides = (size, value_span(size))
-    result = []
-    start = 0
-    stride = size
-    for index in range(1, len(views) + 1):
-        if index < len(views):
-            step = views[index].data_ptr() - views[index - 1].data_ptr()
-            if step == stride or (index == start + 1 and step in strides):
-                stride = step
-                continue
-        matrix = torch.as_strided(views[start], (index - start, size), (stride, 1))
-        result.append((start, matrix))
-        start, stride = index, size
-    return result
-
 
 SPLIT_BYTES = 8 << 20
 """Batches smaller than this are copied by one thread: a split costs thread hand-offs
@@ -114,7 +88,7 @@ SHARED_SLICE_BYTES = 1 << 20
 it is still alone (a request that arrives meanwhile waits at most this long, about
 0.2 ms), and hands the rest of its share to a worker thread if not."""
 
-Work = Callable[[Sequence[Piece], "numpy.ndarray | None", int], int]
+Work = Callable[[Sequence[Run], "numpy.ndarray | None", int], int]
 """Copies some runs of a batch's values (a part), in whatever thread calls it, and says
 how many it copied; given ``progress`` (int64 ``[runs, 2]``), each run is shared with
 the other callers given the same, value by value, and the call copies at most ``limit``
@@ -144,26 +118,26 @@ class CopyThreads:
         """Whether a batch of ``nbytes`` goes to the threads, not done on the event loop."""
         return nbytes > self._inline_bytes
 
-    async def run(self, views: Sequence[torch.Tensor], size: int, work: Work, *,
+    async def run(self, runs: Sequence[Run], count: int, size: int, work: Work, *,
                   alone: Callable[[], bool] = lambda: False) -> None:
-        """``work`` over every value (each ``size`` bytes), in parts. ``alone()``:
-        whether the event loop has nothing else to do; while so, its thread shares a
-        batch that is split with the worker threads (``_shared``)."""
-        nbytes = len(views) * size
+        """``work`` over every value of ``runs`` (``count`` of ``size`` bytes), in parts.
+        ``alone()``: whether the event loop has nothing else to do; while so, its thread
+        shares a batch that is split with the worker threads (``_shared``)."""
+        nbytes = count * size
         if not self.waits(nbytes):
-            work(self._pieces(views, size), None, 0)
+            work(runs, None, 0)
             return
-        parts = min(self._parts, len(views)) if nbytes >= self._split_bytes else 1
+        parts = min(self._parts, count) if nbytes >= self._split_bytes else 1
         if parts > 1 and alone():
-            await self._shared(views, size, work, alone)
+            await self._shared(runs, count, size, work, alone)
             return
-        bounds = [len(views) * part // parts for part in range(parts + 1)]
+        bounds = [count * part // parts for part in range(parts + 1)]
         await self._threads.run_each([
-            functools.partial(work, self._pieces(views, size, start, stop), None, 0)
+            functools.partial(work, cut(runs, start, stop), None, 0)
             for start, stop in itertools.pairwise(bounds)
         ])
 
-    async def _shared(self, views: Sequence[torch.Tensor], size: int, work: Work,
+    async def _shared(self, runs: Sequence[Run], count: int, size: int, work: Work,
                       alone: Callable[[], bool]) -> None:
         """Every value copied by whichever of the event loop's thread and all worker
         threads but one claims it first. The loop starts at once, instead of sleeping
@@ -172,18 +146,17 @@ class CopyThreads:
         longer ``alone()`` (asked after each ``SHARED_SLICE_BYTES``), it hands the rest
         of its share to the last worker thread and serves what came. A thread that
         starts after every value is claimed touches none."""
-        pieces = self._pieces(views, size)
-        progress = numpy.zeros((len(pieces), 2), dtype=numpy.int64)
-        share = functools.partial(work, pieces, progress, 0)
+        progress = numpy.zeros((len(runs), 2), dtype=numpy.int64)
+        share = functools.partial(work, runs, progress, 0)
         helpers = [self._threads.submit([share] * (self._parts - 1))]
         slice_values = max(1, SHARED_SLICE_BYTES // size)
         try:
-            while work(pieces, progress, slice_values):
+            while work(runs, progress, slice_values):
                 if not alone():  # serve what came; a worker thread takes the loop's share
                     helpers.append(self._threads.submit([share]))
                     break
             else:
-                if _blockcopy.wait_done(progress, len(views), SHARED_SPIN_S):
+                if _blockcopy.wait_done(progress, count, SHARED_SPIN_S):
                     for calls in helpers:  # what is left of them copies nothing
                         calls.add_done_callback(_retrieve)
                     return
@@ -193,11 +166,6 @@ class CopyThreads:
         await _all_returned(helpers)
         for calls in helpers:
             calls.result()  # an error a call raised
-
-    def _pieces(self, views: Sequence[torch.Tensor], size: int, start: int = 0,
-                stop: int | None = None) -> list[Piece]:
-        """Values ``start:stop`` as runs of adjacent values."""
-        return [(start + first, rows) for first, rows in runs(views[start:stop], size)]
 
 
 async def _all_returned(calls: Sequence[asyncio.Future[Any]]) -> None:
@@ -227,35 +195,35 @@ def page_addresses(geometry: StoreGroupGeometry, block_ids: Sequence[int]) -> nu
 
 
 def _gather_and_seal(geometry: StoreGroupGeometry, pages: Any, stream: bool,
-                     pieces: Sequence[Piece], progress: numpy.ndarray | None,
+                     runs: Sequence[Run], progress: numpy.ndarray | None,
                      limit: int) -> int:
     offsets, sizes = geometry.segment_table[2:]
     seed = geometry.checksum_seed
-    return _each_run(pieces, progress, limit, lambda start, rows, shared, most: (
+    return _each_run(runs, progress, limit, lambda start, rows, shared, most: (
         _blockcopy.gather(pages[start : start + rows.shape[0]], rows.data_ptr(),
                           rows.stride(0), offsets, sizes, seed is not None, seed or 0,
                           geometry.value_bytes, stream, shared, most)))
 
 
 def _verify_and_scatter(geometry: StoreGroupGeometry, pages: Any, stream: bool,
-                        intact: memoryview, pieces: Sequence[Piece],
+                        intact: memoryview, runs: Sequence[Run],
                         progress: numpy.ndarray | None, limit: int) -> int:
     offsets, sizes = geometry.segment_table[2:]
     seed = geometry.checksum_seed
-    return _each_run(pieces, progress, limit, lambda start, rows, shared, most: (
+    return _each_run(runs, progress, limit, lambda start, rows, shared, most: (
         _blockcopy.scatter(pages[start : start + rows.shape[0]], rows.data_ptr(),
                            rows.stride(0), offsets, sizes, seed is not None, seed or 0,
                            geometry.value_bytes, intact[start : start + rows.shape[0]],
                            stream, shared, most)))
 
 
-def _each_run(pieces: Sequence[Piece], progress: numpy.ndarray | None, limit: int,
+def _each_run(runs: Sequence[Run], progress: numpy.ndarray | None, limit: int,
               copy: Callable[[int, torch.Tensor, Any, int], int]) -> int:
     """``copy(start, rows, shared, most)`` over each run in turn (``shared``: its row of
     ``progress``, or None; ``most``: the values it may copy, 0: any), at most ``limit``
     values in all (0: no limit): the values copied."""
     copied = 0
-    for index, (start, rows) in enumerate(pieces):
+    for index, (start, rows) in enumerate(runs):
         if limit and copied == limit:
             break
         copied += copy(start, rows, None if progress is None else progress[index],
@@ -265,19 +233,20 @@ def _each_run(pieces: Sequence[Piece], progress: numpy.ndarray | None, limit: in
 
 async def gather_and_seal(
     copy: CopyThreads, geometry: StoreGroupGeometry, block_ids: Sequence[int],
-    views: Sequence[torch.Tensor], *, stream: bool = False,
+    runs: Sequence[Run], *, stream: bool = False,
     alone: Callable[[], bool] = lambda: False,
 ) -> None:
-    """Fill each value from its engine block, sealing its checksum as its pages pass;
-    ``stream``: write the values around the caches; ``alone``: as ``CopyThreads.run``."""
+    """Fill each value (of ``runs``, one per block) from its engine block, sealing its
+    checksum as its pages pass; ``stream``: write the values around the caches;
+    ``alone``: as ``CopyThreads.run``."""
     pages = page_addresses(geometry, block_ids)
-    await copy.run(views, geometry.stored_bytes,
+    await copy.run(runs, len(block_ids), geometry.stored_bytes,
                    functools.partial(_gather_and_seal, geometry, pages, stream), alone=alone)
 
 
 async def verify_and_scatter(
     copy: CopyThreads, geometry: StoreGroupGeometry, block_ids: Sequence[int],
-    views: Sequence[torch.Tensor], *, stream: bool = False,
+    runs: Sequence[Run], *, stream: bool = False,
     alone: Callable[[], bool] = lambda: False,
 ) -> list[bool]:
     """Check each value against its sealed checksum, then copy only the intact ones into
@@ -286,8 +255,8 @@ async def verify_and_scatter(
     ``CopyThreads.run``.
     """
     pages = page_addresses(geometry, block_ids)
-    intact = bytearray(len(views))
-    await copy.run(views, geometry.stored_bytes,
+    intact = bytearray(len(block_ids))
+    await copy.run(runs, len(block_ids), geometry.stored_bytes,
                    functools.partial(_verify_and_scatter, geometry, pages, stream,
                                      memoryview(intact)), alone=alone)
     return list(map(bool, intact))
@@ -313,19 +282,19 @@ class CpuCopyEngine:
         return self._copy.waits(nbytes)
 
     async def gather(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
-                     views: Sequence[torch.Tensor]) -> None:
-        await gather_and_seal(self._copy, geometry, block_ids, views,
-                              stream=self._streams(geometry, views), alone=self._alone)
+                     runs: Sequence[Run]) -> None:
+        await gather_and_seal(self._copy, geometry, block_ids, runs,
+                              stream=self._streams(geometry, block_ids), alone=self._alone)
 
     async def scatter(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
-                      views: Sequence[torch.Tensor]) -> list[bool]:
-        return await verify_and_scatter(self._copy, geometry, block_ids, views,
-                                        stream=self._streams(geometry, views),
+                      runs: Sequence[Run]) -> list[bool]:
+        return await verify_and_scatter(self._copy, geometry, block_ids, runs,
+                                        stream=self._streams(geometry, block_ids),
                                         alone=self._alone)
 
-    def _streams(self, geometry: StoreGroupGeometry, views: Sequence[torch.Tensor]) -> bool:
+    def _streams(self, geometry: StoreGroupGeometry, block_ids: Sequence[int]) -> bool:
         return (self._stream_bytes is not None
-                and len(views) * geometry.stored_bytes >= self._stream_bytes)
+                and len(block_ids) * geometry.stored_bytes >= self._stream_bytes)
 
 
 class HelperThreads:
@@ -446,7 +415,7 @@ class InPlaceCopyEngine:
     within the store's own calls, where the pages lie (``seal_in_place``).
 
     A save has nothing to gather: the put seals each value the store lacks. A load's
-    view is the value's sealed trailer, then the checksum its pages measured where they
+    row is the value's sealed trailer, then the checksum its pages measured where they
     landed, so the check compares the two: a block that fails is reported failed, and
     the engine recomputes it before it reads it (the bytes did reach its memory, unlike
     with a copying engine).
@@ -456,15 +425,15 @@ class InPlaceCopyEngine:
         return False  # the checks are made on the event loop; the store moved the bytes
 
     async def gather(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
-                     views: Sequence[torch.Tensor]) -> None:
+                     runs: Sequence[Run]) -> None:
         pass
 
     async def scatter(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
-                      views: Sequence[torch.Tensor]) -> list[bool]:
+                      runs: Sequence[Run]) -> list[bool]:
         if geometry.checksum_seed is None:
-            return [True] * len(views)
+            return [True] * len(block_ids)
         intact: list[bool] = []
-        for _, rows in runs(views, 2 * CHECKSUM_BYTES):  # a batch's rows lie side by side
+        for _, rows in runs:
             table = rows.numpy()
             intact += (table[:, :CHECKSUM_BYTES] == table[:, CHECKSUM_BYTES:]).all(1).tolist()
         return intact

@@ -26,10 +26,10 @@ from collections.abc import Iterator, Sequence
 import anyio
 import torch
 
-from pipeline.backends.cpu_copy import Piece, runs
 from pipeline.core.errors import ConfigError
 from pipeline.core.geometry import Segment, StoreGroupGeometry
 from pipeline.core.integrity import seal_rows, verify_rows
+from pipeline.core.runs import Run
 from pipeline.core.seams import CopyEngine
 
 __all__ = ["CudaCopyEngine", "gather_blocks", "pinned", "scatter_blocks", "span_of"]
@@ -93,11 +93,11 @@ def pinned(memory: torch.Tensor) -> Iterator[None]:
         cudart.cudaHostUnregister(memory.data_ptr())
 
 
-def _device_rows(pieces: Sequence[Piece], count: int, stored: int,
+def _device_rows(runs: Sequence[Run], count: int, stored: int,
                  device: torch.device) -> torch.Tensor:
     """A device matrix for ``count`` values, rows as far apart as the host's (a direct
     store pads its values), so each run moves as one contiguous transfer."""
-    stride = max((host.stride(0) for _, host in pieces), default=stored)
+    stride = max((host.stride(0) for _, host in runs), default=stored)
     return torch.empty((count, stride), dtype=torch.uint8, device=device)
 
 
@@ -141,22 +141,21 @@ class CudaCopyEngine:
         return True  # on a device's streams (CPU blocks, on the fallback's threads or not)
 
     async def gather(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
-                     views: Sequence[torch.Tensor]) -> None:
+                     runs: Sequence[Run]) -> None:
         device = _device_of(geometry)
         if device is None:
-            await self._fallback.gather(geometry, block_ids, views)
+            await self._fallback.gather(geometry, block_ids, runs)
             return
         stored = geometry.stored_bytes
-        pieces = runs(views, stored)
         stream = self._stream(device)
         done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         with torch.cuda.stream(stream):
             if geometry.step_event is not None:
                 stream.wait_event(geometry.step_event)
             ids = torch.tensor(block_ids, dtype=torch.int64).to(device, non_blocking=True)
-            rows = _device_rows(pieces, len(views), stored, device)
+            rows = _device_rows(runs, len(block_ids), stored, device)
             gather_blocks(geometry.segments, ids, rows[:, :stored])
-            for start, host in pieces:
+            for start, host in runs:
                 to, source = _paired(host, rows[start : start + host.shape[0]])
                 to.copy_(source, non_blocking=True)
             done.record(stream)
@@ -165,24 +164,23 @@ class CudaCopyEngine:
         def finish() -> None:
             done.synchronize()
             if geometry.checksum_seed is not None:
-                for _, host in pieces:
+                for _, host in runs:
                     seal_rows(host, geometry.value_bytes, geometry.checksum_seed)
 
         await anyio.to_thread.run_sync(finish, limiter=self._limiter)
 
     async def scatter(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
-                      views: Sequence[torch.Tensor]) -> list[bool]:
+                      runs: Sequence[Run]) -> list[bool]:
         device = _device_of(geometry)
         if device is None:
-            return await self._fallback.scatter(geometry, block_ids, views)
+            return await self._fallback.scatter(geometry, block_ids, runs)
         stored, seed = geometry.stored_bytes, geometry.checksum_seed
-        pieces = runs(views, stored)
 
         def verify() -> list[bool]:
             if seed is None:
-                return [True] * len(views)
+                return [True] * len(block_ids)
             payload = geometry.value_bytes
-            return [ok for _, host in pieces for ok in verify_rows(host, payload, seed)]
+            return [ok for _, host in runs for ok in verify_rows(host, payload, seed)]
 
         intact = await anyio.to_thread.run_sync(verify, limiter=self._limiter)
         keep = [index for index, ok in enumerate(intact) if ok]
@@ -191,12 +189,12 @@ class CudaCopyEngine:
         stream = self._stream(device)
         done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         with torch.cuda.stream(stream):
-            spans = _device_rows(pieces, len(views), stored, device)
-            for start, host in pieces:
+            spans = _device_rows(runs, len(block_ids), stored, device)
+            for start, host in runs:
                 source, to = _paired(host, spans[start : start + host.shape[0]])
                 to.copy_(source, non_blocking=True)
             rows = spans[:, :stored]
-            if len(keep) < len(views):
+            if len(keep) < len(block_ids):
                 rows = rows[torch.tensor(keep, dtype=torch.int64).to(device, non_blocking=True)]
             ids = torch.tensor([block_ids[index] for index in keep], dtype=torch.int64)
             scatter_blocks(geometry.segments, ids.to(device, non_blocking=True), rows)

@@ -22,6 +22,7 @@ from pipeline.backends.wrapper import StoreWrapper
 from pipeline.core.config import FaultsConfig
 from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import KeyOutcome
+from pipeline.core.runs import value_views
 from pipeline.core.store import Extents, KVStore, Pieces, ReadHere, Seal
 
 __all__ = ["Faults", "FaultyStore", "InjectedFault"]
@@ -110,5 +111,5 @@ class FaultyStore(StoreWrapper):
         # Lent memory is shared by concurrent readers, so it is corrupted only at rest
         # (here, as stored); store.get corrupts only copies.
         if written:
-            self._faults.corrupt("store.put", [v for v in extents.views if v is not None])
+            self._faults.corrupt("store.put", value_views(extents.runs))
         return super().commit(extents, written=written)

@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar, cast
 
 import anyio
-import torch
 
 from pipeline.backends.cpu_copy import (
     HelperThreads,
@@ -28,6 +27,7 @@ from pipeline.core.errors import StoreCallAbandoned, StoreError
 from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.integrity import CHECKSUM_BYTES
 from pipeline.core.outcomes import STORED, BlockStatus, KeyOutcome, store_error_outcome
+from pipeline.core.runs import Run, held, value_views
 from pipeline.core.seams import Values
 from pipeline.core.store import (
     DirectKVStore,
@@ -128,7 +128,7 @@ class _SlotMemory(Generic[S]):
         raise NotImplementedError
 
     async def _put(self, values: Values) -> list[KeyOutcome]:
-        """The store call of ``store``, one outcome per value with a view."""
+        """The store call of ``store``, one outcome per value it lent."""
         raise NotImplementedError
 
     async def _get(self, values: Values) -> list[KeyOutcome]:
@@ -141,14 +141,14 @@ class StagingMemory(_SlotMemory[KVStore]):
     memory handed out."""
 
     async def _put(self, values: Values) -> list[KeyOutcome]:
-        views = _held(values)
+        views = value_views(values.runs)
         return await per_key_outcomes(
             lambda: self._store.put(values.keys, views), len(views), saving=True,
             abandoned=cast(_SlotHold, values.hold).withhold,
         )
 
     async def _get(self, values: Values) -> list[KeyOutcome]:
-        views = _held(values)
+        views = value_views(values.runs)
         return await per_key_outcomes(
             lambda: self._store.get_into(values.keys, views), len(views), saving=False,
             abandoned=cast(_SlotHold, values.hold).withhold,
@@ -158,12 +158,8 @@ class StagingMemory(_SlotMemory[KVStore]):
                 keys: Sequence[str], *, loading: bool) -> Values:
         """The slot's first rows, one value per key (outcome ``STORED`` once stored)."""
         rows = slot.rows(len(keys), geometry.stored_bytes)
-        views: list[torch.Tensor | None] = list(rows.unbind(0))
-        return Values(list(keys), views, [STORED] * len(keys), _SlotHold(self._pool, slot))
-
-
-def _held(values: Values) -> list[torch.Tensor]:
-    return [view for view in values.views if view is not None]
+        return Values(list(keys), [Run(0, rows)], [STORED] * len(keys),
+                      _SlotHold(self._pool, slot))
 
 
 class _PiecesHold(_SlotHold):
@@ -183,8 +179,8 @@ class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
     """Values left in the engine's blocks: the store puts each one from the block's
     pages and gets it back into the pages of the block it is loaded into, in one call
     per batch. A batch's checksums lie in a staging slot, which also bounds the batches
-    in flight as staging does. A saved value's view is its trailer, which the put seals
-    in its own call for the values the store lacks; a loaded value's view is the
+    in flight as staging does. A saved value's row is its trailer, which the put seals
+    in its own call for the values the store lacks; a loaded value's row is the
     trailer that came with it, then the checksum of its pages as they landed, which the
     get measures in its own call (``InPlaceCopyEngine`` compares the two). A store
     holding a batch's values in this process's own memory (Mooncake's segment) hands
@@ -237,17 +233,16 @@ class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
 
     def _values(self, slot: Slot, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                 keys: Sequence[str], *, loading: bool) -> Values:
-        """Each key's value in engine block ``block_ids[i]``; its view, in the slot's
+        """Each key's value in engine block ``block_ids[i]``; its row, in the slot's
         first rows, is its trailer (and, loading, the checksum measured on arrival), or
         empty when values carry no checksum."""
         sealed = geometry.checksum_seed is not None
         width = (2 if loading else 1) * CHECKSUM_BYTES if sealed else 0
         rows = slot.rows(len(keys), width)
-        views: list[torch.Tensor] = list(rows.unbind(0))
         pages = page_addresses(geometry, block_ids)
         trailers = checksums = read = None
-        if sealed:  # a save's view is its trailer: one unbind, not two
-            trailers = list(rows[:, :CHECKSUM_BYTES].unbind(0) if loading else views)
+        if sealed:
+            trailers = list(rows[:, :CHECKSUM_BYTES].unbind(0) if loading else rows.unbind(0))
             into = rows[:, CHECKSUM_BYTES:] if loading else rows
             checksums = functools.partial(seal_in_place, geometry, pages, into,
                                           helpers=self._helpers)
@@ -255,7 +250,7 @@ class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
         if loading:
             read = functools.partial(read_in_place, geometry, pages,
                                      rows if sealed else None, helpers=self._helpers)
-        return Values(list(keys), list[torch.Tensor | None](views), [STORED] * len(keys),
+        return Values(list(keys), [Run(0, rows)], [STORED] * len(keys),
                       _PiecesHold(self._pool, slot, pieces, checksums, read))
 
 
@@ -284,13 +279,13 @@ class LentMemory:
         self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
     ) -> Values:
         extents = await self._store.reserve(keys, geometry.stored_bytes)
-        return Values(list(keys), extents.views, list(extents.outcomes),
+        return Values(list(keys), extents.runs, list(extents.outcomes),
                       _ReservationHold(self._store, extents))
 
     async def store(self, values: Values) -> list[KeyOutcome]:
         committed = self._store.commit(cast(_ReservationHold, values.hold).extents, written=True)
-        return [outcome for outcome, view in zip(committed, values.views, strict=True)
-                if view is not None]
+        lent = held(values.runs, len(committed))
+        return [outcome for outcome, has in zip(committed, lent, strict=True) if has]
 
     async def fetch(
         self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
@@ -299,10 +294,10 @@ class LentMemory:
             extents = await self._store.lease(keys, geometry.stored_bytes)
         except StoreError as exc:
             return _refused(keys, store_error_outcome(exc, saving=False))
-        return Values(list(keys), extents.views, list(extents.outcomes),
+        return Values(list(keys), extents.runs, list(extents.outcomes),
                       _LeaseHold(self._store, extents))
 
 
 def _refused(keys: Sequence[str], outcome: KeyOutcome) -> Values:
     """No memory for any key, each refused with ``outcome``."""
-    return Values(list(keys), [None] * len(keys), [outcome] * len(keys), _NoHold())
+    return Values(list(keys), [], [outcome] * len(keys), _NoHold())

@@ -15,10 +15,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-import torch
-
 from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.outcomes import KeyOutcome
+from pipeline.core.runs import Run
 
 __all__ = ["BatchMemory", "CopyEngine", "Count", "Hold", "Values", "count_nothing"]
 
@@ -39,11 +38,11 @@ class Hold(Protocol):
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Values:
-    """One batch's values: per key a view (1-D uint8) or the outcome that says why there
-    is none, and the hold that gives their memory back."""
+    """One batch's values: where they lie, as runs (``Run``), and per key the outcome (a
+    key with no value says why); and the hold that gives their memory back."""
 
     keys: list[str]
-    views: list[torch.Tensor | None]
+    runs: list[Run]
     outcomes: list[KeyOutcome]
     hold: Hold
 
@@ -60,7 +59,7 @@ class BatchMemory(Protocol):
         why (present, store full, staging full)."""
 
     async def store(self, values: Values) -> list[KeyOutcome]:
-        """Save: store the written values (those with a view, in order) and give their
+        """Save: store the written values (those it lent, in order) and give their
         memory back. A store error is an outcome per key, never raised."""
 
     async def fetch(
@@ -79,14 +78,13 @@ class CopyEngine(Protocol):
         streams) while the event loop waits, rather than on the event loop itself."""
 
     async def gather(
-        self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
-        views: Sequence[torch.Tensor],
+        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], runs: Sequence[Run],
     ) -> None:
-        """Fill value i from engine block ``block_ids[i]``, then seal its checksum."""
+        """Fill value i (of ``runs``, one per block) from engine block ``block_ids[i]``,
+        then seal its checksum."""
 
     async def scatter(
-        self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
-        views: Sequence[torch.Tensor],
+        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], runs: Sequence[Run],
     ) -> list[bool]:
         """Check each value against its checksum, then copy only the intact ones into
         their engine blocks: the engine never receives a corrupted byte. Returns whether

@@ -17,10 +17,10 @@ import numpy
 import torch
 
 from pipeline.core.outcomes import PRESENT, BlockStatus, KeyOutcome
+from pipeline.core.runs import Run
 
 __all__ = [
     "PRESENCE_OUTCOMES",
-    "VALUE_ALIGN",
     "DirectKVStore",
     "Extents",
     "KVStore",
@@ -29,19 +29,7 @@ __all__ = [
     "Presence",
     "ReadHere",
     "Seal",
-    "value_span",
 ]
-
-VALUE_ALIGN = 64
-"""Values a store lends side by side start on a cache line. A value with its 8-byte
-checksum would otherwise start 8 bytes further into a line at each row, and a gather
-into rows that straddle lines takes about a quarter more CPU."""
-
-
-def value_span(size: int, align: int = VALUE_ALIGN) -> int:
-    """The bytes a lent value of ``size`` bytes occupies: itself, padded to ``align``."""
-    return -(-size // align) * align
-
 
 class Presence(enum.Enum):
     """What the store holds under a key, as one engine would read it."""
@@ -102,10 +90,10 @@ class KVStore(Protocol):
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Extents:
-    """Store memory lent for one batch: per key a view (1-D uint8) or the outcome that
-    says why there is none. ``handle`` is the backend's own bookkeeping."""
+    """Store memory lent for one batch: the values lent, as runs (``Run``), and per key
+    the outcome (a key lent none says why). ``handle`` is the backend's own bookkeeping."""
 
-    views: list[torch.Tensor | None]
+    runs: list[Run]
     outcomes: list[KeyOutcome]
     handle: list[Any]
 

@@ -14,7 +14,6 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import anyio
-import torch
 
 from pipeline.core.errors import StoreError
 from pipeline.core.geometry import StoreGroupGeometry
@@ -22,6 +21,7 @@ from pipeline.core.hitrule import blocks_to_load
 from pipeline.core.layout import NULL_BLOCK_ID
 from pipeline.core.messages import BlockReport, Load, Lookup, LookupReply, Save, SidecarMessage
 from pipeline.core.outcomes import STORE_FULL, BlockStatus, KeyOutcome, store_error_outcome
+from pipeline.core.runs import Run, held, lent_count, select
 from pipeline.core.seams import Values
 from pipeline.state.history import BlockHistory, content_prints
 from pipeline.state.sessions import EngineSession
@@ -170,33 +170,32 @@ class StagedBatch:
     """A batch of one session's store group with a value per block."""
 
     tasks: list[BlockTask]
-    views: list[torch.Tensor]
-    """Value i belongs to tasks[i]: 1-D uint8, ``geometry.stored_bytes`` long."""
+    runs: list[Run]
+    """Value i belongs to tasks[i]: ``geometry.stored_bytes`` long."""
     values: Values
-    """The memory the views live in, given back through it."""
+    """The memory the values live in, given back through it."""
 
     @classmethod
     def split(
         cls, tasks: Sequence[BlockTask], values: Values, usable: BlockStatus
     ) -> tuple[StagedBatch | None, list[BlockTask], list[KeyOutcome]]:
-        """The tasks whose value is usable (a view, outcome ``usable``) as a batch, and
+        """The tasks whose value is usable (lent, outcome ``usable``) as a batch, and
         the others with their outcomes. With none usable the batch is None and the
         memory is given back."""
-        kept: list[BlockTask] = []
-        views: list[torch.Tensor] = []
-        refused: list[BlockTask] = []
-        outcomes: list[KeyOutcome] = []
-        for task, view, outcome in zip(tasks, values.views, values.outcomes, strict=True):
-            if view is not None and outcome.status is usable:
-                kept.append(task)
-                views.append(view)
-            else:
-                refused.append(task)
-                outcomes.append(outcome)
-        if not kept:
+        statuses = [outcome.status for outcome in values.outcomes]
+        if statuses.count(usable) == len(tasks) == lent_count(values.runs):  # the usual batch
+            return cls(list(tasks), values.runs, values), [], []
+        usable_at = [has and status is usable for has, status
+                     in zip(held(values.runs, len(tasks)), statuses, strict=True)]
+        positions = [position for position, ok in enumerate(usable_at) if ok]
+        refused = [task for task, ok in zip(tasks, usable_at, strict=True) if not ok]
+        outcomes = [outcome for outcome, ok in zip(values.outcomes, usable_at, strict=True)
+                    if not ok]
+        if not positions:
             values.release()
             return None, refused, outcomes
-        return cls(kept, views, values), refused, outcomes
+        kept = [tasks[position] for position in positions]
+        return cls(kept, select(values.runs, positions), values), refused, outcomes
 
     @property
     def geometry(self) -> StoreGroupGeometry:

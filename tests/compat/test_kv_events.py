@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from pipeline.core.hashing import block_hashes
-from pipeline.core.store import value_span
+from pipeline.core.runs import value_span
 from pipeline.testing import run_sidecar_process
 from tests.kit import KVEngine, hybrid_layout, random_tokens
 

@@ -664,11 +664,11 @@ async def test_values_moved_in_place_load_byte_exact_into_other_blocks(
             seen = ReadsSeen(store)
             kv = await in_place_engine(store, helpers, through=seen)
             saved = await kv.memory.reserve(kv.geometry, [1, 2, 3], keys)
-            await kv.engine.gather(kv.geometry, [1, 2, 3], saved.views)
+            await kv.engine.gather(kv.geometry, [1, 2, 3], saved.runs)
             assert await kv.memory.store(saved) == [STORED] * 3
             loaded = await kv.memory.fetch(kv.geometry, [7, 8, 9], keys)
             assert loaded.outcomes == [LOADED] * 3
-            assert await kv.engine.scatter(kv.geometry, [7, 8, 9], loaded.views) == [True] * 3
+            assert await kv.engine.scatter(kv.geometry, [7, 8, 9], loaded.runs) == [True] * 3
             loaded.release()
             for layer in kv.layers:
                 store.unregister_memory(layer.view(-1))
@@ -779,7 +779,7 @@ async def test_a_value_whose_pages_changed_in_the_store_fails_its_check(
             assert await store.put(keys[:1], [whole]) == [STORED]
             loaded = await kv.memory.fetch(kv.geometry, [7, 8], keys)
             assert loaded.outcomes == [LOADED] * 2
-            intact = await kv.engine.scatter(kv.geometry, [7, 8], loaded.views)
+            intact = await kv.engine.scatter(kv.geometry, [7, 8], loaded.runs)
             loaded.release()
             for layer in kv.layers:
                 store.unregister_memory(layer.view(-1))
@@ -840,7 +840,7 @@ async def test_values_in_another_clients_segment_load_through_mooncake(
             loaded = await target.memory.fetch(target.geometry, [7, 8], keys)
             assert loaded.outcomes == [LOADED] * 2
             assert await target.engine.scatter(target.geometry, [7, 8],
-                                               loaded.views) == [True] * 2
+                                               loaded.runs) == [True] * 2
             loaded.release()
             for kv, store in ((source, saver), (target, loader)):
                 for layer in kv.layers:

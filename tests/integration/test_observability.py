@@ -17,7 +17,7 @@ from prometheus_client.samples import Sample
 from pipeline.core.config import Config
 from pipeline.core.errors import RequestRejected
 from pipeline.core.hashing import block_hashes
-from pipeline.core.store import value_span
+from pipeline.core.runs import value_span
 from pipeline.testing import run_sidecar_process
 from tests.kit import KVEngine, hybrid_layout, random_tokens
 from transport.client import EngineClient, Explanation

@@ -16,12 +16,22 @@ import torch
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from pipeline.core.layout import KVCacheLayout
+from pipeline.core.runs import Run
 from transport.client import EngineClient
 from transport.tensors import shared_kv_caches
 
 __all__ = [
     "KVEngine", "StallProxy", "hybrid_layout", "random_tokens", "shm_names", "stall_proxy",
+    "views_at",
 ]
+
+
+def views_at(runs: list[Run], count: int) -> list[torch.Tensor | None]:
+    """Per position of a batch of ``count``, its value's view in ``runs`` (None: none)."""
+    views: list[torch.Tensor | None] = [None] * count
+    for first, rows in runs:
+        views[first : first + rows.shape[0]] = rows.unbind(0)
+    return views
 
 
 def shm_names() -> set[str]:

@@ -19,6 +19,7 @@ from pipeline.backends.faults import Faults
 from pipeline.core.config import Config, FaultsConfig
 from pipeline.core.geometry import build_store_groups
 from pipeline.core.layout import KVCacheLayout
+from pipeline.core.runs import Run
 
 TIMEOUT_S = 30.0
 PAGE_BYTES = 256 << 10
@@ -52,14 +53,15 @@ async def test_a_load_of_up_to_4_mib_is_copied_on_the_event_loop_a_save_on_threa
     batch = 8
     assert INLINE_BYTES < batch * geometry.stored_bytes <= LOAD_INLINE_BYTES
     config = _small_store(1 << 20)
-    values = list(torch.zeros(batch, geometry.stored_bytes, dtype=torch.uint8))
+    values = torch.zeros(batch, geometry.stored_bytes, dtype=torch.uint8)
+    runs = [Run(0, values)]
     with anyio.fail_after(TIMEOUT_S):
         async with open_backends(config, Faults(FaultsConfig()), on_evicted=print) as backends:
             before = _copy_threads()
-            await backends.save_copy.gather(geometry, list(range(1, 1 + batch)), values)
+            await backends.save_copy.gather(geometry, list(range(1, 1 + batch)), runs)
             saving = _copy_threads() - before
             intact = await backends.load_copy.scatter(
-                geometry, list(range(11, 11 + batch)), values)
+                geometry, list(range(11, 11 + batch)), runs)
             loading = _copy_threads() - before - saving
     assert intact == [True] * batch
     assert torch.equal(kv[11 : 11 + batch], kv[1 : 1 + batch])
@@ -75,15 +77,16 @@ async def test_copies_written_around_the_caches_move_every_byte_and_no_corrupt_o
     [geometry] = build_store_groups(layout, {"a": (kv, 0)})
     batch = 20
     assert batch * geometry.stored_bytes >= LOAD_STREAM_BYTES
-    values = list(torch.zeros(batch, geometry.stored_bytes, dtype=torch.uint8))
+    values = torch.zeros(batch, geometry.stored_bytes, dtype=torch.uint8)
+    runs = [Run(0, values)]
     targets = list(range(25, 25 + batch))
     kv[targets] = 0
     with anyio.fail_after(TIMEOUT_S):
         async with open_backends(_small_store(1 << 20), Faults(FaultsConfig()),
                                  on_evicted=print) as backends:
-            await backends.save_copy.gather(geometry, list(range(1, 1 + batch)), values)
+            await backends.save_copy.gather(geometry, list(range(1, 1 + batch)), runs)
             values[7][PAGE_BYTES // 2] ^= 1
-            intact = await backends.load_copy.scatter(geometry, targets, values)
+            intact = await backends.load_copy.scatter(geometry, targets, runs)
     assert intact == [index != 7 for index in range(batch)]
     kept = [index for index in range(batch) if index != 7]
     assert torch.equal(kv[[25 + index for index in kept]], kv[[1 + index for index in kept]])
@@ -105,15 +108,16 @@ async def test_a_copy_of_8_mib_or_more_while_the_loop_is_alone_is_shared_with_it
         asked.append(True)
         return True
 
-    values = list(torch.zeros(batch, geometry.stored_bytes, dtype=torch.uint8))
+    values = torch.zeros(batch, geometry.stored_bytes, dtype=torch.uint8)
+    runs = [Run(0, values)]
     targets = list(range(50, 50 + batch))
     kv[targets] = 0
     with anyio.fail_after(TIMEOUT_S):
         async with open_backends(_small_store(1 << 20), Faults(FaultsConfig()),
                                  on_evicted=print, alone=alone) as backends:
-            await backends.save_copy.gather(geometry, list(range(1, 1 + batch)), values)
+            await backends.save_copy.gather(geometry, list(range(1, 1 + batch)), runs)
             values[7][PAGE_BYTES // 2] ^= 1
-            intact = await backends.load_copy.scatter(geometry, targets, values)
+            intact = await backends.load_copy.scatter(geometry, targets, runs)
     assert len(asked) > 2  # at the start of each copy, then after each slice the loop copied
     assert intact == [index != 7 for index in range(batch)]
     kept = [index for index in range(batch) if index != 7]

@@ -16,6 +16,7 @@ from pipeline.core.geometry import StoreGroupGeometry, build_lookup_groups
 from pipeline.core.layout import KVCacheLayout
 from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORED, BlockStatus
 from pipeline.core.seams import BatchMemory, Values
+from tests.kit import views_at
 from transport.embedded_store import EmbeddedStore
 
 TIMEOUT_S = 5
@@ -56,7 +57,7 @@ def fill(values: Values, seed: int) -> list[torch.Tensor]:
     """Random bytes into every view; copies of what was written."""
     generator = torch.Generator().manual_seed(seed)
     written = []
-    for view in values.views:
+    for view in views_at(values.runs, len(values.keys)):
         assert view is not None
         view.copy_(torch.randint(0, 256, (SIZE,), dtype=torch.uint8, generator=generator))
         written.append(view.clone())
@@ -73,7 +74,7 @@ async def test_stored_values_are_fetched_byte_for_byte(setup: Setup) -> None:
         fetched = await setup.memory.fetch(*blocks(["c", "a", "b"]))
     assert fetched.outcomes == [LOADED] * 3
     assert [view is not None and torch.equal(view, written[i])
-            for view, i in zip(fetched.views, (2, 0, 1), strict=True)] == [True] * 3
+            for view, i in zip(views_at(fetched.runs, 3), (2, 0, 1), strict=True)] == [True] * 3
     fetched.release()
     assert setup.pool.free_slots("save") == 3 and setup.pool.free_slots("load") == 1
 
@@ -101,7 +102,7 @@ async def test_a_key_stored_already_ends_present_and_keeps_its_bytes(setup: Setu
         kept = fill(first, seed=3)
         await setup.memory.store(first)
         again = await setup.memory.reserve(*blocks(["k", "new"]))
-        if again.views[0] is None:  # known at reservation: no memory for it
+        if views_at(again.runs, 2)[0] is None:  # known at reservation: no memory for it
             assert again.outcomes[0] == PRESENT
             final = [PRESENT, *await setup.memory.store(again)]
         else:
@@ -109,7 +110,8 @@ async def test_a_key_stored_already_ends_present_and_keeps_its_bytes(setup: Setu
             final = await setup.memory.store(again)
         fetched = await setup.memory.fetch(*blocks(["k"]))
     assert final == [PRESENT, STORED]
-    assert fetched.views[0] is not None and torch.equal(fetched.views[0], kept[0])
+    view = views_at(fetched.runs, 1)[0]
+    assert view is not None and torch.equal(view, kept[0])
     fetched.release()
 
 
@@ -135,6 +137,6 @@ async def test_staging_that_may_skip_refuses_a_save_when_no_slot_is_free() -> No
     with anyio.fail_after(TIMEOUT_S):
         held = await memory.reserve(*blocks(["a"]))
         refused = await memory.reserve(*blocks(["b", "c"]))
-    assert refused.views == [None, None] and refused.outcomes == [STAGING_FULL] * 2
+    assert refused.runs == [] and refused.outcomes == [STAGING_FULL] * 2
     held.release()
     assert pool.free_slots("save") == 1

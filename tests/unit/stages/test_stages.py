@@ -20,7 +20,6 @@ from pipeline.backends.cpu_copy import (
     CpuCopyEngine,
     HelperThreads,
     InPlaceCopyEngine,
-    Piece,
     gather_and_seal,
     page_addresses,
     read_in_place,
@@ -50,6 +49,7 @@ from pipeline.core.messages import (
     pack_tokens,
 )
 from pipeline.core.outcomes import STORE_FULL, STORED, BlockStatus
+from pipeline.core.runs import Run, runs_of
 from pipeline.core.seams import BatchMemory
 from pipeline.core.store import KVStore, Presence
 from pipeline.state.events import KVEventLog
@@ -505,12 +505,14 @@ async def test_split_copies_round_trip_and_verify_each_row(
                        inline_bytes=inline_bytes)
     memory = torch.zeros(6, geometry.stored_bytes, dtype=torch.uint8)
     values = [memory[i] for i in (0, 1, 2, 4, 5)]  # a gap at 3: two runs
+    runs = runs_of(values, geometry.stored_bytes)
+    assert len(runs) == 2
     before = hybrid.snapshot()
     with anyio.fail_after(TIMEOUT_S):
-        await gather_and_seal(copy, geometry, [1, 2, 3, 4, 5], values, alone=lambda: alone)
+        await gather_and_seal(copy, geometry, [1, 2, 3, 4, 5], runs, alone=lambda: alone)
         values[3][0] ^= 0xFF
         intact = await verify_and_scatter(
-            copy, geometry, [11, 12, 13, 14, 15], values, alone=lambda: alone
+            copy, geometry, [11, 12, 13, 14, 15], runs, alone=lambda: alone
         )
     assert intact == [True, True, True, False, True]
     for source, target in ((1, 11), (2, 12), (3, 13), (5, 15)):
@@ -529,9 +531,9 @@ async def test_block_ids_out_of_range_are_refused_before_any_copy(hybrid: Harnes
     before = hybrid.snapshot()
     for ids in ([1, geometry.num_blocks], [-1, 2]):
         with pytest.raises(IndexError, match="out of range"):
-            await gather_and_seal(copy, geometry, ids, list(values))
+            await gather_and_seal(copy, geometry, ids, [Run(0, values)])
         with pytest.raises(IndexError, match="out of range"):
-            await verify_and_scatter(copy, geometry, ids, list(values))
+            await verify_and_scatter(copy, geometry, ids, [Run(0, values)])
     assert int(values.count_nonzero()) == 0
     after = hybrid.snapshot()
     assert all(torch.equal(after[layer], before[layer]) for layer in before)
@@ -550,7 +552,7 @@ async def test_checksums_in_place_are_those_of_the_copied_values_and_fail_what_c
     sealed, measured = views[:, :CHECKSUM_BYTES], views[:, CHECKSUM_BYTES:]
     with anyio.fail_after(TIMEOUT_S):
         await gather_and_seal(CopyThreads(WorkerThreads(2, name="test")), geometry,
-                              [1, 2, 3, 4], list(copied))
+                              [1, 2, 3, 4], [Run(0, copied)])
     pages = page_addresses(geometry, [1, 2, 3, 4])
     seal_in_place(geometry, pages, sealed, [1, 3])
     assert not views[0].any() and not views[2].any()
@@ -560,7 +562,7 @@ async def test_checksums_in_place_are_those_of_the_copied_values_and_fail_what_c
     views[3, 0] ^= 0xFF
     seal_in_place(geometry, pages, measured, [0, 1, 2, 3])
     with anyio.fail_after(TIMEOUT_S):
-        intact = await InPlaceCopyEngine().scatter(geometry, [1, 2, 3, 4], list(views))
+        intact = await InPlaceCopyEngine().scatter(geometry, [1, 2, 3, 4], [Run(0, views)])
     assert intact == [True, False, True, False]
 
 
@@ -579,7 +581,7 @@ async def test_values_read_where_a_store_holds_them_land_checked_in_one_pass(
     async def values_of(block_ids: list[int]) -> torch.Tensor:
         values = torch.zeros(len(block_ids), geometry.stored_bytes, dtype=torch.uint8)
         with anyio.fail_after(TIMEOUT_S):
-            await gather_and_seal(copy, geometry, block_ids, list(values))
+            await gather_and_seal(copy, geometry, block_ids, [Run(0, values)])
         return values
 
     span = geometry.stored_bytes + 4096  # values lie apart, as a store places them
@@ -597,7 +599,7 @@ async def test_values_read_where_a_store_holds_them_land_checked_in_one_pass(
             helpers.close()
     assert torch.equal(rows[0], torch.full((2 * CHECKSUM_BYTES,), 7, dtype=torch.uint8))
     with anyio.fail_after(TIMEOUT_S):
-        intact = await InPlaceCopyEngine().scatter(geometry, [0, 5, 6, 7, 8], list(rows))
+        intact = await InPlaceCopyEngine().scatter(geometry, [0, 5, 6, 7, 8], [Run(0, rows)])
     assert intact == [True, True, True, False, True]
     landed = await values_of([5, 6, 7, 8])
     for k in (0, 1, 3):
@@ -621,7 +623,7 @@ async def test_copy_parts_cover_every_value_once_in_adjacent_runs(
     views = [memory[i * 16 : (i + 1) * 16] for i in (0, 1, 2, 4, 5, 6, 7)]  # a gap at 3
     calls: list[tuple[int, list[tuple[int, int]]]] = []
 
-    def work(pieces: Sequence[Piece], progress: object, limit: int) -> int:
+    def work(pieces: Sequence[Run], progress: object, limit: int) -> int:
         assert progress is None and limit == 0
         calls.append((threading.get_ident(),
                       [(start, int(rows.shape[0])) for start, rows in pieces]))
@@ -630,7 +632,7 @@ async def test_copy_parts_cover_every_value_once_in_adjacent_runs(
     copy = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=split_bytes,
                        inline_bytes=inline_bytes)
     with anyio.fail_after(TIMEOUT_S):
-        await copy.run(views, 16, work)
+        await copy.run(runs_of(views, 16), len(views), 16, work)
     assert len(calls) == parts
     covered = sorted(index for _, pieces in calls for start, count in pieces
                      for index in range(start, start + count))
@@ -652,14 +654,14 @@ async def test_a_copy_shared_with_the_loop_offers_every_run_to_it_and_all_thread
     views = [memory[i * 16 : (i + 1) * 16] for i in (0, 1, 2, 4, 5, 6, 7)]  # a gap at 3
     calls: list[tuple[int, list[tuple[int, int]], object]] = []
 
-    def work(pieces: Sequence[Piece], progress: object, limit: int) -> int:
+    def work(pieces: Sequence[Run], progress: object, limit: int) -> int:
         calls.append((threading.get_ident(),
                       [(start, int(rows.shape[0])) for start, rows in pieces], progress))
         return 0  # claims nothing, and marks nothing done
 
     copy = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=0, inline_bytes=0)
     with anyio.fail_after(TIMEOUT_S):
-        await copy.run(views, 16, work, alone=lambda: True)
+        await copy.run(runs_of(views, 16), len(views), 16, work, alone=lambda: True)
     assert len(calls) == threads
     assert sum(ident == threading.get_ident() for ident, _, _ in calls) == 1
     assert all(pieces == [(0, 3), (3, 4)] for _, pieces, _ in calls)
@@ -676,7 +678,7 @@ async def test_a_copy_shared_with_the_loop_is_done_while_every_worker_thread_is_
     geometry = hybrid.session.store_groups[0]
     threads = WorkerThreads(2, name="test")
     copy = CopyThreads(threads, split_bytes=0, inline_bytes=0)
-    values = list(torch.zeros(4, geometry.stored_bytes, dtype=torch.uint8))
+    values = [Run(0, torch.zeros(4, geometry.stored_bytes, dtype=torch.uint8))]
     before = hybrid.snapshot()
     release = threading.Event()
     held = threads.submit([release.wait, release.wait])
@@ -706,18 +708,18 @@ async def test_a_shared_copy_goes_back_to_the_threads_once_the_loop_is_not_alone
     geometry = hybrid.session.store_groups[0]
     threads = WorkerThreads(2, name="test")
     copy = CopyThreads(threads, split_bytes=0, inline_bytes=0)
-    expected = list(torch.zeros(4, geometry.stored_bytes, dtype=torch.uint8))
-    values = list(torch.zeros(4, geometry.stored_bytes, dtype=torch.uint8))
+    expected = torch.zeros(4, geometry.stored_bytes, dtype=torch.uint8)
+    values = torch.zeros(4, geometry.stored_bytes, dtype=torch.uint8)
     answers = iter([True, True, False])  # at the start, after one value, after two
     copied = anyio.Event()
 
     async def save() -> None:
-        await gather_and_seal(copy, geometry, [1, 2, 3, 4], values,
+        await gather_and_seal(copy, geometry, [1, 2, 3, 4], [Run(0, values)],
                               alone=lambda: next(answers))
         copied.set()
 
     with anyio.fail_after(TIMEOUT_S):
-        await gather_and_seal(copy, geometry, [1, 2, 3, 4], expected)
+        await gather_and_seal(copy, geometry, [1, 2, 3, 4], [Run(0, expected)])
         release = threading.Event()
         held = threads.submit([release.wait, release.wait])
         async with anyio.create_task_group() as tg:
@@ -726,7 +728,7 @@ async def test_a_shared_copy_goes_back_to_the_threads_once_the_loop_is_not_alone
             assert not copied.is_set()
             release.set()
         await held
-    assert all(torch.equal(a, b) for a, b in zip(values, expected, strict=True))
+    assert torch.equal(values, expected)
 
 
 async def test_a_missing_key_fails_the_block_and_never_scatters(hybrid: Harness) -> None:
@@ -1206,11 +1208,9 @@ async def test_a_full_store_puts_the_request_under_pressure_until_a_batch_is_sto
 
 def test_runs_group_adjacent_values_into_matrices() -> None:
     """Values back to back in memory form one matrix; a gap starts a new run."""
-    from pipeline.backends.cpu_copy import runs
-
     memory = torch.arange(64, dtype=torch.uint8)
     views = [memory[0:8], memory[8:16], memory[32:40], memory[40:48], memory[56:64]]
-    found = runs(views, 8)
+    found = runs_of(views, 8)
     assert [(start, tuple(matrix.shape)) for start, matrix in found] == [
         (0, (2, 8)), (2, (2, 8)), (4, (1, 8))]
     assert torch.equal(found[1][1], memory[32:48].view(2, 8))
@@ -1219,17 +1219,16 @@ def test_runs_group_adjacent_values_into_matrices() -> None:
 def test_runs_take_values_one_padded_span_apart_as_one_strided_matrix() -> None:
     """A direct store's values sit value_span(size) apart: one run per stride, and the
     copies through such a run move the values' bytes, never the padding."""
-    from pipeline.backends.cpu_copy import runs
     from pipeline.backends.cuda_copy import gather_blocks, scatter_blocks, span_of
     from pipeline.core.geometry import Segment
-    from pipeline.core.store import value_span
+    from pipeline.core.runs import value_span
 
     size = 72  # two 32-byte pages and a checksum
     span = value_span(size)
     memory = torch.zeros(6 * span, dtype=torch.uint8)
     padded = [memory[i * span : i * span + size] for i in range(3)]
     packed = [memory[4 * span + i * size : 4 * span + (i + 1) * size] for i in range(2)]
-    found = runs(padded + packed, size)
+    found = runs_of(padded + packed, size)
     assert [(start, tuple(m.shape), m.stride(0)) for start, m in found] == [
         (0, (3, size), span), (3, (2, size), size)]
     assert span_of(found[0][1]).shape == (3, span) and span_of(found[0][1]).is_contiguous()

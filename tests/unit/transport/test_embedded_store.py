@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORE_FULL, STORED, BlockStatus, failed
-from pipeline.core.store import VALUE_ALIGN, KVStore, Presence, value_span
+from pipeline.core.runs import VALUE_ALIGN, value_span
+from pipeline.core.store import KVStore, Presence
+from tests.kit import views_at
 from transport.arena import ArenaAllocator
 from transport.embedded_store import EmbeddedStore
 
@@ -479,7 +481,7 @@ async def test_reserved_extents_are_invisible_until_committed_and_then_loadable(
     store = make_store(1 << 16)
     extents = await store.reserve(["a", "b"], 64)
     assert extents.outcomes == [STORED, STORED]
-    for index, view in enumerate(extents.views):
+    for index, view in enumerate(views_at(extents.runs, 2)):
         assert view is not None
         view.copy_(value(64, index))
     assert await stored(store, ["a", "b"]) == [False, False]
@@ -489,10 +491,12 @@ async def test_reserved_extents_are_invisible_until_committed_and_then_loadable(
 
 
 async def test_a_batch_is_reserved_as_one_run_of_adjacent_extents() -> None:
-    """Fresh keys of one batch sit back to back, so a batch copies as one matrix."""
+    """Fresh keys of one batch sit back to back and are lent as one matrix."""
     store = make_store(1 << 16)
     extents = await store.reserve(["a", "b", "c"], 128)
-    pointers = [view.data_ptr() for view in extents.views if view is not None]
+    [(first, rows)] = extents.runs
+    assert first == 0 and rows.shape == (3, 128) and rows.stride() == (128, 1)
+    pointers = [view.data_ptr() for view in views_at(extents.runs, 3) if view is not None]
     assert pointers == [pointers[0], pointers[0] + 128, pointers[0] + 256]
 
 
@@ -505,7 +509,7 @@ async def test_values_start_on_cache_lines_and_carry_no_padding_out() -> None:
     assert span == 1024
     async with EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=4 * span)) as store:
         extents = await store.reserve(["a", "b", "c"], size)
-        views = [view for view in extents.views if view is not None]
+        views = [view for view in views_at(extents.runs, 3) if view is not None]
         assert [view.data_ptr() % VALUE_ALIGN for view in views] == [0, 0, 0]
         assert [view.data_ptr() - views[0].data_ptr() for view in views] == [0, span, 2 * span]
         assert [view.numel() for view in views] == [size] * 3
@@ -526,7 +530,7 @@ async def test_reserve_reports_present_and_full_and_an_abandoned_reservation_fre
     store = make_store(256)
     await store.put(["old"], [value(64, 0)])
     extents = await store.reserve(["old", "new", "huge"], 64)
-    assert extents.outcomes[0] == PRESENT and extents.views[0] is None
+    assert extents.outcomes[0] == PRESENT and views_at(extents.runs, 3)[0] is None
     assert extents.outcomes[1] == STORED
     outcomes = store.commit(extents, written=False)
     assert outcomes[1].status is BlockStatus.FAILED
@@ -543,7 +547,7 @@ async def test_leased_values_are_never_evicted_until_released() -> None:
     await store.put(["a"], [value(128, 3)])
     lease = await store.lease(["a", "missing"], 128)
     assert lease.outcomes == [LOADED, MISSING]
-    assert torch.equal(lease.views[0], value(128, 3))  # type: ignore[arg-type]
+    assert torch.equal(views_at(lease.runs, 2)[0], value(128, 3))  # type: ignore[arg-type]
     assert await store.put(["b"], [value(128, 4)]) == [STORE_FULL]
     store.release(lease)
     assert await store.put(["b"], [value(128, 4)]) == [STORED]
@@ -552,19 +556,20 @@ async def test_leased_values_are_never_evicted_until_released() -> None:
 
 async def test_a_lease_lends_runs_and_lone_values_each_with_its_own_bytes() -> None:
     """Values reserved together lie back to back and are lent as one run; values put
-    one by one, asked for out of order, are lent each alone: every view holds exactly
+    one by one, asked for out of order, are lent each alone: every row holds exactly
     its value."""
     size = 1000
     span = value_span(size)
     async with EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=8 * span)) as store:
         extents = await store.reserve(["a", "b", "c"], size)
-        for index, view in enumerate(extents.views):
+        for index, view in enumerate(views_at(extents.runs, 3)):
             view.copy_(value(size, index))  # type: ignore[union-attr]
         store.commit(extents, written=True)
         for index, key in enumerate("de", start=3):
             assert await store.put([key], [value(size, index)]) == [STORED]
         lease = await store.lease(["e", "a", "b", "c", "missing", "d"], size)
-        views = lease.views
+        assert [(first, rows.shape[0]) for first, rows in lease.runs] == [(0, 1), (1, 3), (5, 1)]
+        views = views_at(lease.runs, 6)
         assert lease.outcomes == [LOADED] * 4 + [MISSING, LOADED]
         assert [views[i].data_ptr() - views[1].data_ptr() for i in (1, 2, 3)] == [  # type: ignore[union-attr]
             0, span, 2 * span]
