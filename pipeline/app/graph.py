@@ -124,7 +124,8 @@ def paths(config: Config) -> list[PathSpec[Resources]]:
         # receiver itself when they can be (Receiver._lookup, Receiver._run_job): the
         # hand-offs to the workers would cost more than the work. A save, and a load
         # whose copy waits on other threads, are run up to their copy, and handed to it;
-        # a save not while batches wait for more (a batching deadline).
+        # a save not while batches wait for more (a batching deadline). The transfer
+        # worker then commits a save itself while nothing else waits for it.
         PathSpec("save", save, when_full=when_full,
                  inline=config.stages.batching.deadline_ms == 0, inline_until="transfer"),
         PathSpec("load", LOAD, when_full="wait (loads are never dropped)", inline=True,

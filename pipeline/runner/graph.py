@@ -10,7 +10,9 @@ and the sink itself while nothing is queued on the path, sparing a cheap item th
 hand-off to each stage's worker and back. On a busy event loop each hand-off waits for
 everything ready before it, so a path of five stages waits five times. An item whose
 work waits on other threads runs inline only up to the path's ``inline_until`` stage,
-and is handed to that stage's inbox: the sender never waits on a copy.
+and is handed to that stage's inbox: the sender never waits on a copy. A worker of that
+stage or a later one runs the stages after its own the same way, in its own task, while
+they are idle and nothing waits for it.
 """
 
 from __future__ import annotations
@@ -153,6 +155,23 @@ class Graph(Generic[R]):
             await _run_inline(inline.steps[:stop], end, item)
         return True
 
+    async def _run_rest(self, path: str, start: int, item: Any) -> bool:
+        """The output of a worker of the stage before ``start``, through ``path`` from
+        ``start`` on in the worker's own task, while a worker of that stage waits idle
+        (it would take the item at once: the hand-off would only cost a trip through the
+        event loop, behind everything ready on it) and nothing is queued from the
+        worker's own inbox on (it has nothing else to do meanwhile); True once done.
+        False, having done nothing, otherwise: the item goes to the stage's inbox."""
+        inline = self._inline.get(path)
+        edges = self._edges[path]
+        if (inline is None or not edges[start].idle_workers()
+                or any(edge.queued() for edge in edges[start - 1 :])):
+            return False
+        for edge in edges[start:]:
+            edge.bypassed()
+        await _run_inline(inline.steps[start:], inline.sink, item)
+        return True
+
     def inline_first(self, path: str) -> InlineFirst:
         """An entrance to ``path`` that runs each item inline when it can."""
         return InlineFirst(self, path)
@@ -243,9 +262,14 @@ class Graph(Generic[R]):
                 fault = before(f"stage.{spec.name}")
                 process = wrapped(spec.build(resources).process, name, on_failure=on_failure,
                                   before=fault, on_done=on_done)
+                # A worker past the stages the sender runs inline passes its outputs on
+                # the same way, while the next stage is idle.
+                pass_on = (functools.partial(self._run_rest, path.name, index + 1)
+                           if path.inline and self._until[path.name] <= index else None)
                 start = functools.partial(start_stage, name=name, process=process,
                                           inbox=inbox, outbox=outbox,
-                                          workers=self._workers(spec), sink=stage_sink)
+                                          workers=self._workers(spec), sink=stage_sink,
+                                          pass_on=pass_on)
                 steps.append(functools.partial(_processed, process))
                 faulty = faulty or fault is not None
             if index == 0 and doors is not None:

@@ -124,11 +124,17 @@ def wrapped(
     return _traced(_guarded(process, on_failure, before), name, on_done)
 
 
+PassOn = Callable[[Any], Awaitable[bool]]
+"""Runs a stage's output through the stages after it in the worker's own task, True
+once done; False, having done nothing, when it must go to the next stage's inbox."""
+
+
 async def _worker(
     process: Process,
     inbox: EdgeReceiveStream[Any],
     outbox: EdgeSendStream[Any] | None,
     sink: Sink | None,
+    pass_on: PassOn | None,
 ) -> None:
     async with inbox:
         if outbox is None:
@@ -140,7 +146,7 @@ async def _worker(
         async with outbox:
             async for item in inbox:
                 result = await process(item)
-                if result is not None:
+                if result is not None and not (pass_on is not None and await pass_on(result)):
                     await outbox.send(result)
 
 
@@ -156,18 +162,20 @@ def start_stage(
     before: Callable[[], Awaitable[None]] | None = None,
     sink: Sink | None = None,
     on_done: OnDone | None = None,
+    pass_on: PassOn | None = None,
 ) -> None:
     """Run ``workers`` copies of a stage; the originals of both streams are closed here.
 
     ``before`` runs ahead of every item (a fault point); ``on_failure(item, error)``
     answers an item whose processing met a store error; ``on_done(name, item)`` hears
-    each item processed. Without an outbox, outputs go to ``sink`` (if any).
+    each item processed. Without an outbox, outputs go to ``sink`` (if any); with one,
+    to ``pass_on`` first, if given.
     """
     guarded = wrapped(process, name, on_failure=on_failure, before=before, on_done=on_done)
     for index in range(workers):
         tg.start_soon(
             _worker, guarded, inbox.clone(), outbox.clone() if outbox else None, sink,
-            name=f"stage.{name}.{index}",
+            pass_on, name=f"stage.{name}.{index}",
         )
     inbox.close()
     if outbox is not None:

@@ -615,6 +615,41 @@ async def test_a_path_drains_only_once_an_inline_run_in_flight_has_handed_its_it
     assert replies == [400]
 
 
+async def test_a_worker_past_inline_until_runs_an_idle_next_stage_itself_unless_work_waits(
+) -> None:
+    """A worker of the stage a path runs inline until passes its output through the next
+    stage in its own task while that stage's worker waits idle and nothing is queued
+    from the worker's own inbox on; with an item queued behind it, or the next stage's
+    only worker busy, it hands the output to the next stage's inbox."""
+    first, second, third = Double(), Double(), Double()
+    graph = Graph[int](
+        [PathSpec("p", [StageSpec("first", lambda r: first, "hashing"),
+                        StageSpec("second", lambda r: second, "lookup"),
+                        StageSpec("third", lambda r: third, "commit")],
+                  replies=True, inline=True, inline_until="second")],
+        StagesConfig(lookup=StageConfig(workers=1), commit=StageConfig(workers=1)),
+    )
+    waits: list[float] = []
+    graph.inboxes()[2][2].on_wait(waits.append)
+    with anyio.fail_after(TIMEOUT_S):
+        async with running(graph) as replies:
+            assert await graph.run_inline("p", 1, whole=False)
+            await anyio.wait_all_tasks_blocked()
+            assert replies == [8] and third.tasks == second.tasks  # one worker's task
+            assert waits == [0.0]  # counted as passed through, not waited in
+            assert await graph.run_inline("p", 50, whole=False)  # 100 waits in second
+            await anyio.wait_all_tasks_blocked()
+            assert await graph.run_inline("p", 2, whole=False)  # 4 queued behind it
+            second.gate.set()  # 200 goes to third's inbox, as 4 waits in second's;
+            await anyio.wait_all_tasks_blocked()  # then 8 too: third's worker holds 200
+            [worker] = set(second.tasks)
+            assert replies == [8] and len(third.tasks) == 2 and third.tasks[1] != worker
+            third.gate.set()
+            await anyio.wait_all_tasks_blocked()
+            assert replies == [8, 400, 16] and worker not in third.tasks[1:]
+            graph.entrance("p").close()
+
+
 def test_a_path_runs_inline_until_one_of_its_later_stages() -> None:
     for until in ("first", "third"):
         with pytest.raises(ValueError, match="inline_until"):
