@@ -423,22 +423,22 @@ class MooncakeStore(AsyncResource):
             raise ValueError(f"{len(keys)} keys but {len(pieces)} values")
         ranges = [(low, high) for low, high, _ in self._registered]
         starts = pieces.addresses
-        ptrs: list[list[int]] = starts.tolist()
-        outside: set[int] = set()
-        if ptrs and not _columns_inside(starts, pieces.sizes, ranges):
-            outside.update(i for i, value in enumerate(ptrs)
-                           if _outside(value, list(pieces.sizes), ranges))
-        sizes = [list(pieces.sizes)] * len(keys)
+        sizes = list(pieces.sizes)
         malformed: list[int] = []
-        if pieces.trailers is not None:
-            trailer_ptrs = [trailer.data_ptr() for trailer in pieces.trailers]
-            trailer_sizes = [trailer.numel() for trailer in pieces.trailers]
-            malformed = [i for i, t in enumerate(pieces.trailers) if not _is_flat_bytes(t)]
-            outside.update(_outside(trailer_ptrs, trailer_sizes, ranges))
-            for value, ptr in zip(ptrs, trailer_ptrs, strict=True):
-                value.append(ptr)
-            sizes = [[*pieces.sizes, size] for size in trailer_sizes]
-        return _batch(keys, ptrs, sizes, malformed, sorted(outside))
+        rows = pieces.trailers
+        if rows is not None:  # one piece more per value: its trailer, a column more
+            if rows.shape[0] != len(keys):
+                raise ValueError(f"{len(keys)} keys but {rows.shape[0]} trailers")
+            if rows.dtype is not torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1:
+                malformed = list(range(len(keys)))
+            trailers = rows.data_ptr() + rows.stride(0) * numpy.arange(len(keys))
+            starts = numpy.column_stack([starts, trailers])
+            sizes.append(rows.shape[1])
+        ptrs: list[list[int]] = starts.tolist()
+        outside: list[int] = []
+        if ptrs and not _columns_inside(starts, sizes, ranges):
+            outside = [i for i, value in enumerate(ptrs) if _outside(value, sizes, ranges)]
+        return _batch(keys, ptrs, [sizes] * len(keys), malformed, outside)
 
     def _put_absent(
         self, batch: _Batch[P], totals: list[int], op: str,

@@ -90,12 +90,13 @@ class FaultyStore(StoreWrapper):
     async def put_pieces(
         self, keys: Sequence[str], values: Pieces, *, seal: Seal | None = None
     ) -> list[KeyOutcome]:
-        trailers = values.trailers or []
+        trailers = values.trailers
 
         def seal_then_corrupt(positions: Sequence[int]) -> None:
             if seal is not None:
                 seal(positions)
-            self._faults.corrupt("store.put", [trailers[i] for i in positions])
+            if trailers is not None:
+                self._faults.corrupt("store.put", [trailers[i] for i in positions])
 
         return await super().put_pieces(keys, values, seal=seal_then_corrupt)
 
@@ -104,7 +105,8 @@ class FaultyStore(StoreWrapper):
         read: ReadHere | None = None,
     ) -> list[KeyOutcome]:
         outcomes = await super().get_pieces_into(keys, buffers, measure=measure, read=read)
-        self._faults.corrupt("store.get", buffers.trailers or [])
+        if buffers.trailers is not None:
+            self._faults.corrupt("store.get", list(buffers.trailers))
         return outcomes
 
     def commit(self, extents: Extents, *, written: bool) -> list[KeyOutcome]:

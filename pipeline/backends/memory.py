@@ -242,7 +242,7 @@ class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
         pages = page_addresses(geometry, block_ids)
         trailers = checksums = read = None
         if sealed:
-            trailers = list(rows[:, :CHECKSUM_BYTES].unbind(0) if loading else rows.unbind(0))
+            trailers = rows[:, :CHECKSUM_BYTES] if loading else rows
             into = rows[:, CHECKSUM_BYTES:] if loading else rows
             checksums = functools.partial(seal_in_place, geometry, pages, into,
                                           helpers=self._helpers)

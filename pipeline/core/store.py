@@ -123,13 +123,14 @@ class DirectKVStore(Protocol):
 class Pieces:
     """A batch of values as byte ranges of memory registered with the store. Value i is
     ``sizes[j]`` bytes at ``addresses[i, j]`` for every j in order (engine pages, read or
-    written in place), then ``trailers[i]``, the sidecar's own bytes (its checksum)."""
+    written in place), then row i of ``trailers``, the sidecar's own bytes (its checksum)."""
 
     addresses: numpy.ndarray
     """int64 ``[values, pages]``."""
     sizes: tuple[int, ...]
-    trailers: list[torch.Tensor] | None
-    """1-D uint8 views of a buffer registered with the store; None: values have none."""
+    trailers: torch.Tensor | None
+    """uint8 ``[values, bytes]``, a row each, in a buffer registered with the store (rows
+    may lie further apart than their bytes); None: values have none."""
 
     def __len__(self) -> int:
         return int(self.addresses.shape[0])

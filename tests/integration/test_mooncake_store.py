@@ -296,14 +296,14 @@ async def test_values_in_pieces_round_trip_and_read_as_one_value(
     as the same bytes a contiguous put would have stored."""
     page = 1024
     keys = [f"{request.node.name}-{i}" for i in range(3)]
-    trailers = list(staging[:24].view(3, 8).unbind(0))
+    trailers = staging[:24].view(3, 8)
     for i, trailer in enumerate(trailers):
         fill_random(trailer, 20 + i)
     with anyio.fail_after(10):
         assert await store.put_pieces(keys, Pieces(
             pages_of(engine_memory, [1, 2, 3], page, 4), (page,) * 4, trailers)) == [STORED] * 3
         assert await store.exists(keys, [4 * page + 8] * 3) == [Presence.PRESENT] * 3
-        got = list(staging[4096:4096 + 3 * 8].view(3, 8).unbind(0))
+        got = staging[4096:4096 + 3 * 8].view(3, 8)
         assert await store.get_pieces_into(keys, Pieces(
             pages_of(engine_memory, [11, 12, 13], page, 4), (page,) * 4, got)) == [LOADED] * 3
         whole = staging[MIB : MIB + 4 * page + 8]
@@ -317,17 +317,18 @@ async def test_values_in_pieces_round_trip_and_read_as_one_value(
 
 
 async def test_pieces_outside_registered_memory_fail_per_value_and_store_nothing(
-    store: MooncakeStore, staging: torch.Tensor, engine_memory: torch.Tensor,
-    request: pytest.FixtureRequest,
+    store: MooncakeStore, engine_memory: torch.Tensor, request: pytest.FixtureRequest,
 ) -> None:
-    """A value with any piece outside registered memory (a page past its end, a stray
-    trailer, memory unregistered since) fails alone and is not stored."""
+    """A value with any piece outside registered memory (a page past its end, a trailer
+    past the end of the memory the others lie in, memory unregistered since) fails alone
+    and is not stored."""
     page = 1024
     keys = [f"{request.node.name}-{name}" for name in ("ok", "past-end", "stray")]
     addresses = pages_of(engine_memory, [1, 2, 3], page, 2)
     addresses[1, 1] = engine_memory.data_ptr() + engine_memory.numel() - page // 2
-    stray = torch.zeros(8, dtype=torch.uint8)
-    trailers = [staging[:8], staging[8:16], stray]
+    rows = torch.zeros(2 * 4096, dtype=torch.uint8)
+    store.register_memory(rows[:4096])
+    trailers = rows[4096 - 16 : 4096 + 8].view(3, 8)  # the last row lies past its end
     other = torch.zeros(64 * 1024, dtype=torch.uint8)
     store.register_memory(other)
     store.register_memory(other)  # twice: registered until unregistered twice
@@ -340,8 +341,24 @@ async def test_pieces_outside_registered_memory_fail_per_value_and_store_nothing
         gone = await store.put_pieces([f"{request.node.name}-gone"], Pieces(
             pages_of(other, [1], 512, 1), (512,), None))
         assert await store.exists(keys[1:], [2 * page + 8] * 2) == [Presence.ABSENT] * 2
+    store.unregister_memory(rows[:4096])
     assert outcomes == [STORED, failed("unregistered_buffer"), failed("unregistered_buffer")]
     assert gone == [failed("unregistered_buffer")]
+
+
+async def test_trailers_that_are_not_rows_of_bytes_fail_every_value_and_store_nothing(
+    store: MooncakeStore, staging: torch.Tensor, engine_memory: torch.Tensor,
+    request: pytest.FixtureRequest,
+) -> None:
+    """Trailer rows whose bytes are not side by side (a column of a wider matrix, read
+    across) are a bad buffer for every value of the batch, and none is stored."""
+    keys = [f"{request.node.name}-{i}" for i in range(2)]
+    across = staging[:32].view(8, 4).t()  # 4 rows of 8 bytes, each byte 4 apart
+    with anyio.fail_after(10):
+        outcomes = await store.put_pieces(keys, Pieces(
+            pages_of(engine_memory, [1, 2], 1024, 2), (1024, 1024), across[:2]))
+        assert await store.exists(keys, [2 * 1024 + 8] * 2) == [Presence.ABSENT] * 2
+    assert outcomes == [failed("bad_buffer")] * 2
 
 
 async def test_pieces_of_another_total_size_than_the_value_fail(
