@@ -311,8 +311,8 @@ class EmbeddedStore(AsyncResource):
         start = 0
         for end in range(1, len(entries) + 1):
             first = entries[start]
-            if end < len(entries) and first is not None and _follows(entries[end],
-                                                                     entries[end - 1]):
+            growing = end < len(entries) and _follows(entries[end], entries[end - 1])
+            if first is not None and growing:
                 continue
             if first is not None:
                 run = self._arena[first.offset : first.offset + (end - start) * first.span]

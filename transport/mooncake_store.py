@@ -427,9 +427,9 @@ class MooncakeStore(AsyncResource):
         malformed: list[int] = []
         rows = pieces.trailers
         if rows is not None:  # one piece more per value: its trailer, a column more
-            if rows.shape[0] != len(keys):
-                raise ValueError(f"{len(keys)} keys but {rows.shape[0]} trailers")
-            if rows.dtype is not torch.uint8 or rows.dim() != 2 or rows.stride(1) != 1:
+            if rows.dim() != 2 or rows.shape[0] != len(keys):
+                raise ValueError(f"{len(keys)} keys but trailers of shape {tuple(rows.shape)}")
+            if rows.dtype is not torch.uint8 or rows.stride(1) != 1:
                 malformed = list(range(len(keys)))
             trailers = rows.data_ptr() + rows.stride(0) * numpy.arange(len(keys))
             starts = numpy.column_stack([starts, trailers])

@@ -14,8 +14,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
-    "VALUE_ALIGN", "Run", "cut", "held", "lent_count", "runs_of", "select", "value_span",
-    "value_views",
+    "VALUE_ALIGN", "Run", "cut", "held", "lent_count", "select", "value_span", "value_views",
 ]
 
 VALUE_ALIGN = 64
@@ -37,26 +36,6 @@ class Run(NamedTuple):
     rows: torch.Tensor
     """uint8 ``[count, size]``, a value a row; rows may lie further apart than their size
     (a store pads its values, ``value_span``)."""
-
-
-def runs_of(views: Sequence[torch.Tensor], size: int) -> list[Run]:
-    """Values, one view each, as runs. Values are adjacent when each starts ``size``
-    bytes after the last, or ``value_span(size)`` (a direct store's padded values): one
-    stride per run."""
-    strides = (size, value_span(size))
-    result = []
-    start = 0
-    stride = size
-    for index in range(1, len(views) + 1):
-        if index < len(views):
-            step = views[index].data_ptr() - views[index - 1].data_ptr()
-            if step == stride or (index == start + 1 and step in strides):
-                stride = step
-                continue
-        result.append(Run(start, torch.as_strided(views[start], (index - start, size),
-                                                  (stride, 1))))
-        start, stride = index, size
-    return result
 
 
 def value_views(runs: Sequence[Run]) -> list[torch.Tensor]:

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.core.runs import Run, cut, held, lent_count, runs_of, select, value_views
+from pipeline.core.runs import Run, cut, held, lent_count, select, value_views
 
 SIZE = 4
 
@@ -83,10 +83,3 @@ def test_select_refuses_a_position_no_run_holds() -> None:
         select(runs, [0, 2])
     with pytest.raises(ValueError, match="position 5"):
         select(runs, [3, 5])
-
-
-def test_runs_of_views_in_one_memory_are_that_memory() -> None:
-    """Views one after another become one run whose rows are the views' own bytes."""
-    memory = torch.arange(3 * SIZE, dtype=torch.uint8).view(3, SIZE)
-    [(first, rows)] = runs_of(list(memory), SIZE)
-    assert first == 0 and rows.data_ptr() == memory.data_ptr() and torch.equal(rows, memory)

@@ -49,7 +49,7 @@ from pipeline.core.messages import (
     pack_tokens,
 )
 from pipeline.core.outcomes import STORE_FULL, STORED, BlockStatus
-from pipeline.core.runs import Run, runs_of
+from pipeline.core.runs import Run
 from pipeline.core.seams import BatchMemory
 from pipeline.core.store import KVStore, Presence
 from pipeline.state.events import KVEventLog
@@ -504,9 +504,8 @@ async def test_split_copies_round_trip_and_verify_each_row(
     copy = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=0,
                        inline_bytes=inline_bytes)
     memory = torch.zeros(6, geometry.stored_bytes, dtype=torch.uint8)
-    values = [memory[i] for i in (0, 1, 2, 4, 5)]  # a gap at 3: two runs
-    runs = runs_of(values, geometry.stored_bytes)
-    assert len(runs) == 2
+    values = [memory[i] for i in (0, 1, 2, 4, 5)]
+    runs = [Run(0, memory[0:3]), Run(3, memory[4:6])]  # a gap at 3: two runs
     before = hybrid.snapshot()
     with anyio.fail_after(TIMEOUT_S):
         await gather_and_seal(copy, geometry, [1, 2, 3, 4, 5], runs, alone=lambda: alone)
@@ -619,8 +618,8 @@ async def test_copy_parts_cover_every_value_once_in_adjacent_runs(
     """A batch is cut into ``parts`` ranges of adjacent values that cover each value
     once, with runs broken where values are not adjacent in memory; worker threads copy
     them unless the batch is small enough to copy inline."""
-    memory = torch.zeros(8 * 16, dtype=torch.uint8)
-    views = [memory[i * 16 : (i + 1) * 16] for i in (0, 1, 2, 4, 5, 6, 7)]  # a gap at 3
+    memory = torch.zeros(8, 16, dtype=torch.uint8)
+    runs = [Run(0, memory[0:3]), Run(3, memory[4:8])]  # 7 values, a gap at 3
     calls: list[tuple[int, list[tuple[int, int]]]] = []
 
     def work(pieces: Sequence[Run], progress: object, limit: int) -> int:
@@ -632,12 +631,12 @@ async def test_copy_parts_cover_every_value_once_in_adjacent_runs(
     copy = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=split_bytes,
                        inline_bytes=inline_bytes)
     with anyio.fail_after(TIMEOUT_S):
-        await copy.run(runs_of(views, 16), len(views), 16, work)
+        await copy.run(runs, 7, 16, work)
     assert len(calls) == parts
     covered = sorted(index for _, pieces in calls for start, count in pieces
                      for index in range(start, start + count))
-    assert covered == list(range(len(views)))
-    inline = inline_bytes >= len(views) * 16
+    assert covered == list(range(7))
+    inline = inline_bytes >= 7 * 16
     assert all((ident == threading.get_ident()) == inline for ident, _ in calls)
     if parts == 1:
         assert calls[0][1] == [(0, 3), (3, 4)]
@@ -650,8 +649,8 @@ async def test_a_copy_shared_with_the_loop_offers_every_run_to_it_and_all_thread
     """``alone``: the event loop's thread and all worker threads but one are each handed
     every run, with one progress table between them; the call returns only once the
     workers have too when the values are not all done (here none ever is)."""
-    memory = torch.zeros(8 * 16, dtype=torch.uint8)
-    views = [memory[i * 16 : (i + 1) * 16] for i in (0, 1, 2, 4, 5, 6, 7)]  # a gap at 3
+    memory = torch.zeros(8, 16, dtype=torch.uint8)
+    runs = [Run(0, memory[0:3]), Run(3, memory[4:8])]  # 7 values, a gap at 3
     calls: list[tuple[int, list[tuple[int, int]], object]] = []
 
     def work(pieces: Sequence[Run], progress: object, limit: int) -> int:
@@ -661,7 +660,7 @@ async def test_a_copy_shared_with_the_loop_offers_every_run_to_it_and_all_thread
 
     copy = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=0, inline_bytes=0)
     with anyio.fail_after(TIMEOUT_S):
-        await copy.run(runs_of(views, 16), len(views), 16, work, alone=lambda: True)
+        await copy.run(runs, 7, 16, work, alone=lambda: True)
     assert len(calls) == threads
     assert sum(ident == threading.get_ident() for ident, _, _ in calls) == 1
     assert all(pieces == [(0, 3), (3, 4)] for _, pieces, _ in calls)
@@ -1206,19 +1205,10 @@ async def test_a_full_store_puts_the_request_under_pressure_until_a_batch_is_sto
     assert pressure.split(rest) == ([], rest)
 
 
-def test_runs_group_adjacent_values_into_matrices() -> None:
-    """Values back to back in memory form one matrix; a gap starts a new run."""
-    memory = torch.arange(64, dtype=torch.uint8)
-    views = [memory[0:8], memory[8:16], memory[32:40], memory[40:48], memory[56:64]]
-    found = runs_of(views, 8)
-    assert [(start, tuple(matrix.shape)) for start, matrix in found] == [
-        (0, (2, 8)), (2, (2, 8)), (4, (1, 8))]
-    assert torch.equal(found[1][1], memory[32:48].view(2, 8))
-
-
-def test_runs_take_values_one_padded_span_apart_as_one_strided_matrix() -> None:
-    """A direct store's values sit value_span(size) apart: one run per stride, and the
-    copies through such a run move the values' bytes, never the padding."""
+def test_a_run_of_values_one_padded_span_apart_moves_their_bytes_never_the_padding() -> None:
+    """A direct store's values sit value_span(size) apart, one strided matrix: its span
+    is one contiguous block, and the copies through it move the values' bytes, never
+    the padding."""
     from pipeline.backends.cuda_copy import gather_blocks, scatter_blocks, span_of
     from pipeline.core.geometry import Segment
     from pipeline.core.runs import value_span
@@ -1226,17 +1216,12 @@ def test_runs_take_values_one_padded_span_apart_as_one_strided_matrix() -> None:
     size = 72  # two 32-byte pages and a checksum
     span = value_span(size)
     memory = torch.zeros(6 * span, dtype=torch.uint8)
-    padded = [memory[i * span : i * span + size] for i in range(3)]
-    packed = [memory[4 * span + i * size : 4 * span + (i + 1) * size] for i in range(2)]
-    found = runs_of(padded + packed, size)
-    assert [(start, tuple(m.shape), m.stride(0)) for start, m in found] == [
-        (0, (3, size), span), (3, (2, size), size)]
-    assert span_of(found[0][1]).shape == (3, span) and span_of(found[0][1]).is_contiguous()
+    rows = memory.view(6, span)[:3, :size]
+    assert span_of(rows).shape == (3, span) and span_of(rows).is_contiguous()
 
     pages = [torch.arange(i * 40, i * 40 + 4 * 32, dtype=torch.uint8).view(4, 32)
              for i in range(2)]
     segments = [Segment(page, i * 32) for i, page in enumerate(pages)]
-    rows = found[0][1]
     gather_blocks(segments, torch.tensor([3, 1, 2]), rows)
     assert torch.equal(rows[:, :32], pages[0][[3, 1, 2]])
     assert torch.equal(rows[:, 32:64], pages[1][[3, 1, 2]])
