@@ -190,13 +190,16 @@ class MooncakeStoreConfig(_Section, frozen=True):
     master_binary: str = "mooncake_master"
     master_log: str = ""
     """File the embedded master's output is appended to; empty: a temporary file."""
-    kv_lease_ttl_ms: Positive = 5000
+    kv_lease_ttl_ms: Positive = 1000
     """Embedded master: how long a read or write lease protects an object from removal.
     Also the lease a load read from this sidecar's own segment counts on (``read_here``):
-    with a cluster's master, set it no longer than that master's."""
+    with a cluster's master, set it no longer than that master's. Every object a call
+    touches (a lookup, a put's presence check, a load) is leased, and only objects whose
+    lease has ended can be evicted: Mooncake's own 5 s kept a segment that fills faster
+    full, every save skipped (see the README)."""
     eviction_high_watermark: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     """Embedded master: segment usage ratio above which objects are evicted."""
-    eviction_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.05
+    eviction_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.1
     """Embedded master: share of objects evicted each time usage crosses the watermark."""
     startup_timeout_s: PositiveFloat = 20.0
     call_timeout_s: PositiveFloat = 10.0
