@@ -24,11 +24,12 @@ Mooncake facts this module relies on (0.3.13):
   pieces of a multi-buffer get fail with -800), -704 when the key is missing, -600 when
   the buffer is too small, and -707 when the read lease expired before the transfer
   finished.
-- A put and a get both take a lease on the object (``kv_lease_ttl_ms``), and removing
-  an object under a lease fails with -706 unless forced. ``remove`` is asked only for
-  values that failed their checksum, right after the get that found them (whose lease
-  still holds), so it forces: a reader it pulls the value from under fails the same
-  check. Objects are also evicted by the master once segments fill up.
+- A put, a presence check and a get each take a lease on the object
+  (``kv_lease_ttl_ms``), and removing an object under a lease fails with -706 unless
+  forced. ``remove`` is asked only for values that failed their checksum, right after
+  the get that found them (whose lease still holds), so it forces: a reader it pulls
+  the value from under fails the same check. Objects are also evicted by the master
+  once segments fill up, only those whose lease has ended.
 - -200 (no available handle) means no segment has room: the put is skipped.
 - When the master is gone, every key of a batch comes back -900 (RPC failure); when it
   hangs, the client's own RPC timeout (30 s) ends the call with -901. Codes from -999

@@ -195,8 +195,8 @@ class MooncakeStoreConfig(_Section, frozen=True):
     Also the lease a load read from this sidecar's own segment counts on (``read_here``):
     with a cluster's master, set it no longer than that master's. Every object a call
     touches (a lookup, a put's presence check, a load) is leased, and only objects whose
-    lease has ended can be evicted: Mooncake's own 5 s kept a segment that fills faster
-    full, every save skipped (see the README)."""
+    lease has ended can be evicted: with Mooncake's own 5 s, a segment that filled
+    within a lease stayed full and most saves were skipped (see the README)."""
     eviction_high_watermark: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     """Embedded master: segment usage ratio above which objects are evicted."""
     eviction_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.1
