@@ -39,6 +39,7 @@ from pipeline.core.integrity import CHECKSUM_BYTES
 from pipeline.core.runs import Run, cut
 
 __all__ = [
+    "Copy",
     "CopyThreads",
     "CpuCopyEngine",
     "HelperThreads",
@@ -88,11 +89,16 @@ SHARED_SLICE_BYTES = 1 << 20
 it is still alone (a request that arrives meanwhile waits at most this long, about
 0.2 ms), and hands the rest of its share to a worker thread if not."""
 
-Work = Callable[[Sequence[Run], "numpy.ndarray | None", int], int]
-"""Copies some runs of a batch's values (a part), in whatever thread calls it, and says
-how many it copied; given ``progress`` (int64 ``[runs, 2]``), each run is shared with
+Copy = Callable[["numpy.ndarray | None", int], int]
+"""Copies a part of a batch, in whatever thread calls it, and says how many values it
+copied; given ``progress`` (int64 ``[runs, 2]``), each of the part's runs is shared with
 the other callers given the same, value by value, and the call copies at most ``limit``
 values (0: no limit) (``_blockcopy``)."""
+Work = Callable[[Sequence[Run]], Copy]
+"""The copy of some runs of a batch's values (a part), its native arguments worked out
+once: a shared copy is called again after each slice, and torch's and numpy's small
+calls cost some 10 µs each on a sidecar's event loop just after a copy has passed
+through the caches."""
 
 
 class CopyThreads:
@@ -125,19 +131,19 @@ class CopyThreads:
         shares a batch that is split with the worker threads (``_shared``)."""
         nbytes = count * size
         if not self.waits(nbytes):
-            work(runs, None, 0)
+            work(runs)(None, 0)
             return
         parts = min(self._parts, count) if nbytes >= self._split_bytes else 1
         if parts > 1 and alone():
-            await self._shared(runs, count, size, work, alone)
+            await self._shared(work(runs), len(runs), count, size, alone)
             return
         bounds = [count * part // parts for part in range(parts + 1)]
         await self._threads.run_each([
-            functools.partial(work, cut(runs, start, stop), None, 0)
+            functools.partial(work(cut(runs, start, stop)), None, 0)
             for start, stop in itertools.pairwise(bounds)
         ])
 
-    async def _shared(self, runs: Sequence[Run], count: int, size: int, work: Work,
+    async def _shared(self, copy: Copy, runs: int, count: int, size: int,
                       alone: Callable[[], bool]) -> None:
         """Every value copied by whichever of the event loop's thread and all worker
         threads but one claims it first. The loop starts at once, instead of sleeping
@@ -146,12 +152,12 @@ class CopyThreads:
         longer ``alone()`` (asked after each ``SHARED_SLICE_BYTES``), it hands the rest
         of its share to the last worker thread and serves what came. A thread that
         starts after every value is claimed touches none."""
-        progress = numpy.zeros((len(runs), 2), dtype=numpy.int64)
-        share = functools.partial(work, runs, progress, 0)
+        progress = numpy.zeros((runs, 2), dtype=numpy.int64)
+        share = functools.partial(copy, progress, 0)
         helpers = [self._threads.submit([share] * (self._parts - 1))]
         slice_values = max(1, SHARED_SLICE_BYTES // size)
         try:
-            while work(runs, progress, slice_values):
+            while copy(progress, slice_values):
                 if not alone():  # serve what came; a worker thread takes the loop's share
                     helpers.append(self._threads.submit([share]))
                     break
@@ -195,39 +201,38 @@ def page_addresses(geometry: StoreGroupGeometry, block_ids: Sequence[int]) -> nu
 
 
 def _gather_and_seal(geometry: StoreGroupGeometry, pages: Any, stream: bool,
-                     runs: Sequence[Run], progress: numpy.ndarray | None,
-                     limit: int) -> int:
+                     runs: Sequence[Run]) -> Copy:
     offsets, sizes = geometry.segment_table[2:]
     seed = geometry.checksum_seed
-    return _each_run(runs, progress, limit, lambda start, rows, shared, most: (
-        _blockcopy.gather(pages[start : start + rows.shape[0]], rows.data_ptr(),
-                          rows.stride(0), offsets, sizes, seed is not None, seed or 0,
-                          geometry.value_bytes, stream, shared, most)))
+    return functools.partial(_each_run, [
+        functools.partial(_blockcopy.gather, pages[start : start + rows.shape[0]],
+                          rows.data_ptr(), rows.stride(0), offsets, sizes, seed is not None,
+                          seed or 0, geometry.value_bytes, stream)
+        for start, rows in runs])
 
 
 def _verify_and_scatter(geometry: StoreGroupGeometry, pages: Any, stream: bool,
-                        intact: memoryview, runs: Sequence[Run],
-                        progress: numpy.ndarray | None, limit: int) -> int:
+                        intact: memoryview, runs: Sequence[Run]) -> Copy:
     offsets, sizes = geometry.segment_table[2:]
     seed = geometry.checksum_seed
-    return _each_run(runs, progress, limit, lambda start, rows, shared, most: (
-        _blockcopy.scatter(pages[start : start + rows.shape[0]], rows.data_ptr(),
-                           rows.stride(0), offsets, sizes, seed is not None, seed or 0,
-                           geometry.value_bytes, intact[start : start + rows.shape[0]],
-                           stream, shared, most)))
+    return functools.partial(_each_run, [
+        functools.partial(_blockcopy.scatter, pages[start : start + rows.shape[0]],
+                          rows.data_ptr(), rows.stride(0), offsets, sizes, seed is not None,
+                          seed or 0, geometry.value_bytes,
+                          intact[start : start + rows.shape[0]], stream)
+        for start, rows in runs])
 
 
-def _each_run(runs: Sequence[Run], progress: numpy.ndarray | None, limit: int,
-              copy: Callable[[int, torch.Tensor, Any, int], int]) -> int:
-    """``copy(start, rows, shared, most)`` over each run in turn (``shared``: its row of
-    ``progress``, or None; ``most``: the values it may copy, 0: any), at most ``limit``
-    values in all (0: no limit): the values copied."""
+def _each_run(copies: Sequence[Callable[[Any, int], int]], progress: numpy.ndarray | None,
+              limit: int) -> int:
+    """Each run's ``copy(shared, most)`` in turn (``shared``: its row of ``progress``, or
+    None; ``most``: the values it may copy, 0: any), at most ``limit`` values in all
+    (0: no limit): the values copied."""
     copied = 0
-    for index, (start, rows) in enumerate(runs):
+    for index, copy in enumerate(copies):
         if limit and copied == limit:
             break
-        copied += copy(start, rows, None if progress is None else progress[index],
-                       limit and limit - copied)
+        copied += copy(None if progress is None else progress[index], limit and limit - copied)
     return copied
 
 

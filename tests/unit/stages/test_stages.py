@@ -16,6 +16,7 @@ from anyio.abc import ObjectReceiveStream
 
 from pipeline.backends import cpu_copy
 from pipeline.backends.cpu_copy import (
+    Copy,
     CopyThreads,
     CpuCopyEngine,
     HelperThreads,
@@ -622,11 +623,13 @@ async def test_copy_parts_cover_every_value_once_in_adjacent_runs(
     runs = [Run(0, memory[0:3]), Run(3, memory[4:8])]  # 7 values, a gap at 3
     calls: list[tuple[int, list[tuple[int, int]]]] = []
 
-    def work(pieces: Sequence[Run], progress: object, limit: int) -> int:
-        assert progress is None and limit == 0
-        calls.append((threading.get_ident(),
-                      [(start, int(rows.shape[0])) for start, rows in pieces]))
-        return sum(int(rows.shape[0]) for _, rows in pieces)
+    def work(pieces: Sequence[Run]) -> Copy:
+        def copy(progress: object, limit: int) -> int:
+            assert progress is None and limit == 0
+            calls.append((threading.get_ident(),
+                          [(start, int(rows.shape[0])) for start, rows in pieces]))
+            return sum(int(rows.shape[0]) for _, rows in pieces)
+        return copy
 
     copy = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=split_bytes,
                        inline_bytes=inline_bytes)
@@ -653,10 +656,12 @@ async def test_a_copy_shared_with_the_loop_offers_every_run_to_it_and_all_thread
     runs = [Run(0, memory[0:3]), Run(3, memory[4:8])]  # 7 values, a gap at 3
     calls: list[tuple[int, list[tuple[int, int]], object]] = []
 
-    def work(pieces: Sequence[Run], progress: object, limit: int) -> int:
-        calls.append((threading.get_ident(),
-                      [(start, int(rows.shape[0])) for start, rows in pieces], progress))
-        return 0  # claims nothing, and marks nothing done
+    def work(pieces: Sequence[Run]) -> Copy:
+        def copy(progress: object, limit: int) -> int:
+            calls.append((threading.get_ident(),
+                          [(start, int(rows.shape[0])) for start, rows in pieces], progress))
+            return 0  # claims nothing, and marks nothing done
+        return copy
 
     copy = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=0, inline_bytes=0)
     with anyio.fail_after(TIMEOUT_S):
