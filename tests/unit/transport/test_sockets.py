@@ -217,3 +217,54 @@ async def test_asking_whether_a_frame_waits_wakes_a_receive_waiting_for_it(
         assert received[0][1] == b"frame"
     finally:
         close(context, [router, dealer], server)
+
+
+class _CountedEvents:
+    """A socket's calls, passed through, with its reads of ``zmq.EVENTS`` counted."""
+
+    def __init__(self, socket: zmq.Socket[bytes]) -> None:
+        self._socket = socket
+        self.reads = 0
+
+    def get(self, option: int) -> object:
+        self.reads += option == zmq.EVENTS
+        return self._socket.get(option)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._socket, name)
+
+
+async def test_the_events_are_read_again_only_once_the_descriptor_signals_or_a_call_is_made(
+    tmp_path: Path,
+) -> None:
+    """Asked again and again while nothing arrives, ``readable`` reads the events once;
+    a frame that arrives then, or a call made on the socket, has them read again."""
+    context = zmq.asyncio.Context()
+    router, (dealer,) = pair(tmp_path, context, clients=1)
+    server, client = FastSocket(router, fair=True), FastSocket(dealer)
+
+    async def round_trip(payload: bytes) -> None:
+        await client.send_multipart([payload])
+        identity, frame = await server.recv_multipart()
+        server.send_now([identity, frame])
+        assert (await client.recv_multipart()) == [payload]
+
+    try:
+        with anyio.fail_after(TIMEOUT_S):
+            await round_trip(b"connected")  # the connection's own signals are all in
+            counted = server._now = _CountedEvents(server._now)  # type: ignore[assignment]
+            assert not any(server.readable() for _ in range(100))
+            assert counted.reads == 1
+            await client.send_multipart([b"one"])
+            while not server.readable():  # noqa: ASYNC110
+                await anyio.sleep(0.001)
+            identity, frame = await server.recv_multipart()
+            reads = counted.reads
+            assert not server.readable()  # the receive was a call: read again
+            assert counted.reads == reads + 1
+            server.send_now([identity, frame])
+            assert not server.readable()  # so was the send
+            assert counted.reads == reads + 2
+            assert (await client.recv_multipart()) == [b"one"]
+    finally:
+        close(context, [router, dealer], server, client)
