@@ -188,7 +188,12 @@ static PyObject *gather(PyObject *module, PyObject *args) {
     }
     const int64_t *pages = plan.pages.buf, *offsets = plan.offsets.buf, *sizes = plan.sizes.buf;
     Py_BEGIN_ALLOW_THREADS
+    /* A state on the stack must be initialized before its first seeded reset, which
+       derives the seed's secret only if the seed it finds differs: a thread's stack
+       still holds its last call's state there (the same seed), with the secret partly
+       overwritten since. Every checksum of the call was then wrong. */
     XXH3_state_t state;
+    XXH3_INITSTATE(&state);
     for (Py_ssize_t next = 0, v; (v = claim(progress, &next, plan.values, limit, copied)) >= 0;
          copied++) {
         char *row = (char *)(uintptr_t)(rows + v * row_stride);
@@ -308,6 +313,7 @@ static PyObject *digests(PyObject *module, PyObject *args) {
     char *digest_at = out.buf;
     Py_BEGIN_ALLOW_THREADS
     XXH3_state_t state;
+    XXH3_INITSTATE(&state); /* as in gather() */
     for (Py_ssize_t next = 0, v; (v = claim(progress, &next, plan.values, 0, copied)) >= 0;
          copied++) {
         XXH3_64bits_reset_withSeed(&state, seed);

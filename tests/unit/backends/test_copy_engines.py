@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 
 import anyio
@@ -18,6 +19,7 @@ from pipeline.backends.cpu_copy import (
 from pipeline.backends.faults import Faults
 from pipeline.core.config import Config, FaultsConfig
 from pipeline.core.geometry import build_store_groups
+from pipeline.core.integrity import verify_rows
 from pipeline.core.layout import KVCacheLayout
 from pipeline.core.runs import Run
 
@@ -123,3 +125,31 @@ async def test_a_copy_of_8_mib_or_more_while_the_loop_is_alone_is_shared_with_it
     kept = [index for index in range(batch) if index != 7]
     assert torch.equal(kv[[50 + index for index in kept]], kv[[1 + index for index in kept]])
     assert int(kv[50 + 7].count_nonzero()) == 0
+
+
+async def test_a_save_split_over_the_copy_threads_seals_every_value_batch_after_batch() -> None:
+    """Batch after batch of 18 MiB, each split over the save threads: every value is
+    sealed with xxh3's own checksum of its bytes. A checksum state on a copy thread's
+    stack starts clean at every call: a seeded reset keeps the secret it finds when it
+    finds the same seed, and the thread's stack still held its last call's state, the
+    secret partly overwritten since, so that every checksum of a call came out wrong
+    (in 22 to 28 batches of 30 here, before)."""
+    page = 48 << 10
+    layout = KVCacheLayout.from_dict({"model": "m", "groups": [{
+        "kind": "full_attention", "block_size": 16, "layers": [f"l{i}" for i in range(24)],
+        "dtype": "uint8", "page_bytes": page}]})
+    generator = torch.Generator().manual_seed(7)
+    kv = {layer: (torch.randint(0, 256, (64, page), dtype=torch.uint8, generator=generator), 0)
+          for layer in layout.groups[0].layers}
+    [geometry] = build_store_groups(layout, kv)
+    assert geometry.checksum_seed is not None
+    values = torch.zeros(16, geometry.stored_bytes, dtype=torch.uint8)
+    assert values.numel() >= SPLIT_BYTES
+    order = random.Random(5)
+    with anyio.fail_after(TIMEOUT_S):
+        async with open_backends(Config(), Faults(FaultsConfig()), on_evicted=print) as backends:
+            for _ in range(30):
+                block_ids = order.sample(range(64), len(values))
+                await backends.save_copy.gather(geometry, block_ids, [Run(0, values)])
+                assert verify_rows(values, geometry.value_bytes,
+                                   geometry.checksum_seed) == [True] * len(values)
