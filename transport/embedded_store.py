@@ -314,7 +314,7 @@ class EmbeddedStore(AsyncResource):
             growing = end < len(entries) and _follows(entries[end], entries[end - 1])
             if first is not None and growing:
                 continue
-            if first is not None:  # one torch call: each costs ~10 µs just after a copy
+            if first is not None:  # one torch call: each costs tens of µs after a copy
                 result.append(Run(start, self._arena.as_strided(
                     (end - start, first.size), (first.span, 1), first.offset)))
             start = end

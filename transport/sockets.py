@@ -15,12 +15,12 @@ wakes when ``get(zmq.EVENTS)`` shows its event. Any call on the socket may take 
 change a waiter needed without the descriptor signalling again, so after each call made
 while others wait, the events are read once more and whoever they let go is woken.
 
-A send never overtakes one still waiting, so frames leave in the order they were sent.
 Asking whether a frame waits (``readable``) reads the events only if the descriptor
 has signalled since they were last read, or a call was made on the socket since: a
 poll of the descriptor costs a third of reading the events, and a sidecar's event loop
 asks after every slice of a copy it shares, when the caches hold nothing of ZMQ's.
 
+A send never overtakes one still waiting, so frames leave in the order they were sent.
 One task receives at a time. ``fair``: a receive yields to the event loop even when a
 frame was there at once, as a server's receive loop under a flood of frames must, not to
 starve the tasks that answer them.
@@ -90,8 +90,8 @@ class FastSocket:
         wait for one peer that does not read would hold up the sends to every other.
         (A caller that also makes waiting sends must not use it: it would overtake
         them.)"""
+        self._known = None  # a send that fails may take in a change too
         self._now.send_multipart(frames, zmq.NOBLOCK)
-        self._known = None
         self._recheck()
 
     def readable(self) -> bool:

@@ -97,8 +97,8 @@ values (0: no limit) (``_blockcopy``)."""
 Work = Callable[[Sequence[Run]], Copy]
 """The copy of some runs of a batch's values (a part), its native arguments worked out
 once: a shared copy is called again after each slice, and torch's and numpy's small
-calls cost some 10 µs each on a sidecar's event loop just after a copy has passed
-through the caches."""
+calls cost tens of microseconds each on a sidecar's event loop just after a copy has
+passed through the caches."""
 
 
 class CopyThreads:
@@ -143,7 +143,7 @@ class CopyThreads:
             for start, stop in itertools.pairwise(bounds)
         ])
 
-    async def _shared(self, copy: Copy, runs: int, count: int, size: int,
+    async def _shared(self, copy: Copy, run_count: int, count: int, size: int,
                       alone: Callable[[], bool]) -> None:
         """Every value copied by whichever of the event loop's thread and all worker
         threads but one claims it first. The loop starts at once, instead of sleeping
@@ -152,7 +152,7 @@ class CopyThreads:
         longer ``alone()`` (asked after each ``SHARED_SLICE_BYTES``), it hands the rest
         of its share to the last worker thread and serves what came. A thread that
         starts after every value is claimed touches none."""
-        progress = numpy.zeros((runs, 2), dtype=numpy.int64)
+        progress = numpy.zeros((run_count, 2), dtype=numpy.int64)
         share = functools.partial(copy, progress, 0)
         helpers = [self._threads.submit([share] * (self._parts - 1))]
         slice_values = max(1, SHARED_SLICE_BYTES // size)

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import anyio
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -268,3 +269,23 @@ async def test_the_events_are_read_again_only_once_the_descriptor_signals_or_a_c
             assert (await client.recv_multipart()) == [b"one"]
     finally:
         close(context, [router, dealer], server, client)
+
+
+def test_a_send_that_fails_has_the_events_read_again_too() -> None:
+    """A send that raises ``zmq.Again`` (a DEALER with no peer yet) is a call on the
+    socket all the same: the events it may have taken in are read again."""
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    fast = FastSocket(dealer)
+    counted = fast._now = _CountedEvents(fast._now)  # type: ignore[assignment]
+    try:
+        assert not fast.readable() and not fast.readable()
+        assert counted.reads == 1
+        with pytest.raises(zmq.Again):
+            fast.send_now([b"nobody"])
+        assert not fast.readable()
+        assert counted.reads == 2
+    finally:
+        dealer.close(0)
+        context.term()
