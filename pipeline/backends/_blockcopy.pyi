@@ -47,3 +47,8 @@ def digests(pages: Buffer, sizes: Buffer, seed: int, out: Buffer,
 def stream_width(width: int = ...) -> int:
     """The bytes each streaming store writes (0: the CPU has none); with ``width``, use
     that width from now on (16, or 32 on a CPU with AVX): both kinds can be tested."""
+
+def fused_seal(on: bool = ...) -> bool:
+    """Whether ``gather`` seals each value in the copy's own pass (its pages whole
+    64-byte stripes, its payload over 240 bytes), on a CPU with AVX2; with ``on``, do
+    so from now on or not (on: only where the CPU has AVX2): both ways can be tested."""

@@ -4,10 +4,11 @@
    xxh3-64 of those pages, seeded (pipeline.core.integrity). Python hands a run of
    values over as addresses it worked out from tensors it holds; this file only moves
    bytes and hashes them, so a copy thread takes the GIL once per run instead of once
-   per page. A saved page is hashed chunk by chunk as it is read from the engine, and
-   each chunk is then copied from L1: a checksum costs no second pass over memory. (A
-   block the engine wrote meanwhile, which it must not, then fails its check on load;
-   it is never the other way round.)
+   per page. A saved value is hashed as it is read from the engine: on a CPU with AVX2,
+   stripe by stripe in the copy's own pass (sealcopy.c), elsewhere chunk by chunk, each
+   chunk then copied from L1. Either way a checksum costs no second pass over memory.
+   (A block the engine wrote meanwhile, which it must not, then fails its check on
+   load; it is never the other way round.)
 
    Every call trusts the addresses: pipeline.backends.cpu_copy checks block ids against
    every segment before it calls. */
@@ -27,12 +28,18 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h> /* SSE2 in every x86-64 CPU; AVX where the CPU has it */
+#include "sealcopy.h"
 #define STREAMING 1
 
 /* Whether the CPU (and the OS) run AVX: its 32-byte streaming stores cost 2-5% less
    CPU per byte than SSE2's 16-byte ones. Set as the module loads; use_avx starts as it
    (stream_width() can narrow it, so that both kinds are tested on any machine). */
 static int have_avx, use_avx;
+
+/* Whether the CPU runs AVX2, and whether a save seals its values in the copy's pass
+   (sealcopy.c) where their pages allow; starts as the CPU allows (fused_seal() can turn
+   it off, so that both ways are tested on any machine). */
+static int have_avx2, use_fused;
 
 __attribute__((target("avx"))) static void stream_avx(char *out, const char *in, size_t n) {
     for (; n >= 64; out += 64, in += 64, n -= 64) {
@@ -166,6 +173,21 @@ static int progress_of(PyObject *object, Py_buffer *buffer, int64_t **progress) 
     return 0;
 }
 
+/* Whether a value of these pages is sealed in the copy's pass (sealcopy.c): with AVX2,
+   pages of whole stripes, and a payload of xxh3's long kind. */
+static int fusable(const int64_t *sizes, Py_ssize_t segments, unsigned long long payload_bytes) {
+#ifdef STREAMING
+    if (!use_fused || payload_bytes <= XXH3_MIDSIZE_MAX)
+        return 0;
+    for (Py_ssize_t s = 0; s < segments; s++)
+        if (sizes[s] % 64)
+            return 0;
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 static PyObject *gather(PyObject *module, PyObject *args) {
     Plan plan;
     Py_buffer shared = {0};
@@ -187,6 +209,7 @@ static PyObject *gather(PyObject *module, PyObject *args) {
         return NULL;
     }
     const int64_t *pages = plan.pages.buf, *offsets = plan.offsets.buf, *sizes = plan.sizes.buf;
+    const int fused = seal && fusable(sizes, plan.segments, payload_bytes);
     Py_BEGIN_ALLOW_THREADS
     /* A state on the stack must be initialized before its first seeded reset, which
        derives the seed's secret only if the seed it finds differs: a thread's stack
@@ -197,6 +220,15 @@ static PyObject *gather(PyObject *module, PyObject *args) {
     for (Py_ssize_t next = 0, v; (v = claim(progress, &next, plan.values, limit, copied)) >= 0;
          copied++) {
         char *row = (char *)(uintptr_t)(rows + v * row_stride);
+#ifdef STREAMING
+        if (fused) {
+            uint64_t digest = sealcopy_avx2(row, pages + v * plan.segments, offsets, sizes,
+                                            (size_t)plan.segments, payload_bytes, seed, stream);
+            memcpy(row + payload_bytes, &digest, CHECKSUM_BYTES);
+            value_done(progress, stream);
+            continue;
+        }
+#endif
         if (seal)
             XXH3_64bits_reset_withSeed(&state, seed);
         for (Py_ssize_t s = 0; s < plan.segments; s++) {
@@ -389,6 +421,23 @@ static PyObject *stream_width(PyObject *module, PyObject *args) {
 #endif
 }
 
+static PyObject *fused_seal(PyObject *module, PyObject *args) {
+    int on = -1;
+    if (!PyArg_ParseTuple(args, "|i:fused_seal", &on))
+        return NULL;
+#ifdef STREAMING
+    if (on == 1 && !have_avx2)
+        return PyErr_Format(PyExc_ValueError, "this CPU has no AVX2 to seal in the copy's pass");
+    if (on != -1)
+        use_fused = on != 0;
+    return PyBool_FromLong(use_fused);
+#else
+    if (on == 1)
+        return PyErr_Format(PyExc_ValueError, "sealing in the copy's pass needs x86-64 AVX2");
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
      "gather(pages, rows, row_stride, offsets, sizes, seal, seed, payload_bytes, stream\n"
@@ -413,6 +462,10 @@ static PyMethodDef methods[] = {
      "stream_width([width])\n"
      "The bytes each streaming store writes (0: the CPU has none); with width, use that\n"
      "width from now on (16, or 32 on a CPU with AVX)."},
+    {"fused_seal", fused_seal, METH_VARARGS,
+     "fused_seal([on])\n"
+     "Whether a save seals each value in the copy's pass, where its pages allow; with on,\n"
+     "do so from now on or not (on: only on a CPU with AVX2)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -425,6 +478,7 @@ PyMODINIT_FUNC PyInit__blockcopy(void) {
 #ifdef STREAMING
     __builtin_cpu_init();
     have_avx = use_avx = __builtin_cpu_supports("avx");
+    have_avx2 = use_fused = __builtin_cpu_supports("avx2");
 #endif
     return PyModule_Create(&module);
 }

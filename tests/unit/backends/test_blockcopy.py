@@ -51,21 +51,37 @@ def stream_width() -> Iterator[Callable[[int], None]]:
         _blockcopy.stream_width(own)
 
 
-@settings(max_examples=60, deadline=None,
+SEAL_PASSES = sorted({_blockcopy.fused_seal(), False})
+"""How this CPU can seal a save: after each chunk's hash, and in the copy's own pass
+where it has AVX2."""
+
+
+@pytest.fixture
+def fused_seal() -> Iterator[Callable[[bool], None]]:
+    """Sets whether saves seal in the copy's pass for the test; as the CPU allows after."""
+    own = _blockcopy.fused_seal()
+    yield _blockcopy.fused_seal
+    _blockcopy.fused_seal(own)
+
+
+@settings(max_examples=80, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(segments=st.integers(1, 4), page=st.sampled_from([1, 7, 64, 79, 16383, 16384, 40001]),
+@given(segments=st.integers(1, 4),
+       page=st.sampled_from([1, 7, 64, 79, 256, 1024, 16383, 16384, 40001, 49152]),
        count=st.integers(1, 4), padding=st.sampled_from([0, 56]), seed=st.integers(0, 2**64 - 1),
-       width=st.sampled_from([0, *STREAM_WIDTHS]))
+       width=st.sampled_from([0, *STREAM_WIDTHS]), fused=st.sampled_from(SEAL_PASSES))
 def test_gather_seals_what_the_reference_seals_and_scatter_restores_the_pages(
-    segments: int, page: int, count: int, padding: int, seed: int, width: int,
-    stream_width: Callable[[int], None],
+    segments: int, page: int, count: int, padding: int, seed: int, width: int, fused: bool,
+    stream_width: Callable[[int], None], fused_seal: Callable[[bool], None],
 ) -> None:
-    """Pages of any size (chunk edges included) land in each row in segment order with
-    exactly the checksum ``seal_rows`` writes, padding between rows untouched; scattered
-    back, every page is restored. Streaming stores of every width the CPU has (``width``;
-    0: none) write the same bytes, whatever the alignment of either side."""
+    """Pages of any size (chunk, stripe and xxh3 block edges included) land in each row
+    in segment order with exactly the checksum ``seal_rows`` writes, padding between rows
+    untouched; scattered back, every page is restored. Streaming stores of every width
+    the CPU has (``width``; 0: none) write the same bytes, whatever the alignment of
+    either side, and so does a seal in the copy's pass (``fused``) where pages allow."""
     stream = width != 0
     stream_width(width)
+    fused_seal(fused)
     pages = engine_pages(segments, 6, page, seed=page + count)
     payload = segments * page
     span = payload + CHECKSUM_BYTES + padding
@@ -169,6 +185,19 @@ def test_only_a_width_the_cpu_streams_can_be_chosen(
         _blockcopy.stream_width(64)
     assert _blockcopy.stream_width() == widest
     assert _blockcopy.stream_width(16) == 16
+
+
+def test_a_seal_in_the_copys_pass_is_refused_where_the_cpu_has_no_avx2(
+        fused_seal: Callable[[bool], None]) -> None:
+    """Turning it off is always allowed; on, only where the CPU runs AVX2."""
+    able = _blockcopy.fused_seal()
+    assert _blockcopy.fused_seal(False) is False
+    if able:
+        assert _blockcopy.fused_seal(True) is True
+    else:
+        with pytest.raises(ValueError, match="AVX2"):
+            _blockcopy.fused_seal(True)
+        assert _blockcopy.fused_seal() is False
 
 
 def test_tables_of_mismatched_shapes_are_refused() -> None:
