@@ -19,10 +19,11 @@ A geometry is layers x page KiB x blocks per request; each runs with checksums o
 off (one sidecar each). Ratios are sidecar GB/s over bare-copy GB/s (goal, with the
 default config's checksums on: >= 0.8); where both variants ran, what integrity costs is
 printed too: sidecar GB/s with checksums on over off (1.0: free). Then the CPU each
-request cost: the bare copy (this process, torch's threads included), and the sidecar's
-event loop and its other threads (copies, sockets, logs), summed over the rounds: at 4
-in flight on a small machine the cores are the limit, and these show whose work fills
-them. Results are also written to benchmarks/results/bench_sidecar_throughput.json.
+request cost: the bare copy (this process, torch's threads included), the sidecar's
+event loop and its other threads (copies, sockets, logs), and the engine's client (this
+process, while the sidecar served it), summed over the rounds: at 4 in flight on a small
+machine the cores are the limit, and these show whose work fills them. Results are also
+written to benchmarks/results/bench_sidecar_throughput.json.
 """
 
 from __future__ import annotations
@@ -155,13 +156,18 @@ class Workload:
         return tokens, src, dst, f"r{self._round}"
 
 
-async def sidecar_cpu_during(pid: int, run: Callable[[], Any]) -> tuple[float, float, float]:
+async def sidecar_cpu_during(
+    pid: int, run: Callable[[], Any],
+) -> tuple[float, float, float, float]:
     """``await run()``: its wall seconds, then the CPU seconds sidecar ``pid`` spent
-    meanwhile on its event loop and on its other threads (as ``thread_cpu_s`` splits it)."""
+    meanwhile on its event loop and on its other threads (as ``thread_cpu_s`` splits it),
+    and this process, the engine asking."""
     loop_before, others_before = thread_cpu_s(pid)
+    engine_before = time.process_time()
     wall = await run()
+    engine = time.process_time() - engine_before
     loop_after, others_after = thread_cpu_s(pid)
-    return wall, loop_after - loop_before, others_after - others_before
+    return wall, loop_after - loop_before, others_after - others_before, engine
 
 
 def cpu_timed(fn: Callable[[], None]) -> tuple[float, float]:
@@ -198,11 +204,11 @@ async def one_round(client: EngineClient, engine: Engine, workload: Workload,
     # Interleaved so drift in machine load hits the baselines and the sidecar alike.
     bare_save, bare_save_cpu = cpu_timed(lambda: engine.bare_gather(src_ids))
     bare_save_each = timed(lambda: [engine.bare_gather(s, row) for row, s, _ in per_request])
-    side_save, loop_save_cpu, threads_save_cpu = await sidecar_cpu_during(
+    side_save, loop_save_cpu, threads_save_cpu, engine_save_cpu = await sidecar_cpu_during(
         sidecar_pid, lambda: run_requests(concurrency, [lambda r=r: save(r) for r in calls]))
     bare_load, bare_load_cpu = cpu_timed(lambda: engine.bare_scatter(dst_ids))
     bare_load_each = timed(lambda: [engine.bare_scatter(d, row) for row, _, d in per_request])
-    side_load, loop_load_cpu, threads_load_cpu = await sidecar_cpu_during(
+    side_load, loop_load_cpu, threads_load_cpu, engine_load_cpu = await sidecar_cpu_during(
         sidecar_pid, lambda: run_requests(concurrency, [lambda r=r: load(r) for r in calls]))
     if problems:
         raise RuntimeError("; ".join(problems[:4]))
@@ -215,8 +221,9 @@ async def one_round(client: EngineClient, engine: Engine, workload: Workload,
         "bare_save": bare_save, "bare_save_each": bare_save_each, "sidecar_save": side_save,
         "bare_load": bare_load, "bare_load_each": bare_load_each, "sidecar_load": side_load,
         "cpu": {"bare_save": bare_save_cpu, "loop_save": loop_save_cpu,
-                "threads_save": threads_save_cpu, "bare_load": bare_load_cpu,
-                "loop_load": loop_load_cpu, "threads_load": threads_load_cpu},
+                "threads_save": threads_save_cpu, "engine_save": engine_save_cpu,
+                "bare_load": bare_load_cpu, "loop_load": loop_load_cpu,
+                "threads_load": threads_load_cpu, "engine_load": engine_load_cpu},
     }
 
 
@@ -363,14 +370,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     verdict = "meets" if worst >= GOAL else "misses"
     print(f"worst ratio with checksums on {worst:.2f} {verdict} the goal of {GOAL}")
     print("CPU ms per request (all rounds): the bare copy's (torch's threads included); the "
-          "sidecar's event loop and its other threads (copies, sockets, logs)")
+          "sidecar's event loop and its other threads (copies, sockets, logs); the engine's "
+          "(this process: its client, while the sidecar served it)")
     print(f"{'geometry':>9} {'checksum':>8} {'in flight':>9} {'bare save':>10} {'loop':>6} "
-          f"{'threads':>8} {'bare load':>10} {'loop':>6} {'threads':>8}")
+          f"{'threads':>8} {'engine':>7} {'bare load':>10} {'loop':>6} {'threads':>8} "
+          f"{'engine':>7}")
     for row in rows:
         ms = row["cpu_ms_per_request"]
         print(f"{row['geometry']:>9} {row['checksum']:>8} {row['concurrency']:>9} "
               f"{ms['bare_save']:>10.2f} {ms['loop_save']:>6.2f} {ms['threads_save']:>8.2f} "
-              f"{ms['bare_load']:>10.2f} {ms['loop_load']:>6.2f} {ms['threads_load']:>8.2f}")
+              f"{ms['engine_save']:>7.2f} {ms['bare_load']:>10.2f} {ms['loop_load']:>6.2f} "
+              f"{ms['threads_load']:>8.2f} {ms['engine_load']:>7.2f}")
     integrity = checksum_cost(rows, ("geometry", "concurrency"), "sidecar_save", "sidecar_load")
     path = write_results("bench_sidecar_throughput", {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
