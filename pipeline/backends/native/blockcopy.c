@@ -174,15 +174,18 @@ static int progress_of(PyObject *object, Py_buffer *buffer, int64_t **progress) 
 }
 
 /* Whether a value of these pages is sealed in the copy's pass (sealcopy.c): with AVX2,
-   pages of whole stripes, and a payload of xxh3's long kind. */
+   pages of whole stripes that make up the payload, and a payload of xxh3's long kind. */
 static int fusable(const int64_t *sizes, Py_ssize_t segments, unsigned long long payload_bytes) {
 #ifdef STREAMING
     if (!use_fused || payload_bytes <= XXH3_MIDSIZE_MAX)
         return 0;
-    for (Py_ssize_t s = 0; s < segments; s++)
+    unsigned long long total = 0;
+    for (Py_ssize_t s = 0; s < segments; s++) {
         if (sizes[s] % 64)
             return 0;
-    return 1;
+        total += (unsigned long long)sizes[s];
+    }
+    return total == payload_bytes;
 #else
     return 0;
 #endif
