@@ -23,6 +23,7 @@ from pipeline.app.backends import Backends, open_backends
 from pipeline.app.dispatch import Receiver
 from pipeline.app.graph import LOAD_COMPLETION, SAVE_COMPLETION, Resources, build_graph
 from pipeline.app.metrics import BackendGauges, Metrics
+from pipeline.backends.cpu_copy import copy_features
 from pipeline.backends.faults import Faults
 from pipeline.core.config import Config
 from pipeline.core.errors import StoreError, TransportError
@@ -265,7 +266,7 @@ class Sidecar:
             if self.config.metrics.port:
                 self.metrics.serve(self.config.metrics.host, self.config.metrics.port)
             task_status.started(self.socket.endpoint)
-            log.info("sidecar.ready", endpoint=self.socket.endpoint)
+            log.info("sidecar.ready", endpoint=self.socket.endpoint, copies=copy_features())
             await stop.wait()
 
             log.info("sidecar.draining", open_jobs=self.tracker.open_jobs)

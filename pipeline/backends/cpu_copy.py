@@ -45,6 +45,7 @@ __all__ = [
     "CpuCopyEngine",
     "HelperThreads",
     "InPlaceCopyEngine",
+    "copy_features",
     "gather_and_seal",
     "page_addresses",
     "read_in_place",
@@ -187,6 +188,14 @@ def _retrieve(calls: asyncio.Future[Any]) -> None:
     may fail only as their caller did, before copying anything."""
     if not calls.cancelled():
         calls.exception()
+
+
+def copy_features() -> dict[str, int | bool]:
+    """How this CPU's copies run, for the start-up line: the bytes each streaming store
+    writes (0: none), and whether a save seals each value in the copy's own pass (AVX2;
+    else a chunk is hashed, then copied)."""
+    return {"streaming_store_bytes": _blockcopy.stream_width(),
+            "seal_in_copy_pass": _blockcopy.fused_seal()}
 
 
 def page_addresses(geometry: StoreGroupGeometry, block_ids: Sequence[int]) -> numpy.ndarray:

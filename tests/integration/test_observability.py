@@ -14,6 +14,7 @@ import anyio.to_thread
 import pytest
 from prometheus_client.samples import Sample
 
+from pipeline.backends import _blockcopy
 from pipeline.core.config import Config
 from pipeline.core.errors import RequestRejected
 from pipeline.core.hashing import block_hashes
@@ -103,6 +104,12 @@ async def test_metrics_during_saves_and_loads_match_what_the_engines_saw() -> No
     capacity = values(after, "kvsidecar_edge_capacity")
     assert capacity[("save", "transfer")] == stages.transfer.inbox_size
     assert capacity[("lookup", "lookup")] == stages.lookup.inbox_size
+
+    # The start-up line says how this CPU's copies run.
+    [ready] = [json.loads(line) for line in log.splitlines()
+               if line.startswith("{") and '"sidecar.ready"' in line]
+    assert ready["copies"] == {"streaming_store_bytes": _blockcopy.stream_width(),
+                               "seal_in_copy_pass": _blockcopy.fused_seal()}
 
     # One request.done line per request, bound to its engine, with its stage timings.
     lines = [json.loads(line) for line in log.splitlines()
