@@ -14,11 +14,11 @@ per segment took the GIL back after each call, and behind a busy event loop each
 return waited for the loop's switch interval; the loop waited for them in turn.
 A saved value is hashed as it is read, in the copy's own pass (each 64-byte stripe
 written and hashed from registers, on CPUs with AVX2) or chunk by chunk, each chunk
-then copied from L1: a checksum costs no second pass over memory. A loaded value is
-hashed whole before any of it is copied, then copied from cache. Into memory no cache
-holds (the root says where: the embedded store's values, an engine's blocks a large
-load lands in), both write around the caches (streaming stores): a copy that does not
-first read in each line it writes costs about a fifth less CPU."""
+hashed from L2 just after it is copied: a checksum costs no second pass over memory.
+A loaded value is hashed whole before any of it is copied, then copied from cache. Into
+memory no cache holds (the root says where: the embedded store's values, an engine's
+blocks a large load lands in), both write around the caches (streaming stores): a copy
+that does not first read in each line it writes costs about a fifth less CPU."""
 
 from __future__ import annotations
 
