@@ -50,5 +50,6 @@ def stream_width(width: int = ...) -> int:
 
 def fused_seal(on: bool = ...) -> bool:
     """Whether ``gather`` seals each value in the copy's own pass (its pages whole
-    64-byte stripes, its payload over 240 bytes), on a CPU with AVX2; with ``on``, do
-    so from now on or not (on: only where the CPU has AVX2): both ways can be tested."""
+    64-byte stripes that make up its payload, over 240 bytes), on a CPU with AVX2; with
+    ``on``, do so from now on or not (on: only where the CPU has AVX2): both ways can be
+    tested."""

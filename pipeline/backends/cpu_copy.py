@@ -193,7 +193,7 @@ def _retrieve(calls: asyncio.Future[Any]) -> None:
 def copy_features() -> dict[str, int | bool]:
     """How this CPU's copies run, for the start-up line: the bytes each streaming store
     writes (0: none), and whether a save seals each value in the copy's own pass (AVX2;
-    else a chunk is hashed, then copied)."""
+    else each chunk is copied, then hashed)."""
     return {"streaming_store_bytes": _blockcopy.stream_width(),
             "seal_in_copy_pass": _blockcopy.fused_seal()}
 
