@@ -196,6 +196,26 @@ static int fusable(const int64_t *sizes, Py_ssize_t segments, unsigned long long
 #endif
 }
 
+/* Copies a value's pages into its row chunk by chunk and, given a state, hashes each
+   chunk just after it is copied: the digest (0 without a state). */
+static uint64_t copy_in_chunks(char *row, const int64_t *pages, const int64_t *offsets,
+                               const int64_t *sizes, Py_ssize_t segments,
+                               XXH3_state_t *state, unsigned long long seed, int stream) {
+    if (state)
+        XXH3_64bits_reset_withSeed(state, seed);
+    for (Py_ssize_t s = 0; s < segments; s++) {
+        const char *page = (const char *)(uintptr_t)pages[s];
+        char *out = row + offsets[s];
+        for (int64_t done = 0; done < sizes[s]; done += CHUNK_BYTES) {
+            size_t n = (size_t)(sizes[s] - done < CHUNK_BYTES ? sizes[s] - done : CHUNK_BYTES);
+            copy_bytes(out + done, page + done, n, stream);
+            if (state)
+                XXH3_64bits_update(state, page + done, n);
+        }
+    }
+    return state ? XXH3_64bits_digest(state) : 0;
+}
+
 static PyObject *gather(PyObject *module, PyObject *args) {
     Plan plan;
     Py_buffer shared = {0};
@@ -228,31 +248,18 @@ static PyObject *gather(PyObject *module, PyObject *args) {
     for (Py_ssize_t next = 0, v; (v = claim(progress, &next, plan.values, limit, copied)) >= 0;
          copied++) {
         char *row = (char *)(uintptr_t)(rows + v * row_stride);
+        const int64_t *value_pages = pages + v * plan.segments;
+        uint64_t digest;
 #ifdef STREAMING
-        if (fused) {
-            uint64_t digest = sealcopy_avx2(row, pages + v * plan.segments, offsets, sizes,
-                                            (size_t)plan.segments, payload_bytes, seed, stream);
-            memcpy(row + payload_bytes, &digest, CHECKSUM_BYTES);
-            value_done(progress, stream);
-            continue;
-        }
+        if (fused)
+            digest = sealcopy_avx2(row, value_pages, offsets, sizes, (size_t)plan.segments,
+                                   payload_bytes, seed, stream);
+        else
 #endif
+            digest = copy_in_chunks(row, value_pages, offsets, sizes, plan.segments,
+                                    seal ? &state : NULL, seed, stream);
         if (seal)
-            XXH3_64bits_reset_withSeed(&state, seed);
-        for (Py_ssize_t s = 0; s < plan.segments; s++) {
-            const char *page = (const char *)(uintptr_t)pages[v * plan.segments + s];
-            char *out = row + offsets[s];
-            for (int64_t done = 0; done < sizes[s]; done += CHUNK_BYTES) {
-                size_t n = (size_t)(sizes[s] - done < CHUNK_BYTES ? sizes[s] - done : CHUNK_BYTES);
-                copy_bytes(out + done, page + done, n, stream);
-                if (seal)
-                    XXH3_64bits_update(&state, page + done, n);
-            }
-        }
-        if (seal) {
-            uint64_t digest = XXH3_64bits_digest(&state);
             memcpy(row + payload_bytes, &digest, CHECKSUM_BYTES);
-        }
         value_done(progress, stream);
     }
     if (stream)

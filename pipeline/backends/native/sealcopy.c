@@ -1,18 +1,18 @@
 /* A save's copy and its checksum in one pass: each 64-byte stripe of a value is read
    once, written to the value's row, and fed to xxh3 while it is still in registers.
 
-   Hashing a 16 KiB chunk and then copying it from L1 (blockcopy.c) reads memory in
-   the hash and writes it in the copy, one after the other: a save with checksums took
-   about half as long again as one without. Fused, the hash's arithmetic runs in the
-   time the copy waits on memory anyway. The arithmetic is xxHash's own (its AVX2
+   Hashing a value chunk by chunk beside its copy (blockcopy.c's way where this file
+   cannot serve) reads memory and hashes it one after the other: a save with checksums
+   took about half as long again as one without. Fused, the hash's arithmetic runs in
+   the time the copy waits on memory anyway. The arithmetic is xxHash's own (its AVX2
    accumulate, scramble, secret and merge, from the vendored header); only the walk
    over the stripes is written here, and it follows XXH3_hashLong_internal_loop's: a
    value's stripes, pages back to back, are its input. So the digest is exactly
    XXH3_64bits_withSeed's over the value's payload, as the tests check.
 
-   It takes values whose pages are whole stripes and whose payload is longer than
-   xxh3's short-input cut (240 bytes), on a CPU with AVX2; blockcopy.c checks, and
-   copies any other value its own way. */
+   It takes values whose pages are whole stripes and make up the payload, which is
+   longer than xxh3's short-input cut (240 bytes), on a CPU with AVX2; blockcopy.c
+   checks, and copies any other value its own way. */
 
 #if defined(__x86_64__)
 #include <immintrin.h>
