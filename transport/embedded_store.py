@@ -380,15 +380,29 @@ class EmbeddedStore(AsyncResource):
     def _make_room(self, size: int) -> int | None:
         """Allocate ``size`` bytes (whole spans), evicting unpinned entries oldest first
         as needed."""
-        if size > self._allocator.capacity - self._pinned_bytes:
+        allocator = self._allocator
+        if size > allocator.capacity - self._pinned_bytes:
             return None
-        evicted: list[str] = []
-        while (offset := self._allocator.allocate(size)) is None:
-            victim = next((entry for entry in self._entries.values() if entry.pins == 0), None)
-            if victim is None:
+        # No hole fits while fewer bytes are free than asked: the oldest entries that
+        # make up the difference go in one walk of the index, not one walk and one
+        # allocation attempt each (a full store evicts on every save).
+        short = size - allocator.free_bytes
+        victims: list[_Entry] = []
+        for entry in self._entries.values():
+            if short <= 0:
                 break
+            if entry.pins == 0:
+                victims.append(entry)
+                short -= entry.span
+        for victim in victims:
             self._drop(victim)
-            evicted.append(victim.key)
+        evicted = [victim.key for victim in victims]
+        while (offset := allocator.allocate(size)) is None:
+            oldest = next((entry for entry in self._entries.values() if entry.pins == 0), None)
+            if oldest is None:
+                break
+            self._drop(oldest)
+            evicted.append(oldest.key)
         if evicted:
             self._evictions += len(evicted)
             self._on_evicted(evicted)

@@ -12,6 +12,7 @@ A caller given a ``limit`` copies at most that many (0: no limit). Each call ret
 how many values it copied (or digested).
 """
 
+from collections.abc import Sequence
 from typing import Any
 
 Buffer = Any
@@ -32,6 +33,12 @@ def scatter(pages: Buffer, rows: int, row_stride: int, offsets: Buffer, sizes: B
     was (always, unless ``check``). A value that fails is not copied at all. ``stream``:
     write the pages around the caches (streaming stores); ``progress`` and ``limit``:
     as ``gather``. The values copied by this call (failed ones included)."""
+
+def page_table(block_ids: Sequence[int], segment_table: Buffer, num_blocks: int) -> bytes:
+    """Each block's page in each segment, ``first + id * stride`` from the first two rows
+    of ``segment_table`` (int64 ``[4, segments]``): int64 ``[blocks, segments]`` as
+    bytes, the ``pages`` of the calls here. IndexError unless every id is in
+    ``range(num_blocks)``."""
 
 def wait_done(progress: Buffer, values: int, spin_s: float) -> bool:
     """Spin, without the GIL, until the ``values`` of the runs shared through

@@ -378,13 +378,17 @@ async def _processed(process: Callable[[Any], Awaitable[Any]], item: Any) -> Seq
 async def _batches(batching: Batching[Any], items: Sequence[Any]) -> Sequence[list[Any]]:
     """One item's list, regrouped as the batcher would with nothing else queued: one
     batch per group, cut where it fills."""
-    groups: dict[Hashable, list[list[Any]]] = {}
+    groups: dict[Hashable, tuple[list[list[Any]], int]] = {}  # group -> (batches, limit)
     for item in items:
-        batches = groups.setdefault(batching.group_of(item), [batching.new_batch()])
-        if len(batches[-1]) >= batching.limit_of(item):
+        group = batching.group_of(item)
+        entry = groups.get(group)
+        if entry is None:  # items of one group share a limit (``run_batcher``)
+            entry = groups[group] = ([batching.new_batch()], batching.limit_of(item))
+        batches, limit = entry
+        if len(batches[-1]) >= limit:
             batches.append(batching.new_batch())
         batches[-1].append(item)
-    return [batch for batches in groups.values() for batch in batches]
+    return [batch for batches, _ in groups.values() for batch in batches]
 
 
 async def _run_inline(steps: Sequence[_Step], sink: Sink | None, item: Any) -> None:

@@ -158,10 +158,10 @@ class BlockHistory:
         contents: list[tuple[int, RequestKeys]] = []
         for key, prefix, block, outcome, content in blocks:
             status = outcome.status
-            known = self._keys.get(key)
-            if status is BlockStatus.STORED or status is BlockStatus.PRESENT:
-                if status is BlockStatus.STORED or known is None or known.verdict is not (
-                        Verdict.PRESENT):
+            stored = status is BlockStatus.STORED
+            known = None if stored else self._keys.get(key)
+            if stored or status is BlockStatus.PRESENT:
+                if stored or known is None or known.verdict is not Verdict.PRESENT:
                     records.append((key, present))
                 prefixes.append((_block_key(block), prefix))
                 if content is not None:
@@ -189,9 +189,8 @@ class BlockHistory:
 
     def evicted(self, keys: Sequence[str]) -> None:
         evicted = _Record(Verdict.EVICTED, "evicted to make room", time.monotonic())
-        for key in keys:
-            if key in self._keys:
-                self._keys.put(key, evicted)
+        known = self._keys
+        known.put_all([(key, evicted) for key in keys if key in known])
 
     def why(
         self, key: str, prefix: str, block: tuple[int, bytes], presence: Presence,

@@ -78,16 +78,14 @@ class BlockTask:
     store_group: int
     block_index: int
     block_id: int
+    geometry: StoreGroupGeometry
+    """The store group's (the session's ``store_groups[store_group]``)."""
     key: str = ""
     block_hash: bytes = b""
     parent_hash: bytes | None = None
     """The hash of the group's previous block (None for block 0): named with the key."""
     outcome: KeyOutcome | None = None
     """What came of the block, once settled."""
-
-    @property
-    def geometry(self) -> StoreGroupGeometry:
-        return self.job.session.store_groups[self.store_group]
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -130,13 +128,14 @@ def planned_blocks(job: Job) -> list[BlockTask]:
     projected = session.layout.project_block_ids(job.message.block_ids)
     tasks: list[BlockTask] = []
     for store_group, block_ids in enumerate(projected):
+        geometry = session.store_groups[store_group]
         if isinstance(job.message, Load):
-            wanted = _loaded(session.store_groups[store_group], job.message)
+            wanted = _loaded(geometry, job.message)
             indices: Iterable[int] = (j for j in wanted if j < len(block_ids))
         else:
             indices = range(len(block_ids))
         tasks.extend(
-            BlockTask(job, store_group, j, block_ids[j])
+            BlockTask(job, store_group, j, block_ids[j], geometry)
             for j in indices
             if block_ids[j] != NULL_BLOCK_ID
         )
@@ -414,9 +413,9 @@ class StorePressure:
     def record(self, tasks: Sequence[BlockTask], outcomes: Sequence[KeyOutcome]) -> None:
         if any(o.status is BlockStatus.STORED for o in outcomes):
             self._requests.clear()
-        self._requests.update(
-            self._request(t) for t, o in zip(tasks, outcomes, strict=True) if o == STORE_FULL
-        )
+        if STORE_FULL in outcomes:
+            self._requests.update(self._request(t) for t, o in zip(tasks, outcomes, strict=True)
+                                  if o == STORE_FULL)
 
     def split(self, tasks: list[BlockTask]) -> tuple[list[BlockTask], list[BlockTask]]:
         """(tasks to skip as store_full, tasks to save)."""

@@ -384,6 +384,52 @@ static double seconds_now(void) {
     return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
 }
 
+/* Each block's page in each segment: first[s] + id * stride[s], from the geometry's
+   segment table (int64 [4, segments]: its first two rows). Worked out here rather than
+   with numpy, whose few small calls cost tens of microseconds a request in a busy
+   sidecar, where each runs cold. Refused unless every id is a block of every segment:
+   the copies trust these addresses. */
+static PyObject *page_table(PyObject *module, PyObject *args) {
+    PyObject *ids, *fast;
+    Py_buffer table;
+    Py_ssize_t num_blocks;
+    if (!PyArg_ParseTuple(args, "Oy*n:page_table", &ids, &table, &num_blocks))
+        return NULL;
+    const Py_ssize_t row = 4 * (Py_ssize_t)sizeof(int64_t);
+    if (table.len == 0 || table.len % row) {
+        PyBuffer_Release(&table);
+        PyErr_SetString(PyExc_ValueError, "the segment table must be int64 [4, segments]");
+        return NULL;
+    }
+    if (!(fast = PySequence_Fast(ids, "block ids must be a sequence"))) {
+        PyBuffer_Release(&table);
+        return NULL;
+    }
+    const Py_ssize_t segments = table.len / row, count = PySequence_Fast_GET_SIZE(fast);
+    const int64_t *first = table.buf, *stride = first + segments;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, count * segments * (Py_ssize_t)sizeof(int64_t));
+    if (out) {
+        int64_t *pages = (int64_t *)PyBytes_AS_STRING(out);
+        for (Py_ssize_t b = 0; b < count; b++) {
+            Py_ssize_t id = PyNumber_AsSsize_t(PySequence_Fast_GET_ITEM(fast, b), PyExc_IndexError);
+            if (id == -1 && PyErr_Occurred())
+                break;
+            if (id < 0 || id >= num_blocks) {
+                PyErr_Format(PyExc_IndexError, "block ids out of range 0..%zd: %R",
+                             num_blocks - 1, ids);
+                break;
+            }
+            for (Py_ssize_t s = 0; s < segments; s++)
+                pages[b * segments + s] = first[s] + (int64_t)id * stride[s];
+        }
+        if (PyErr_Occurred())
+            Py_CLEAR(out);
+    }
+    Py_DECREF(fast);
+    PyBuffer_Release(&table);
+    return out;
+}
+
 /* Spins, without the GIL, until the shared runs' values are all done or spin_s have
    passed: whether they are. For the last values of a copy, in another thread's hands
    for at most the time one takes: a sleeping thread is woken late on a small VM. */
@@ -466,6 +512,11 @@ static PyMethodDef methods[] = {
      "Copy each intact value's row into its pages; intact[v]: whether value v was;\n"
      "stream: write the pages around the caches; progress: shared with other callers,\n"
      "limit: at most so many values copied here. Returns the values copied here."},
+    {"page_table", page_table, METH_VARARGS,
+     "page_table(block_ids, segment_table, num_blocks)\n"
+     "Each block's page in each segment (int64 [blocks, segments], as bytes): the\n"
+     "pages argument of gather, scatter and digests. IndexError unless every id is\n"
+     "in range(num_blocks)."},
     {"wait_done", wait_done, METH_VARARGS,
      "wait_done(progress, values, spin_s)\n"
      "Spin until the shared runs' values are all done, for at most spin_s: whether they are."},
