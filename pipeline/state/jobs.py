@@ -78,14 +78,18 @@ class BlockTask:
     store_group: int
     block_index: int
     block_id: int
-    geometry: StoreGroupGeometry
-    """The store group's (the session's ``store_groups[store_group]``)."""
     key: str = ""
     block_hash: bytes = b""
     parent_hash: bytes | None = None
     """The hash of the group's previous block (None for block 0): named with the key."""
     outcome: KeyOutcome | None = None
     """What came of the block, once settled."""
+
+    @property
+    def geometry(self) -> StoreGroupGeometry:
+        # Looked up, not held: a task that outlives its job (a stage's last item) must
+        # not keep the engine's memory mapped once its session has let go of it.
+        return self.job.session.store_groups[self.store_group]
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -128,14 +132,13 @@ def planned_blocks(job: Job) -> list[BlockTask]:
     projected = session.layout.project_block_ids(job.message.block_ids)
     tasks: list[BlockTask] = []
     for store_group, block_ids in enumerate(projected):
-        geometry = session.store_groups[store_group]
         if isinstance(job.message, Load):
-            wanted = _loaded(geometry, job.message)
+            wanted = _loaded(session.store_groups[store_group], job.message)
             indices: Iterable[int] = (j for j in wanted if j < len(block_ids))
         else:
             indices = range(len(block_ids))
         tasks.extend(
-            BlockTask(job, store_group, j, block_ids[j], geometry)
+            BlockTask(job, store_group, j, block_ids[j])
             for j in indices
             if block_ids[j] != NULL_BLOCK_ID
         )
