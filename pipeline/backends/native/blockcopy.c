@@ -11,8 +11,8 @@
    (A block the engine wrote meanwhile, which it must not, then fails its check on
    load; it is never the other way round.)
 
-   Every call trusts the addresses: pipeline.backends.cpu_copy checks block ids against
-   every segment before it calls. */
+   The copies trust the addresses they are given: page_table, which works them out
+   from block ids, refuses any id that is not a block of every segment. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
