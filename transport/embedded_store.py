@@ -122,6 +122,7 @@ class EmbeddedStore(AsyncResource):
                 f"cannot allocate the embedded store arena of {config.capacity_bytes} bytes "
                 f"(store.embedded.capacity_bytes): {exc}"
             ) from exc
+        self._arena_address = self._arena.data_ptr()
         self._allocator = ArenaAllocator(config.capacity_bytes)
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._ready_sizes: dict[str, int] = {}
@@ -306,7 +307,7 @@ class EmbeddedStore(AsyncResource):
 
     def _runs(self, entries: list[_Entry | None]) -> list[Run]:
         """The entries' bytes as runs: entries back to back in the arena (a batch
-        reserved as one extent) are one matrix view, whatever their number."""
+        reserved as one extent) are one run, whatever their number."""
         result = []
         start = 0
         for end in range(1, len(entries) + 1):
@@ -314,9 +315,9 @@ class EmbeddedStore(AsyncResource):
             growing = end < len(entries) and _follows(entries[end], entries[end - 1])
             if first is not None and growing:
                 continue
-            if first is not None:  # one torch call: each costs tens of µs after a copy
-                result.append(Run(start, self._arena.as_strided(
-                    (end - start, first.size), (first.span, 1), first.offset)))
+            if first is not None:
+                result.append(Run.lent(start, self._arena, self._arena_address, first.offset,
+                                       end - start, first.size, first.span))
             start = end
         return result
 

@@ -227,10 +227,10 @@ def _gather_and_seal(geometry: StoreGroupGeometry, pages: memoryview, stream: bo
     offsets, sizes = geometry.segment_table[2:]
     seed = geometry.checksum_seed
     return functools.partial(_each_run, [
-        functools.partial(_blockcopy.gather, _pages(geometry, pages, start, rows.shape[0]),
-                          rows.data_ptr(), rows.stride(0), offsets, sizes, seed is not None,
+        functools.partial(_blockcopy.gather, _pages(geometry, pages, run.first, run.count),
+                          run.address, run.stride, offsets, sizes, seed is not None,
                           seed or 0, geometry.value_bytes, stream)
-        for start, rows in runs])
+        for run in runs])
 
 
 def _verify_and_scatter(geometry: StoreGroupGeometry, pages: memoryview, stream: bool,
@@ -238,11 +238,11 @@ def _verify_and_scatter(geometry: StoreGroupGeometry, pages: memoryview, stream:
     offsets, sizes = geometry.segment_table[2:]
     seed = geometry.checksum_seed
     return functools.partial(_each_run, [
-        functools.partial(_blockcopy.scatter, _pages(geometry, pages, start, rows.shape[0]),
-                          rows.data_ptr(), rows.stride(0), offsets, sizes, seed is not None,
+        functools.partial(_blockcopy.scatter, _pages(geometry, pages, run.first, run.count),
+                          run.address, run.stride, offsets, sizes, seed is not None,
                           seed or 0, geometry.value_bytes,
-                          intact[start : start + rows.shape[0]], stream)
-        for start, rows in runs])
+                          intact[run.first : run.first + run.count], stream)
+        for run in runs])
 
 
 def _each_run(copies: Sequence[Callable[[Any, int], int]], progress: numpy.ndarray | None,
@@ -460,7 +460,7 @@ class InPlaceCopyEngine:
         if geometry.checksum_seed is None:
             return [True] * len(block_ids)
         intact: list[bool] = []
-        for _, rows in runs:
-            table = rows.numpy()
+        for run in runs:
+            table = run.rows.numpy()
             intact += (table[:, :CHECKSUM_BYTES] == table[:, CHECKSUM_BYTES:]).all(1).tolist()
         return intact

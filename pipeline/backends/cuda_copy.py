@@ -97,7 +97,7 @@ def _device_rows(runs: Sequence[Run], count: int, stored: int,
                  device: torch.device) -> torch.Tensor:
     """A device matrix for ``count`` values, rows as far apart as the host's (a direct
     store pads its values), so each run moves as one contiguous transfer."""
-    stride = max((host.stride(0) for _, host in runs), default=stored)
+    stride = max((run.stride for run in runs), default=stored)
     return torch.empty((count, stride), dtype=torch.uint8, device=device)
 
 
@@ -155,8 +155,8 @@ class CudaCopyEngine:
             ids = torch.tensor(block_ids, dtype=torch.int64).to(device, non_blocking=True)
             rows = _device_rows(runs, len(block_ids), stored, device)
             gather_blocks(geometry.segments, ids, rows[:, :stored])
-            for start, host in runs:
-                to, source = _paired(host, rows[start : start + host.shape[0]])
+            for run in runs:
+                to, source = _paired(run.rows, rows[run.first : run.first + run.count])
                 to.copy_(source, non_blocking=True)
             done.record(stream)
         # ``rows`` may be freed now: the allocator reuses it only behind this stream.
@@ -164,8 +164,8 @@ class CudaCopyEngine:
         def finish() -> None:
             done.synchronize()
             if geometry.checksum_seed is not None:
-                for _, host in runs:
-                    seal_rows(host, geometry.value_bytes, geometry.checksum_seed)
+                for run in runs:
+                    seal_rows(run.rows, geometry.value_bytes, geometry.checksum_seed)
 
         await anyio.to_thread.run_sync(finish, limiter=self._limiter)
 
@@ -180,7 +180,7 @@ class CudaCopyEngine:
             if seed is None:
                 return [True] * len(block_ids)
             payload = geometry.value_bytes
-            return [ok for _, host in runs for ok in verify_rows(host, payload, seed)]
+            return [ok for run in runs for ok in verify_rows(run.rows, payload, seed)]
 
         intact = await anyio.to_thread.run_sync(verify, limiter=self._limiter)
         keep = [index for index, ok in enumerate(intact) if ok]
@@ -190,8 +190,8 @@ class CudaCopyEngine:
         done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         with torch.cuda.stream(stream):
             spans = _device_rows(runs, len(block_ids), stored, device)
-            for start, host in runs:
-                source, to = _paired(host, spans[start : start + host.shape[0]])
+            for run in runs:
+                source, to = _paired(run.rows, spans[run.first : run.first + run.count])
                 to.copy_(source, non_blocking=True)
             rows = spans[:, :stored]
             if len(keep) < len(block_ids):

@@ -29,8 +29,8 @@ __all__ = [
 def views_at(runs: list[Run], count: int) -> list[torch.Tensor | None]:
     """Per position of a batch of ``count``, its value's view in ``runs`` (None: none)."""
     views: list[torch.Tensor | None] = [None] * count
-    for first, rows in runs:
-        views[first : first + rows.shape[0]] = rows.unbind(0)
+    for run in runs:
+        views[run.first : run.first + run.count] = run.rows.unbind(0)
     return views
 
 

@@ -10,26 +10,40 @@ from hypothesis import strategies as st
 from pipeline.core.runs import Run, cut, held, lent_count, select, value_views
 
 SIZE = 4
+SPAN = 8
+"""Values lie SPAN bytes apart, as a store pads them."""
 
 
 @st.composite
 def batches(draw: st.DrawFn) -> tuple[list[Run], int]:
     """Runs over a batch of up to 12 positions, some with no value, over one memory whose
-    value i (by position) holds the bytes i: runs of 1 to 4 values, gaps between them."""
+    value i (by position) holds the bytes i: runs of 1 to 4 values, gaps between them,
+    each made from a view or lent by its numbers (its view made when asked for)."""
     count = draw(st.integers(0, 12))
-    memory = torch.arange(count, dtype=torch.uint8).repeat_interleave(SIZE).view(count, SIZE)
+    memory = torch.arange(count, dtype=torch.uint8).repeat_interleave(SPAN)
     runs = []
     position = 0
     while position < count:
         length = draw(st.integers(1, min(4, count - position)))
         if draw(st.booleans()):
-            runs.append(Run(position, memory[position : position + length]))
+            if draw(st.booleans()):
+                rows = memory.view(count, SPAN)[position : position + length, :SIZE]
+                runs.append(Run(position, rows))
+            else:
+                runs.append(Run.lent(position, memory, memory.data_ptr(), position * SPAN,
+                                     length, SIZE, SPAN))
         position += length
     return runs, count
 
 
 def positions_of(runs: list[Run]) -> list[int]:
-    """The position each value holds (its bytes say which), in the runs' order."""
+    """The position each value holds (its bytes say which), in the runs' order, each run
+    checked to be where its numbers say."""
+    for run in runs:
+        rows = run.rows
+        assert (run.address, run.stride, run.count, run.size) == (
+            rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1])
+        assert rows.stride(1) == 1
     return [int(view[0]) for view in value_views(runs)]
 
 

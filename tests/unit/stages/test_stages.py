@@ -627,8 +627,8 @@ async def test_copy_parts_cover_every_value_once_in_adjacent_runs(
         def copy(progress: object, limit: int) -> int:
             assert progress is None and limit == 0
             calls.append((threading.get_ident(),
-                          [(start, int(rows.shape[0])) for start, rows in pieces]))
-            return sum(int(rows.shape[0]) for _, rows in pieces)
+                          [(run.first, run.count) for run in pieces]))
+            return sum(run.count for run in pieces)
         return copy
 
     copy = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=split_bytes,
@@ -659,7 +659,7 @@ async def test_a_copy_shared_with_the_loop_offers_every_run_to_it_and_all_thread
     def work(pieces: Sequence[Run]) -> Copy:
         def copy(progress: object, limit: int) -> int:
             calls.append((threading.get_ident(),
-                          [(start, int(rows.shape[0])) for start, rows in pieces], progress))
+                          [(run.first, run.count) for run in pieces], progress))
             return 0  # claims nothing, and marks nothing done
         return copy
 

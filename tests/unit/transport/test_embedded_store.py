@@ -494,8 +494,10 @@ async def test_a_batch_is_reserved_as_one_run_of_adjacent_extents() -> None:
     """Fresh keys of one batch sit back to back and are lent as one matrix."""
     store = make_store(1 << 16)
     extents = await store.reserve(["a", "b", "c"], 128)
-    [(first, rows)] = extents.runs
-    assert first == 0 and rows.shape == (3, 128) and rows.stride() == (128, 1)
+    [run] = extents.runs
+    rows = run.rows
+    assert run.first == 0 and rows.shape == (3, 128) and rows.stride() == (128, 1)
+    assert (run.address, run.stride) == (rows.data_ptr(), 128)
     pointers = [view.data_ptr() for view in views_at(extents.runs, 3) if view is not None]
     assert pointers == [pointers[0], pointers[0] + 128, pointers[0] + 256]
 
@@ -568,7 +570,7 @@ async def test_a_lease_lends_runs_and_lone_values_each_with_its_own_bytes() -> N
         for index, key in enumerate("de", start=3):
             assert await store.put([key], [value(size, index)]) == [STORED]
         lease = await store.lease(["e", "a", "b", "c", "missing", "d"], size)
-        assert [(first, rows.shape[0]) for first, rows in lease.runs] == [(0, 1), (1, 3), (5, 1)]
+        assert [(run.first, run.count) for run in lease.runs] == [(0, 1), (1, 3), (5, 1)]
         views = views_at(lease.runs, 6)
         assert lease.outcomes == [LOADED] * 4 + [MISSING, LOADED]
         assert [views[i].data_ptr() - views[1].data_ptr() for i in (1, 2, 3)] == [  # type: ignore[union-attr]
