@@ -117,13 +117,16 @@ class Receiver:
             message = msgspec.structs.replace(
                 message, save_credits=self._save_credits(reply.session)
             )
+        # Timed as handed to the socket: a send that wakes ZMQ's I/O thread may see this
+        # thread preempted by it for a while, as it sends the reply.
+        sent_at = time.monotonic()
         self._send(reply.to, message)
         reply = Reply(reply.session, message, reply.request)
         outcomes = outcome_counts(message.blocks) if isinstance(
             message, SaveDone | LoadDone) else collections.Counter()
-        self._metrics.replied(reply, outcomes)
+        self._metrics.replied(reply, outcomes, sent_at)
         if line and self._config.logging.requests:
-            log_request(reply, outcomes)
+            log_request(reply, outcomes, sent_at)
 
     def _save_credits(self, session: EngineSession) -> int:
         """How many more saves of this engine would be queued now, not refused."""

@@ -127,17 +127,18 @@ def _timestamp() -> str:
     return datetime.datetime.now(tz=datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
-def log_request(reply: Reply, outcomes: Outcomes) -> None:
+def log_request(reply: Reply, outcomes: Outcomes, sent_at: float) -> None:
     """One line per completed request (``request.done``): what it asked, what came of it
-    (``outcomes``: ``outcome_counts`` of its blocks), and when each stage finished its
-    part, in ms after it was received."""
+    (``outcomes``: ``outcome_counts`` of its blocks), when each stage finished its part,
+    and when its reply was handed to the socket (``sent_at``, ``time.monotonic``), in ms
+    after it was received."""
     request, message = reply.request, reply.message
     start = request.received_at
     fields: dict[str, object] = {
         "kind": request.message.__struct_config__.tag,
         "seq": request.message.seq,
         "tokens": prompt_length(request.message),
-        "ms": round((time.monotonic() - start) * 1000, 3),
+        "ms": round((sent_at - start) * 1000, 3),
         "stages": {stage.rsplit(".", 1)[-1]: round((at - start) * 1000, 3)
                    for stage, at in request.marks.items()},
     }

@@ -177,7 +177,7 @@ class Metrics:
             registry=self.registry,
         )
         self.latency = Histogram(
-            "kvsidecar_request_seconds", "From receiving a request to sending its reply",
+            "kvsidecar_request_seconds", "From receiving a request to handing its reply to the socket",
             ["kind"], buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
         self.moved = Counter(
@@ -273,9 +273,10 @@ class Metrics:
             child = self._requests[kind] = self.requests.labels(kind)
         child.inc()
 
-    def replied(self, reply: Reply, outcomes: Outcomes) -> None:
+    def replied(self, reply: Reply, outcomes: Outcomes, sent_at: float) -> None:
         """Count a completion's block ``outcomes`` (``outcome_counts`` of its blocks), a
-        lookup's tokens, and how long the engine waited."""
+        lookup's tokens, and how long the engine waited: until ``sent_at``
+        (``time.monotonic``), when the reply was handed to the socket."""
         message = reply.message
         if isinstance(message, SaveDone | LoadDone):
             path = "save" if isinstance(message, SaveDone) else "load"
@@ -292,7 +293,7 @@ class Metrics:
                     asked.explain):  # an operator's question is not a cache use
                 self._queried.inc(prompt_length(asked))
                 self._hit.inc(message.hit_tokens)
-        self._latency[path].observe(time.monotonic() - reply.received_at)
+        self._latency[path].observe(sent_at - reply.received_at)
 
     def serve(self, host: str, port: int) -> None:
         """Expose /metrics over HTTP (a daemon thread of prometheus_client)."""
