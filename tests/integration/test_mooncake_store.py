@@ -604,6 +604,37 @@ async def test_a_hung_master_times_out_and_the_store_serves_again_once_the_call_
                 assert await store.exists(["after-resume"], [1]) == [Presence.ABSENT]
 
 
+async def test_calls_past_max_concurrent_calls_wait_for_a_slot_and_may_give_up_waiting(
+    master: EmbeddedMaster,
+) -> None:
+    """With every slot taken by a call the master does not answer, the next call waits
+    for a slot without reaching the master, and a caller may give up on that wait; the
+    slot is free again once the call holding it returns."""
+    with anyio.fail_after(30):
+        async with stall_proxy(master.endpoints.master_address) as (proxy, address):
+            config = replace(client_config(master, call_timeout_s=10.0,
+                                           max_concurrent_calls=1), master=address)
+            async with await open_mooncake_store(config) as store:
+                assert await store.exists(["before"], [1]) == [Presence.ABSENT]
+                assert await proxy.command("stall") == "stalled"
+                held: list[list[Presence]] = []
+
+                async def holding() -> None:
+                    held.append(await store.exists(["holds-the-slot"], [1]))
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(holding)
+                    await anyio.sleep(0.2)  # it has the only slot, and waits on the master
+                    # A call that reached the master would wait on it, shielded, for
+                    # call_timeout_s: this one waits for the slot, and gives up at once.
+                    with anyio.move_on_after(0.3) as waiting:
+                        await store.exists(["waits-for-a-slot"], [1])
+                    assert waiting.cancelled_caught
+                    assert await proxy.command("resume") == "resumed"
+                assert held == [[Presence.ABSENT]]
+                assert await store.exists(["after"], [1]) == [Presence.ABSENT]
+
+
 @dataclasses.dataclass
 class InPlace:
     geometry: StoreGroupGeometry
