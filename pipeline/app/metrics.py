@@ -177,7 +177,8 @@ class Metrics:
             registry=self.registry,
         )
         self.latency = Histogram(
-            "kvsidecar_request_seconds", "From receiving a request to handing its reply to the socket",
+            "kvsidecar_request_seconds",
+            "From receiving a request to handing its reply to the socket",
             ["kind"], buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
         self.moved = Counter(
