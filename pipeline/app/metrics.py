@@ -157,6 +157,15 @@ class _WaitsCollector(Collector):
         yield family
 
 
+def _child(children: dict[tuple[object, ...], Counter], counter: Counter,
+           *labels: object) -> Counter:
+    """``counter.labels(*labels)``, resolved once into ``children``."""
+    child = children.get(labels)
+    if child is None:
+        child = children[labels] = counter.labels(*labels)
+    return child
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -225,8 +234,8 @@ class Metrics:
         )
         # Children resolved once: ``labels()`` on every reply costs more than the count.
         self._latency = {kind: self.latency.labels(kind) for kind in ("save", "load", "lookup")}
-        self._requests: dict[str, Counter] = {}
-        self._blocks: dict[tuple[str, BlockStatus, str], Counter] = {}
+        self._requests: dict[tuple[object, ...], Counter] = {}
+        self._blocks: dict[tuple[object, ...], Counter] = {}
         self._queried = self.lookup_tokens.labels("queried")
         self._hit = self.lookup_tokens.labels("hit")
 
@@ -269,10 +278,7 @@ class Metrics:
 
     def received(self, kind: str) -> None:
         """Count a request received (``kind``: its message tag)."""
-        child = self._requests.get(kind)
-        if child is None:
-            child = self._requests[kind] = self.requests.labels(kind)
-        child.inc()
+        _child(self._requests, self.requests, kind).inc()
 
     def replied(self, reply: Reply, outcomes: Outcomes, sent_at: float) -> None:
         """Count a completion's block ``outcomes`` (``outcome_counts`` of its blocks), a
@@ -282,11 +288,7 @@ class Metrics:
         if isinstance(message, SaveDone | LoadDone):
             path = "save" if isinstance(message, SaveDone) else "load"
             for (status, reason), count in outcomes.items():
-                child = self._blocks.get((path, status, reason))
-                if child is None:
-                    child = self._blocks[path, status, reason] = self.blocks.labels(
-                        path, status, reason)
-                child.inc(count)
+                _child(self._blocks, self.blocks, path, status, reason).inc(count)
         else:
             path = "lookup"
             asked = reply.request.message
