@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = [
-    "VALUE_ALIGN", "Run", "cut", "held", "lent_count", "select", "value_span", "value_views",
+    "VALUE_ALIGN", "Run", "held", "lent_count", "select", "value_span", "value_views",
 ]
 
 VALUE_ALIGN = 64
@@ -96,17 +96,6 @@ def held(runs: Sequence[Run], count: int) -> bytearray:
     for run in runs:
         mask[run.first : run.first + run.count] = b"\x01" * run.count
     return mask
-
-
-def cut(runs: Sequence[Run], start: int, stop: int) -> list[Run]:
-    """The values at positions ``start`` to ``stop`` (each in a run), keeping their
-    positions."""
-    result = []
-    for run in runs:
-        low, high = max(run.first, start), min(run.first + run.count, stop)
-        if low < high:
-            result.append(run.part(low - run.first, high - run.first, low))
-    return result
 
 
 def select(runs: Sequence[Run], keep: Sequence[int]) -> list[Run]:

@@ -128,8 +128,9 @@ async def test_a_copy_of_8_mib_or_more_while_the_loop_is_alone_is_shared_with_it
 
 
 async def test_a_save_split_over_the_copy_threads_seals_every_value_batch_after_batch() -> None:
-    """Batch after batch of 18 MiB, each split over the save threads: every value is
-    sealed with xxh3's own checksum of its bytes. A checksum state on a copy thread's
+    """Batch after batch of 18 MiB, each shared by the save threads (a value to
+    whichever claims it first): every value holds its block's pages, sealed with
+    xxh3's own checksum of its bytes. A checksum state on a copy thread's
     stack starts clean at every call: a seeded reset keeps the secret it finds when it
     finds the same seed, and the thread's stack still held its last call's state, the
     secret partly overwritten since, so that every checksum of a call came out wrong
@@ -153,3 +154,6 @@ async def test_a_save_split_over_the_copy_threads_seals_every_value_batch_after_
                 await backends.save_copy.gather(geometry, block_ids, [Run(0, values)])
                 assert verify_rows(values, geometry.value_bytes,
                                    geometry.checksum_seed) == [True] * len(values)
+                pages = torch.stack([torch.stack([kv[layer][0][block] for layer in kv])
+                                     for block in block_ids])
+                assert torch.equal(values[:, :geometry.value_bytes].view_as(pages), pages)

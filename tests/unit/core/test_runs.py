@@ -1,4 +1,4 @@
-"""A batch's values as runs: selected, cut and told apart without losing or moving a value."""
+"""A batch's values as runs: selected and told apart without losing or moving a value."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.core.runs import Run, cut, held, lent_count, select, value_views
+from pipeline.core.runs import Run, held, lent_count, select, value_views
 
 SIZE = 4
 SPAN = 8
@@ -62,22 +62,6 @@ def test_select_keeps_exactly_the_values_asked_for_in_order_and_numbers_them_afr
     assert numbered == list(range(len(keep)))
     originals = {int(view[0]): view.data_ptr() for view in value_views(runs)}
     assert [view.data_ptr() for view in value_views(selected)] == [originals[p] for p in keep]
-
-
-@given(batches(), st.data())
-def test_cut_keeps_the_values_of_a_range_at_their_positions(
-    batch: tuple[list[Run], int], data: st.DataObject,
-) -> None:
-    """A range's values keep their positions; the ranges of a partition cover every
-    value once."""
-    runs, count = batch
-    start = data.draw(st.integers(0, count))
-    stop = data.draw(st.integers(start, count))
-    part = cut(runs, start, stop)
-    assert positions_of(part) == [p for p in positions_of(runs) if start <= p < stop]
-    assert all(int(run.rows[0, 0]) == run.first for run in part)
-    assert positions_of(cut(runs, 0, start) + part + cut(runs, stop, count)) == (
-        positions_of(runs))
 
 
 def test_held_says_which_positions_have_a_value() -> None:

@@ -16,7 +16,6 @@ from anyio.abc import ObjectReceiveStream
 
 from pipeline.backends import cpu_copy
 from pipeline.backends.cpu_copy import (
-    Copy,
     CopyThreads,
     CpuCopyEngine,
     HelperThreads,
@@ -608,41 +607,37 @@ async def test_values_read_where_a_store_holds_them_land_checked_in_one_pass(
     assert torch.equal(landed[2], untouched[0])
 
 
-@pytest.mark.parametrize(("threads", "split_bytes", "inline_bytes", "parts"), [
-    (3, 0, 0, 3),          # split: one part per thread, each in a worker thread
-    (3, 1 << 30, 0, 1),    # below split_bytes: one part, in a worker thread
-    (3, 0, 1 << 30, 1),    # up to inline_bytes: one part, on the event loop
+@pytest.mark.parametrize(("split_bytes", "inline_bytes", "where"), [
+    (0, 0, "shared"),      # split: every worker thread, one progress table between them
+    (1 << 30, 0, "one"),   # below split_bytes: one worker thread, not shared
+    (0, 1 << 30, "loop"),  # up to inline_bytes: on the event loop, not shared
 ])
-async def test_copy_parts_cover_every_value_once_in_adjacent_runs(
-    threads: int, split_bytes: int, inline_bytes: int, parts: int
+async def test_a_copy_runs_on_the_loop_on_one_worker_thread_or_shared_by_them_all(
+    split_bytes: int, inline_bytes: int, where: str
 ) -> None:
-    """A batch is cut into ``parts`` ranges of adjacent values that cover each value
-    once, with runs broken where values are not adjacent in memory; worker threads copy
-    them unless the batch is small enough to copy inline."""
-    memory = torch.zeros(8, 16, dtype=torch.uint8)
-    runs = [Run(0, memory[0:3]), Run(3, memory[4:8])]  # 7 values, a gap at 3
-    calls: list[tuple[int, list[tuple[int, int]]]] = []
+    """A small batch is copied on the event loop, a larger one by a worker thread, and
+    one of ``split_bytes`` or more by every worker thread, which share its runs through
+    one progress table (each value to whichever claims it first)."""
+    threads = 3
+    calls: list[tuple[int, object]] = []
 
-    def work(pieces: Sequence[Run]) -> Copy:
-        def copy(progress: object, limit: int) -> int:
-            assert progress is None and limit == 0
-            calls.append((threading.get_ident(),
-                          [(run.first, run.count) for run in pieces]))
-            return sum(run.count for run in pieces)
-        return copy
+    def copy(progress: object, limit: int) -> int:
+        assert limit == 0
+        calls.append((threading.get_ident(), progress))
+        return 7 if progress is None else 0  # a shared call claims nothing here
 
-    copy = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=split_bytes,
-                       inline_bytes=inline_bytes)
+    copy_threads = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=split_bytes,
+                               inline_bytes=inline_bytes)
     with anyio.fail_after(TIMEOUT_S):
-        await copy.run(runs, 7, 16, work)
-    assert len(calls) == parts
-    covered = sorted(index for _, pieces in calls for start, count in pieces
-                     for index in range(start, start + count))
-    assert covered == list(range(7))
-    inline = inline_bytes >= 7 * 16
-    assert all((ident == threading.get_ident()) == inline for ident, _ in calls)
-    if parts == 1:
-        assert calls[0][1] == [(0, 3), (3, 4)]
+        await copy_threads.run(copy, 2, 7, 16)
+    assert len(calls) == (threads if where == "shared" else 1)
+    assert all((ident == threading.get_ident()) == (where == "loop") for ident, _ in calls)
+    if where == "shared":
+        progress = calls[0][1]
+        assert all(table is progress for _, table in calls)
+        assert getattr(progress, "shape", None) == (2, 2)
+    else:
+        assert calls[0][1] is None
 
 
 @pytest.mark.parametrize("threads", [2, 3])
@@ -650,27 +645,22 @@ async def test_a_copy_shared_with_the_loop_offers_every_run_to_it_and_all_thread
     threads: int,
 ) -> None:
     """``alone``: the event loop's thread and all worker threads but one are each handed
-    every run, with one progress table between them; the call returns only once the
+    the batch, with one progress table between them; the call returns only once the
     workers have too when the values are not all done (here none ever is)."""
-    memory = torch.zeros(8, 16, dtype=torch.uint8)
-    runs = [Run(0, memory[0:3]), Run(3, memory[4:8])]  # 7 values, a gap at 3
-    calls: list[tuple[int, list[tuple[int, int]], object]] = []
+    calls: list[tuple[int, object]] = []
 
-    def work(pieces: Sequence[Run]) -> Copy:
-        def copy(progress: object, limit: int) -> int:
-            calls.append((threading.get_ident(),
-                          [(run.first, run.count) for run in pieces], progress))
-            return 0  # claims nothing, and marks nothing done
-        return copy
+    def copy(progress: object, limit: int) -> int:
+        calls.append((threading.get_ident(), progress))
+        return 0  # claims nothing, and marks nothing done
 
-    copy = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=0, inline_bytes=0)
+    copy_threads = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=0,
+                               inline_bytes=0)
     with anyio.fail_after(TIMEOUT_S):
-        await copy.run(runs, 7, 16, work, alone=lambda: True)
+        await copy_threads.run(copy, 2, 7, 16, alone=lambda: True)
     assert len(calls) == threads
-    assert sum(ident == threading.get_ident() for ident, _, _ in calls) == 1
-    assert all(pieces == [(0, 3), (3, 4)] for _, pieces, _ in calls)
-    progress = calls[0][2]
-    assert all(table is progress for _, _, table in calls)
+    assert sum(ident == threading.get_ident() for ident, _ in calls) == 1
+    progress = calls[0][1]
+    assert all(table is progress for _, table in calls)
     assert getattr(progress, "shape", None) == (2, 2)
 
 
