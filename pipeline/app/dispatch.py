@@ -5,6 +5,13 @@ accepted, and under overload a save is answered at once (every block skipped) in
 of queueing in front of completions that loads are waiting for. Such refusals are
 logged as one ``saves.refused`` line per engine per second, not a line each: under a
 flood the lines would cost the loop more than the refusals.
+
+Loads and lookups go first. A save received while other frames wait at the socket is
+held back (``MAX_DEFERRED_SAVES`` at most) until none does, and every other kind of
+message after it too, in order: the loads and lookups behind it are dispatched before
+it. A save is then run up to its copy in the receiver's own task while nothing waits
+(``Receiver._run_job``), where a save that found frames behind it used to be handed to
+its path's workers, a hand-off per stage.
 """
 
 from __future__ import annotations
@@ -59,6 +66,11 @@ __all__ = ["Receiver"]
 
 log = structlog.get_logger("kvsidecar.service")
 
+MAX_DEFERRED_SAVES = 16
+"""Saves (and the messages behind them) held back while loads and lookups are read past
+them; past this many, the oldest is dispatched before the next frame is read, so that a
+flood of saves meets the socket's own bound (``server.rcvhwm``) as before."""
+
 
 class Receiver:
     """Reads the socket until cancelled and answers engines."""
@@ -94,6 +106,9 @@ class Receiver:
         self.last_receive = 0.0
         self._refused: collections.Counter[str] = collections.Counter()
         """Saves refused as overloaded since the last summary, by engine id."""
+        self._deferred: collections.deque[tuple[bytes, EngineMessage, float]] = (
+            collections.deque())
+        """Messages held back behind a save, in order, with when each was received."""
 
     def close_inboxes(self) -> None:
         """Stop feeding the paths: they drain what they hold, then end."""
@@ -143,26 +158,52 @@ class Receiver:
     # -- receiving --------------------------------------------------------------------
 
     async def run(self) -> None:
+        deferred = self._deferred
         while True:
+            if deferred and (len(deferred) >= MAX_DEFERRED_SAVES
+                             or not self._socket.waiting()):
+                await self._answer(*deferred.popleft())
+                continue
             identity, frame = await self._socket.receive()
+            received_at = time.monotonic()
             self.last_receive = anyio.current_time()
             try:
                 message = decode_engine_message(
                     frame, max_bytes=self._config.server.max_frame_bytes
                 )
-                await self._dispatch(identity, message)
             except ProtocolError as exc:
                 too_large = isinstance(exc, FrameTooLarge)
                 code = ErrorCode.TOO_LARGE if too_large else ErrorCode.BAD_FRAME
                 self._metrics.rejected.labels(code).inc()
                 log.info("server.frame.rejected", code=code, error=str(exc))
                 self._send(identity, ErrorReply(code, str(exc)))
-            except RequestRejected as exc:
-                self._metrics.rejected.labels(exc.code).inc()
-                log.info("server.request.rejected", code=exc.code, error=str(exc))
-                self._send(identity, ErrorReply(exc.code, str(exc), _seq(message)))
+                continue
+            if self._goes_now(message):
+                await self._answer(identity, message, received_at)
+            else:
+                deferred.append((identity, message, received_at))
 
-    async def _dispatch(self, identity: bytes, message: EngineMessage) -> None:
+    def _goes_now(self, message: EngineMessage) -> bool:
+        """Whether a message is dispatched as it is received: a load or a lookup always,
+        a save unless frames wait behind it, any other unless held back behind a save."""
+        if isinstance(message, Load | Lookup):
+            return True
+        if self._deferred:
+            return False
+        return not (isinstance(message, Save) and self._socket.waiting())
+
+    async def _answer(self, identity: bytes, message: EngineMessage,
+                      received_at: float) -> None:
+        """Dispatch a message; a request that cannot be served gets an error reply."""
+        try:
+            await self._dispatch(identity, message, received_at)
+        except RequestRejected as exc:
+            self._metrics.rejected.labels(exc.code).inc()
+            log.info("server.request.rejected", code=exc.code, error=str(exc))
+            self._send(identity, ErrorReply(exc.code, str(exc), _seq(message)))
+
+    async def _dispatch(self, identity: bytes, message: EngineMessage,
+                        received_at: float) -> None:
         self._metrics.received(str(message.__struct_config__.tag))
         if isinstance(message, Register):
             registered_session, registered = self._registry.register(identity, message)
@@ -192,10 +233,10 @@ class Receiver:
         elif isinstance(message, Lookup):
             _check_prompt_head(session, message)
             _check_engine_hashes(session, message)
-            await self._lookup(LookupRequest(session, message))
+            await self._lookup(LookupRequest(session, message, received_at))
         else:
             _check_request(session, message)
-            job = Job(session, message)
+            job = Job(session, message, received_at=received_at)
             if isinstance(message, Load):
                 self._tracker.accept(job)
                 if not await self._run_job(job):

@@ -216,6 +216,54 @@ async def test_many_more_saves_than_staging_holds_stay_bounded() -> None:
     assert peak - baseline < 48 * 1024 * 1024, (baseline, peak)
 
 
+async def test_loads_and_lookups_received_behind_saves_are_answered_before_them(
+    sidecar: SidecarProcess,
+) -> None:
+    """Saves, then a lookup and a load, all waiting at the socket at once (sent while
+    the sidecar was stopped): the lookup and the load are answered first, then every
+    save, each with all its blocks stored, and the load lands byte for byte."""
+    layout = {"model": "m", "groups": [
+        {"kind": "full_attention", "block_size": 16, "layers": ["l0", "l1"],
+         "page_bytes": 4096}]}
+    engine = KVEngine(layout)
+    prefix = random_tokens(4 * 16, seed=1)
+    answered: list[str] = []
+    with anyio.fail_after(TIMEOUT):
+        async with await engine.connect(sidecar.endpoint) as client:
+            assert (await client.save("prefix", prefix, [[1, 2, 3, 4]])).stored == 4
+
+            async def save(index: int) -> None:
+                ids = [5 + 4 * index + k for k in range(4)]
+                saved = await client.save(f"s{index}", random_tokens(64, seed=10 + index), [ids])
+                assert saved.stored == 4
+                answered.append(f"save {index}")
+
+            async def lookup() -> None:
+                assert await client.lookup(prefix) == 3 * 16  # the last token is recomputed
+                answered.append("lookup")
+
+            async def load() -> None:
+                loaded = await client.load("load", prefix, [[41, 42, 43, 44]], 3 * 16)
+                assert loaded.loaded_tokens == 3 * 16
+                answered.append("load")
+
+            os.kill(sidecar.pid, signal.SIGSTOP)
+            try:
+                async with anyio.create_task_group() as tg:
+                    for index in range(8):
+                        tg.start_soon(save, index)
+                    tg.start_soon(lookup)
+                    tg.start_soon(load)
+                    await anyio.sleep(0.3)  # every request sent, none read
+                    os.kill(sidecar.pid, signal.SIGCONT)
+            finally:
+                os.kill(sidecar.pid, signal.SIGCONT)
+    assert answered[:2] in (["lookup", "load"], ["load", "lookup"]), answered
+    assert sorted(answered[2:]) == [f"save {index}" for index in range(8)]
+    for block in range(3):
+        assert engine.same_block(0, 1 + block, engine, 41 + block)
+
+
 async def test_sigterm_mid_stream_answers_every_request_and_exits_zero() -> None:
     """SIGTERM while saves are in flight: every request gets its completion or a
     shutting_down error, and the sidecar exits 0."""
