@@ -51,6 +51,7 @@ Mooncake facts this module relies on (0.3.13):
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import functools
 import threading
@@ -642,11 +643,20 @@ def _columns_inside(
     starts: numpy.ndarray, sizes: Sequence[int], ranges: list[tuple[int, int]]
 ) -> bool:
     """Whether every column of ``starts`` (each page j of every value, ``sizes[j]``
-    bytes) lies within one registered range, judged by its lowest and highest page."""
+    bytes) lies within one registered range, judged by its lowest and highest page.
+    A column is looked for only in the range that starts last at or below its lowest
+    page: registered ranges do not overlap, and a False sends the caller to the check
+    value by value, which is exact either way. (Each column tried against every range
+    took 43 µs for a batch of 24 pages a value and 25 ranges.)"""
+    ordered = sorted(ranges)
+    lows = [low for low, _ in ordered]
     columns = zip(starts.min(axis=0).tolist(), starts.max(axis=0).tolist(), sizes,
                   strict=True)
-    return all(any(low <= first and last + size <= high for low, high in ranges)
-               for first, last, size in columns)
+    for first, last, size in columns:
+        index = bisect.bisect_right(lows, first) - 1
+        if index < 0 or last + size > ordered[index][1]:
+            return False
+    return True
 
 
 def _complete(outcomes: list[KeyOutcome | None]) -> list[KeyOutcome]:
