@@ -42,6 +42,7 @@ __all__ = ["FastSocket"]
 # Plain ints: pyzmq's constants are enum flags, and ``events & zmq.POLLIN`` builds an
 # enum member each time (0.6 µs against 0.03), several times a request.
 _IN, _OUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+_LAST, _MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 
 
 class FastSocket:
@@ -91,7 +92,14 @@ class FastSocket:
         (A caller that also makes waiting sends must not use it: it would overtake
         them.)"""
         self._known = None  # a send that fails may take in a change too
-        self._now.send_multipart(frames, zmq.NOBLOCK)
+        # Frame by frame, as send_multipart sends them, without its check of every
+        # frame's type and its flags built as enum members: 1.2 µs for a reply's two
+        # frames against 3.4. A message is atomic: once its first frame is queued
+        # (the one a full queue refuses), so is the rest.
+        now = self._now
+        for frame in frames[:-1]:
+            now.send(frame, _MORE)
+        now.send(frames[-1], _LAST)
         self._recheck()
 
     def readable(self) -> bool:
