@@ -20,7 +20,7 @@ from typing import Any
 import cbor2
 
 from pipeline.core._blockhash import chain as _chain
-from pipeline.core.messages import TOKEN_TYPECODE
+from pipeline.core.messages import TOKEN_TYPECODE, pack_tokens
 
 __all__ = [
     "DEFAULT_SEED",
@@ -179,8 +179,8 @@ def uint32_tokens(
     if isinstance(token_ids, array.array) and token_ids.typecode == TOKEN_TYPECODE:
         return memoryview(token_ids)[start:end]
     try:
-        return array.array(TOKEN_TYPECODE, token_ids[start:end])
-    except (OverflowError, TypeError):
+        return pack_tokens(token_ids[start:end])
+    except ValueError:
         return None
 
 

@@ -6,9 +6,14 @@
  * form), and null. It is written into one buffer and hashed with OpenSSL's SHA-256 (the
  * same library, and the same SHA instructions, as Python's hashlib). The whole chain
  * runs without the GIL.
+ *
+ * The digest is the low-level SHA256_Init/Update/Final, deprecated since OpenSSL 3.0 but
+ * still there: the one-call SHA256() now goes through EVP and fetches the algorithm on
+ * every call, 4-5 times the cost of hashing a block's 85 bytes (about 500 ns a block
+ * against 110 here; EVP with the algorithm fetched once and one context reused, 150).
  */
 #define PY_SSIZE_T_CLEAN
-#define OPENSSL_SUPPRESS_DEPRECATED /* SHA256(): one call, no context to fetch */
+#define OPENSSL_SUPPRESS_DEPRECATED /* SHA256_Init/Update/Final: no algorithm to fetch */
 #include <Python.h>
 #include <openssl/sha.h>
 #include <stdint.h>
@@ -93,7 +98,10 @@ static PyObject *chain(PyObject *self, PyObject *args)
             at += put_head(at, 0, block[t]);
         *at++ = 0xf6; /* null: no extra keys */
         unsigned char *digest = digests + (size_t)b * DIGEST_BYTES;
-        SHA256(message, (size_t)(at - message), digest);
+        SHA256_CTX context;
+        SHA256_Init(&context);
+        SHA256_Update(&context, message, (size_t)(at - message));
+        SHA256_Final(digest, &context);
         previous = digest;
         previous_len = DIGEST_BYTES;
     }
