@@ -366,15 +366,16 @@ async def test_lookups_either_side_of_the_inline_hashing_limit_agree(
     layout = {"model": "long-prompts", "groups": [{
         "kind": "full_attention", "block_size": 16, "layers": ["attn.0"], "page_bytes": 1024,
     }]}
+    blocks = INLINE_TOKENS // 16 + 6
     engine = KVEngine(layout, num_blocks=INLINE_TOKENS // 16 + 16)
-    tokens = random_tokens(INLINE_TOKENS + 104, seed=15)  # 262 full blocks, then 8 tokens
+    tokens = random_tokens(blocks * 16 + 8, seed=15)  # full blocks, then 8 tokens
     changed = [*tokens[:3200], tokens[3200] + 1, *tokens[3201:]]  # differs in block 200
     with anyio.fail_after(TIMEOUT):
         async with await engine.connect(sidecar.endpoint) as client:
-            saved = await client.save("long", tokens, [list(range(1, 263))])
-            assert saved.stored == 262
+            saved = await client.save("long", tokens, [list(range(1, blocks + 1))])
+            assert saved.stored == blocks
             for prompt, expected in ((tokens[:INLINE_TOKENS], INLINE_TOKENS - 16),
-                                     (tokens, 262 * 16),
+                                     (tokens, blocks * 16),
                                      (changed[:INLINE_TOKENS], 200 * 16),
                                      (changed, 200 * 16)):
                 hashes = block_hashes(prompt, 16)
