@@ -30,6 +30,7 @@ from typing import cast
 from pipeline.core.layout import GroupKind, KVCacheGroup, KVCacheLayout
 
 __all__ = [
+    "RUN_BLOCKS",
     "GroupKeys",
     "KeySpeller",
     "ValueFormat",
@@ -91,23 +92,48 @@ def keys_for(prefix: str, block_hashes: Iterable[bytes]) -> list[str]:
     return list(map(f"{prefix}@".__add__, map(bytes.hex, block_hashes)))
 
 
+RUN_BLOCKS = 8
+"""Runs of at least this many hashes a ``KeySpeller`` remembers whole: below it, a
+dictionary probe a block costs no more than finding and comparing the run."""
+
+
 class KeySpeller:
     """``keys_for``, remembering the keys it spelled: a block saved and then looked up,
     or a prompt looked up at every scheduler step while it waits, is spelled once. A
     remembered key also carries its string hash, so a store's index finds it without
     hashing it again. Past ``capacity`` keys (about 250 bytes each) it forgets them all
-    and starts over. Not thread-safe: one event loop spells."""
+    and starts over. Not thread-safe: one event loop spells.
+
+    A run of ``RUN_BLOCKS`` hashes or more is also remembered whole, by its last hash:
+    asked for again (the same prompt at every step, its hashes decoded anew), it is
+    compared hash by hash in one C loop and its keys handed back, without a dictionary
+    probe and a string hash a block. Runs hold at most ``capacity`` keys in all, the
+    oldest forgotten first."""
 
     def __init__(self, capacity: int = 16384) -> None:
         self.capacity = capacity
         self._spelled: dict[str, dict[bytes, str]] = {}
         """Key prefix -> block hash -> key."""
         self._count = 0
+        self._runs: dict[tuple[str, bytes], tuple[tuple[bytes, ...], tuple[str, ...]]] = {}
+        """(key prefix, last hash) -> a run's hashes and keys, oldest first."""
+        self._run_keys = 0
 
     def __len__(self) -> int:
         return self._count
 
     def keys(self, prefix: str, block_hashes: Sequence[bytes]) -> list[str]:
+        if len(block_hashes) < RUN_BLOCKS:
+            return self._spell(prefix, block_hashes)
+        hashes = tuple(block_hashes)
+        run = self._runs.get((prefix, hashes[-1]))
+        if run is not None and run[0] == hashes:
+            return list(run[1])
+        keys = self._spell(prefix, hashes)
+        self._remember_run(prefix, hashes, keys)
+        return keys
+
+    def _spell(self, prefix: str, block_hashes: Sequence[bytes]) -> list[str]:
         spelled = self._spelled.get(prefix)
         if spelled is None:
             spelled = self._spelled[prefix] = {}
@@ -129,6 +155,18 @@ class KeySpeller:
         spelled.update(fresh)
         self._count += len(spelled) - before
         return keys
+
+    def _remember_run(self, prefix: str, hashes: tuple[bytes, ...], keys: list[str]) -> None:
+        if len(hashes) > self.capacity:
+            return
+        runs = self._runs
+        replaced = runs.pop((prefix, hashes[-1]), None)
+        if replaced is not None:
+            self._run_keys -= len(replaced[0])
+        runs[(prefix, hashes[-1])] = (hashes, tuple(keys))
+        self._run_keys += len(hashes)
+        while self._run_keys > self.capacity:
+            self._run_keys -= len(runs.pop(next(iter(runs)))[0])
 
 
 def parse_key(key: str) -> tuple[int, bytes] | None:
