@@ -113,7 +113,7 @@ class RequestHasher:
         """Go on with a chain ``chain`` gave, of a hasher made for the same request keys
         and seed; this one has hashed nothing yet."""
         assert not self._hashes, "resume() is for a fresh hasher"
-        # Cut in one C call: a slice per hash took six times as long (512: 56 µs, 9).
+        # Cut in one C call: 512 hashes in 9 µs, against 56 for a slice each.
         count = len(hashes) // _HASH_BYTES
         self._hashes = list(struct.unpack(f"{_HASH_BYTES}s" * count, hashes))
         self._mm_next = mm_next
