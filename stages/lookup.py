@@ -119,7 +119,7 @@ class LookupStage:
                 k = size // hbs
                 new = group_block_hashes(fine[done // k * k : end // k * k], hbs, size)
                 for prefix in geometry.keys.lookup:
-                    spelled.append(session.speller.keys(prefix, new))
+                    spelled.append(session.speller.run_keys(prefix, new))
                     sizes.extend([self._value_sizes.get(prefix, 0)] * len(new))
                 counts.append(len(new))
             # One group in one rank namespace (the usual case) is the whole query: its

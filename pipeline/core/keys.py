@@ -93,7 +93,7 @@ def keys_for(prefix: str, block_hashes: Iterable[bytes]) -> list[str]:
 
 
 RUN_BLOCKS = 8
-"""Runs of at least this many hashes a ``KeySpeller`` remembers whole: below it, a
+"""Runs of at least this many hashes ``KeySpeller.run_keys`` remembers whole: below it, a
 dictionary probe a block costs no more than finding and comparing the run."""
 
 
@@ -104,11 +104,12 @@ class KeySpeller:
     hashing it again. Past ``capacity`` keys (about 250 bytes each) it forgets them all
     and starts over. Not thread-safe: one event loop spells.
 
-    A run of ``RUN_BLOCKS`` hashes or more is also remembered whole, by its last hash:
-    asked for again (the same prompt at every step, its hashes decoded anew), it is
-    compared hash by hash in one C loop and its keys handed back, without a dictionary
-    probe and a string hash a block. Runs hold at most ``capacity`` keys in all, the
-    oldest forgotten first."""
+    ``run_keys`` also remembers a run of ``RUN_BLOCKS`` hashes or more whole, by its last
+    hash, for a lookup: asked for again (the same prompt at every step, its hashes
+    decoded anew), it is compared hash by hash in one C loop and its keys handed back,
+    without a dictionary probe and a string hash a block. Runs hold at most ``capacity``
+    keys in all, the oldest forgotten first. Saves and loads name blocks asked for once,
+    and use ``keys``: their runs would only push the lookups' out."""
 
     def __init__(self, capacity: int = 16384) -> None:
         self.capacity = capacity
@@ -122,18 +123,20 @@ class KeySpeller:
     def __len__(self) -> int:
         return self._count
 
-    def keys(self, prefix: str, block_hashes: Sequence[bytes]) -> list[str]:
+    def run_keys(self, prefix: str, block_hashes: Sequence[bytes]) -> list[str]:
+        """``keys``, for a run that may be asked for again as it is (a lookup's)."""
         if len(block_hashes) < RUN_BLOCKS:
-            return self._spell(prefix, block_hashes)
+            return self.keys(prefix, block_hashes)
         hashes = tuple(block_hashes)
-        run = self._runs.get((prefix, hashes[-1]))
+        run_key = (prefix, hashes[-1])
+        run = self._runs.get(run_key)
         if run is not None and run[0] == hashes:
             return list(run[1])
-        keys = self._spell(prefix, hashes)
-        self._remember_run(prefix, hashes, keys)
+        keys = self.keys(prefix, hashes)
+        self._remember_run(run_key, hashes, keys)
         return keys
 
-    def _spell(self, prefix: str, block_hashes: Sequence[bytes]) -> list[str]:
+    def keys(self, prefix: str, block_hashes: Sequence[bytes]) -> list[str]:
         spelled = self._spelled.get(prefix)
         if spelled is None:
             spelled = self._spelled[prefix] = {}
@@ -156,14 +159,15 @@ class KeySpeller:
         self._count += len(spelled) - before
         return keys
 
-    def _remember_run(self, prefix: str, hashes: tuple[bytes, ...], keys: list[str]) -> None:
+    def _remember_run(self, run_key: tuple[str, bytes], hashes: tuple[bytes, ...],
+                      keys: list[str]) -> None:
         if len(hashes) > self.capacity:
             return
         runs = self._runs
-        replaced = runs.pop((prefix, hashes[-1]), None)
+        replaced = runs.pop(run_key, None)
         if replaced is not None:
             self._run_keys -= len(replaced[0])
-        runs[(prefix, hashes[-1])] = (hashes, tuple(keys))
+        runs[run_key] = (hashes, tuple(keys))
         self._run_keys += len(hashes)
         while self._run_keys > self.capacity:
             self._run_keys -= len(runs.pop(next(iter(runs)))[0])

@@ -120,20 +120,23 @@ block_hash = st.binary(min_size=32, max_size=32)
 
 @given(st.lists(st.tuples(st.sampled_from(["m@group:0", "m@group:1", "other"]),
                           st.lists(st.sampled_from([bytes([b]) * 32 for b in range(12)])
-                                   | block_hash, max_size=3 * RUN_BLOCKS)),
+                                   | block_hash, max_size=3 * RUN_BLOCKS),
+                          st.booleans()),
                 max_size=12),
        st.integers(1, 40))
 def test_a_speller_spells_as_keys_for_whatever_it_remembers(
-    calls: list[tuple[str, list[bytes]]], capacity: int,
+    calls: list[tuple[str, list[bytes], bool]], capacity: int,
 ) -> None:
     """Whatever was asked before, and however few keys it may remember, a speller's keys
-    are ``keys_for``'s: all new, all remembered, some of each, or a run remembered whole
-    (runs with the same last hash and length but other hashes before it among them); it
+    are ``keys_for``'s: all new, all remembered, some of each, or (``run_keys``) a run
+    remembered whole (runs with the same last hash and length but other hashes before
+    it among them); it
     holds at most its capacity, or one call's keys when a call alone exceeds it."""
     speller = KeySpeller(capacity)
     longest = 0
-    for prefix, hashes in calls:
-        assert speller.keys(prefix, hashes) == keys_for(prefix, hashes) == [
+    for prefix, hashes, as_run in calls:
+        spell = speller.run_keys if as_run else speller.keys
+        assert spell(prefix, hashes) == keys_for(prefix, hashes) == [
             f"{prefix}@{h.hex()}" for h in hashes]
         longest = max(longest, len(hashes))
         assert len(speller) <= max(capacity, longest)
@@ -151,15 +154,16 @@ def test_a_remembered_key_is_the_same_string() -> None:
 
 
 def test_a_run_asked_again_is_found_whole_and_only_when_every_hash_matches() -> None:
-    """A run of RUN_BLOCKS hashes or more, asked again with equal hashes in new objects,
-    gets the keys spelled the first time without a probe of the speller's dictionary;
-    one hash changed before the last, and it is spelled afresh, correctly."""
+    """A run of RUN_BLOCKS hashes or more (``run_keys``), asked again with equal hashes
+    in new objects, gets the keys spelled the first time without a probe of the
+    speller's dictionary; one hash changed before the last, and it is spelled afresh,
+    correctly."""
     speller = KeySpeller()
     hashes = [bytes([b]) * 32 for b in range(RUN_BLOCKS * 2)]
-    first = speller.keys("m@group:0", hashes)
+    first = speller.run_keys("m@group:0", hashes)
     speller._spelled.clear()  # a probe would now find nothing and spell new strings
-    again = speller.keys("m@group:0", [bytes(bytearray(h)) for h in hashes])
+    again = speller.run_keys("m@group:0", [bytes(bytearray(h)) for h in hashes])
     assert again == first and all(a is b for a, b in zip(first, again, strict=True))
     changed = [*hashes[:3], b"\xff" * 32, *hashes[4:]]
-    assert speller.keys("m@group:0", changed) == keys_for("m@group:0", changed)
-    assert speller.keys("m@group:1", hashes) == keys_for("m@group:1", hashes)
+    assert speller.run_keys("m@group:0", changed) == keys_for("m@group:0", changed)
+    assert speller.run_keys("m@group:1", hashes) == keys_for("m@group:1", hashes)
