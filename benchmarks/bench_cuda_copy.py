@@ -86,14 +86,20 @@ def bare(requests: Sequence[torch.Tensor], copy: Callable[[torch.Tensor], None])
     return time.perf_counter() - started
 
 
+def draw(rng: random.Random, blocks: range, requests: int, count: int) -> list[list[int]]:
+    """``count`` blocks for each request, no block in two requests: two loads into one
+    block would leave only the later's bytes there."""
+    picked = rng.sample(blocks, requests * count)
+    return [picked[i : i + count] for i in range(0, len(picked), count)]
+
+
 async def one_round(client: EngineClient, engine: Engine, args: argparse.Namespace,
                     rng: random.Random, counter: Iterator[int]) -> dict[str, float]:
     """Save requests of new blocks, then load them into other blocks: seconds of each,
     beside the bare copies of the same blocks."""
     half = args.engine_blocks // 2
-    src = [rng.sample(range(1, half), args.blocks) for _ in range(args.requests)]
-    dst = [rng.sample(range(half, args.engine_blocks), args.blocks)
-           for _ in range(args.requests)]
+    src = draw(rng, range(1, half), args.requests, args.blocks)
+    dst = draw(rng, range(half, args.engine_blocks), args.requests, args.blocks)
     tokens = [[next(counter) for _ in range(args.blocks * BLOCK_SIZE)]
               for _ in range(args.requests)]
     failures: list[str] = []
@@ -115,9 +121,10 @@ async def one_round(client: EngineClient, engine: Engine, args: argparse.Namespa
     side_load = await run_requests(args.concurrency, [lambda r=r: load(r) for r in calls])
     if failures:
         raise RuntimeError("; ".join(failures[:4]))
-    for s, d in zip(src, dst, strict=True):
-        if not all(engine.same(a, b) for a, b in zip(s, d, strict=True)):
-            raise RuntimeError("a loaded block differs from the block saved")
+    for r, (s, d) in enumerate(zip(src, dst, strict=True)):
+        for a, b in zip(s, d, strict=True):
+            if not engine.same(a, b):
+                raise RuntimeError(f"request {r}: block {b} loaded differs from block {a} saved")
     return {"bare_save": bare_save, "sidecar_save": side_save,
             "bare_load": bare_load, "sidecar_load": side_load}
 
@@ -152,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--checksum", nargs="+", choices=["on", "off"], default=["on", "off"])
     args = parser.parse_args(argv)
+    if args.requests * args.blocks >= args.engine_blocks // 2:
+        parser.error("a round's blocks (requests x blocks) must fit in half the engine blocks")
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure", file=sys.stderr)
         return 2
