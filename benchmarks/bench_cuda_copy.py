@@ -11,6 +11,7 @@ the reverse for a load; all of a round queued, then one synchronize.
 
     python benchmarks/bench_cuda_copy.py [--layers 24] [--page-kib 64] [--blocks 32]
         [--requests 16] [--concurrency 4] [--repeat 5] [--checksum on off]
+        [--threads N] [--profile {cprofile,py-spy}]
 
 Ratios are sidecar GB/s over bare GB/s (goal: >= 0.9). Loaded blocks are compared with
 the saved ones byte for byte. Results go to benchmarks/results/bench_cuda_copy.json.
@@ -31,7 +32,14 @@ from typing import Any
 import anyio
 import msgspec
 import torch
-from harness import DEFAULT_CONFIG, median, run_requests, spawned_sidecar, write_results
+from harness import (
+    DEFAULT_CONFIG,
+    RESULTS_DIR,
+    median,
+    run_requests,
+    spawned_sidecar,
+    write_results,
+)
 
 from pipeline.core.config import load_config
 from transport.client import EngineClient
@@ -158,6 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--checksum", nargs="+", choices=["on", "off"], default=["on", "off"])
+    parser.add_argument("--threads", type=int, default=0,
+                        help="stages.transfer.threads (the checksums' threads); 0: the config's")
+    parser.add_argument("--profile", choices=["cprofile", "py-spy"], default="")
     args = parser.parse_args(argv)
     if args.requests * args.blocks >= args.engine_blocks // 2:
         parser.error("a round's blocks (requests x blocks) must fit in half the engine blocks")
@@ -168,18 +179,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.blocks)
     round_bytes = args.requests * args.blocks * engine.value_bytes
     base = load_config(DEFAULT_CONFIG)
+    RESULTS_DIR.mkdir(exist_ok=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for checksum in args.checksum:
             config = msgspec.to_builtins(base)
             config["stages"]["transfer"]["device"] = "cuda"
             config["store"]["checksum"] = checksum == "on"
+            if args.threads:
+                config["stages"]["transfer"]["threads"] = args.threads
             config["store"]["embedded"]["capacity_bytes"] = 2 * (args.repeat + 1) * round_bytes
             config["staging"]["slot_bytes"] = max(config["staging"]["slot_bytes"],
                                                   args.blocks * (engine.value_bytes + 8))
             path = Path(tmp) / f"cuda-{checksum}.yaml"
             path.write_bytes(msgspec.yaml.encode(config))
-            with spawned_sidecar(path) as sidecar:
+            suffix = {"cprofile": "prof", "py-spy": "txt"}.get(args.profile, "")
+            profile_out = RESULTS_DIR / f"bench_cuda_copy.checksum-{checksum}.{suffix}"
+            with spawned_sidecar(path, profile=args.profile, profile_out=profile_out) as sidecar:
                 results[f"checksum_{checksum}"] = anyio.run(measure, args, sidecar.endpoint,
                                                             engine)
             figures = results[f"checksum_{checksum}"]

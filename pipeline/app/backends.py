@@ -176,6 +176,11 @@ async def open_backends(
                         guarded, require=config.store.verify == "required")
                 memory = StagingMemory(pool, store, skip_when_full=skip_when_full)
                 pool.touch()
+            cuda_helpers = None
+            if transfer.device == "cuda" and transfer.threads > 1:
+                # The CPU's part of a GPU copy is the checksums: shared like in-place ones.
+                cuda_helpers = HelperThreads(transfer.threads - 1)
+                held.callback(cuda_helpers.close)
             save_threads = WorkerThreads(transfer.threads, name="kvsidecar-save",
                                          nice=transfer.save_nice)
             load_threads = WorkerThreads(transfer.threads, name="kvsidecar-load")
@@ -184,10 +189,12 @@ async def open_backends(
             yield Backends(store, guarded, opened.usage, pool, memory,
                            save_copy=_copy_engine(transfer, save_threads, in_place=in_place,
                                                   inline_bytes=INLINE_BYTES,
-                                                  stream_bytes=save_stream_bytes, alone=alone),
+                                                  stream_bytes=save_stream_bytes, alone=alone,
+                                                  helpers=cuda_helpers),
                            load_copy=_copy_engine(transfer, load_threads, in_place=in_place,
                                                   inline_bytes=LOAD_INLINE_BYTES,
-                                                  stream_bytes=LOAD_STREAM_BYTES, alone=alone),
+                                                  stream_bytes=LOAD_STREAM_BYTES, alone=alone,
+                                                  helpers=cuda_helpers),
                            answers_at_once=opened.answers_at_once,
                            in_place=guarded if in_place else None,
                            reads_here=opened.reads_here)
@@ -195,10 +202,11 @@ async def open_backends(
 
 def _copy_engine(transfer: TransferStageConfig, threads: WorkerThreads, *,
                  in_place: bool, inline_bytes: int, stream_bytes: int | None,
-                 alone: Callable[[], bool]) -> CopyEngine:
+                 alone: Callable[[], bool], helpers: HelperThreads | None) -> CopyEngine:
     """One direction's copy engine, with threads (and streams) of its own; batches up to
     ``inline_bytes`` are copied on the event loop, and from ``stream_bytes`` on written
-    around the caches; while ``alone()``, the event loop's thread shares larger ones."""
+    around the caches; while ``alone()``, the event loop's thread shares larger ones;
+    ``helpers`` share the checksums of GPU copies."""
     if in_place:
         return InPlaceCopyEngine()
     cpu = CpuCopyEngine(threads, inline_bytes=inline_bytes, stream_bytes=stream_bytes,
@@ -208,7 +216,7 @@ def _copy_engine(transfer: TransferStageConfig, threads: WorkerThreads, *,
     from pipeline.backends.cuda_copy import CudaCopyEngine
 
     return CudaCopyEngine(cpu, anyio.CapacityLimiter(transfer.threads),
-                          streams=transfer.cuda_streams)
+                          streams=transfer.cuda_streams, helpers=helpers)
 
 
 def _cuda_pin() -> Pin:

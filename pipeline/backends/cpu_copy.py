@@ -49,6 +49,7 @@ __all__ = [
     "page_addresses",
     "page_table",
     "read_in_place",
+    "row_digests",
     "seal_in_place",
     "verify_and_scatter",
 ]
@@ -373,6 +374,23 @@ def _digests(geometry: StoreGroupGeometry, pages: numpy.ndarray, seed: int,
     digests = numpy.empty(len(pages), dtype=numpy.uint64)
     digest = _blockcopy.digests if helpers is None else helpers.digests
     digest(numpy.ascontiguousarray(pages), geometry.segment_table[3], seed, digests)
+    return digests
+
+
+def row_digests(runs: Sequence[torch.Tensor], payload_bytes: int, seed: int,
+                helpers: HelperThreads | None = None) -> numpy.ndarray:
+    """The checksum of each row's first ``payload_bytes``, rows of host memory (uint8
+    matrices, one a run, in order), as ``integrity.seal_rows`` seals it: uint64 each,
+    computed in C without the GIL, with ``helpers`` sharing a large batch."""
+    addresses = numpy.concatenate([
+        rows.data_ptr() + rows.stride(0) * numpy.arange(rows.shape[0], dtype=numpy.int64)
+        for rows in runs
+    ]) if runs else numpy.empty(0, dtype=numpy.int64)
+    digests = numpy.empty(len(addresses), dtype=numpy.uint64)
+    if len(addresses):
+        digest = _blockcopy.digests if helpers is None else helpers.digests
+        digest(addresses.reshape(-1, 1), numpy.array([payload_bytes], dtype=numpy.int64),
+               seed, digests)
     return digests
 
 

@@ -24,15 +24,20 @@ import itertools
 from collections.abc import Iterator, Sequence
 
 import anyio
+import numpy
 import torch
 
+from pipeline.backends.cpu_copy import HelperThreads, row_digests
 from pipeline.core.errors import ConfigError
 from pipeline.core.geometry import Segment, StoreGroupGeometry
-from pipeline.core.integrity import seal_rows, verify_rows
+from pipeline.core.integrity import CHECKSUM_BYTES
 from pipeline.core.runs import Run
 from pipeline.core.seams import CopyEngine
 
-__all__ = ["CudaCopyEngine", "gather_blocks", "pinned", "scatter_blocks", "span_of"]
+__all__ = [
+    "CudaCopyEngine", "gather_blocks", "intact_runs", "pinned", "scatter_blocks", "seal_runs",
+    "span_of",
+]
 
 
 def span_of(rows: torch.Tensor) -> torch.Tensor:
@@ -109,6 +114,34 @@ def _paired(host: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch
     return host, rows[:, : host.shape[1]]
 
 
+def _trailers(runs: Sequence[Run], payload_bytes: int) -> list[numpy.ndarray]:
+    """Each run's checksum bytes, where they lie after the payloads: ``[count, 8]``."""
+    return [run.rows[:, payload_bytes : payload_bytes + CHECKSUM_BYTES].numpy()
+            for run in runs]
+
+
+def seal_runs(runs: Sequence[Run], payload_bytes: int, seed: int,
+              helpers: HelperThreads | None) -> None:
+    """Seal every value of the runs (host memory) after its payload, as ``seal_rows``."""
+    digests = row_digests([run.rows for run in runs], payload_bytes, seed, helpers)
+    sealed = digests.view(numpy.uint8).reshape(-1, CHECKSUM_BYTES)
+    start = 0
+    for trailer in _trailers(runs, payload_bytes):
+        trailer[:] = sealed[start : start + len(trailer)]
+        start += len(trailer)
+
+
+def intact_runs(runs: Sequence[Run], payload_bytes: int, seed: int,
+                helpers: HelperThreads | None) -> list[bool]:
+    """Whether each value of the runs matches its sealed checksum, as ``verify_rows``."""
+    if not runs:
+        return []
+    digests = row_digests([run.rows for run in runs], payload_bytes, seed, helpers)
+    sealed = numpy.concatenate(_trailers(runs, payload_bytes)).view(numpy.uint64).reshape(-1)
+    intact: list[bool] = (digests == sealed).tolist()
+    return intact
+
+
 def _device_of(geometry: StoreGroupGeometry) -> torch.device | None:
     device = geometry.segments[0].blocks.device if geometry.segments else None
     return device if device is not None and device.type == "cuda" else None
@@ -116,12 +149,14 @@ def _device_of(geometry: StoreGroupGeometry) -> torch.device | None:
 
 class CudaCopyEngine:
     """Copies of GPU blocks, on ``streams`` streams of each device; CPU blocks go to
-    ``fallback``. ``limiter`` bounds the threads that wait on events and checksum."""
+    ``fallback``. ``limiter`` bounds the threads that wait on events and checksum;
+    ``helpers`` share a large batch's checksums with them."""
 
     def __init__(self, fallback: CopyEngine, limiter: anyio.CapacityLimiter, *,
-                 streams: int) -> None:
+                 streams: int, helpers: HelperThreads | None = None) -> None:
         self._fallback = fallback
         self._limiter = limiter
+        self._helpers = helpers
         self._stream_count = streams
         self._streams: dict[int, Iterator[torch.cuda.Stream]] = {}
 
@@ -164,8 +199,7 @@ class CudaCopyEngine:
         def finish() -> None:
             done.synchronize()
             if geometry.checksum_seed is not None:
-                for run in runs:
-                    seal_rows(run.rows, geometry.value_bytes, geometry.checksum_seed)
+                seal_runs(runs, geometry.value_bytes, geometry.checksum_seed, self._helpers)
 
         await anyio.to_thread.run_sync(finish, limiter=self._limiter)
 
@@ -179,8 +213,7 @@ class CudaCopyEngine:
         def verify() -> list[bool]:
             if seed is None:
                 return [True] * len(block_ids)
-            payload = geometry.value_bytes
-            return [ok for run in runs for ok in verify_rows(run.rows, payload, seed)]
+            return intact_runs(runs, geometry.value_bytes, seed, self._helpers)
 
         intact = await anyio.to_thread.run_sync(verify, limiter=self._limiter)
         keep = [index for index, ok in enumerate(intact) if ok]

@@ -302,3 +302,35 @@ def test_a_limited_caller_copies_so_many_and_leaves_the_rest_to_the_others() -> 
     assert gather(0) == 0 and not rows.any()
     assert _blockcopy.gather(addresses(pages, ids), rows.data_ptr(), rows.stride(0), offsets,
                              sizes, True, 0, 256, False) == 12
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["one_thread", "helpers"])
+def test_runs_in_host_memory_are_sealed_and_verified_as_the_python_reference(
+    shared: bool,
+) -> None:
+    """A GPU copy's values land in host memory (runs of padded rows) and are sealed and
+    checked there in C: the checksums ``seal_rows`` writes, each run's padding and
+    payload untouched, and only a changed value found failed, by ``verify_rows`` too."""
+    from pipeline.backends.cuda_copy import intact_runs, seal_runs
+    from pipeline.core.runs import Run
+
+    payload, stride = 3000, 3072
+    memory = torch.randint(0, 256, (7, stride), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(4))
+    reference = memory.clone()
+    seal_rows(reference[:, : payload + CHECKSUM_BYTES], payload, 5)
+    runs = [Run(0, memory[:4, : payload + CHECKSUM_BYTES]),
+            Run(4, memory[4:, : payload + CHECKSUM_BYTES])]
+    helpers = HelperThreads(2, share_bytes=0) if shared else None
+    try:
+        seal_runs(runs, payload, 5, helpers)
+        assert torch.equal(memory, reference)
+        assert intact_runs(runs, payload, 5, helpers) == [True] * 7
+        memory[5, 17] ^= 1
+        assert intact_runs(runs, payload, 5, helpers) == [True] * 5 + [False, True]
+        assert intact_runs(runs, payload, 5, helpers) == verify_rows(
+            memory[:, : payload + CHECKSUM_BYTES], payload, 5)
+        assert intact_runs(runs, payload, 6, helpers) == [False] * 7  # another seed
+    finally:
+        if helpers is not None:
+            helpers.close()
