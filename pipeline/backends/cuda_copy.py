@@ -2,9 +2,9 @@
 memory, on dedicated CUDA streams.
 
 A save waits on the engine's step event (recorded after its forward), gathers the
-batch's blocks into one device matrix of values, copies each run of adjacent values to
-host memory in one transfer, and seals the checksums on the host once the copy's event
-has completed. A load verifies the values on the host first, copies them to the device
+batch's blocks into one device matrix of values (every page in one kernel launch,
+``cuda_pages``, where Triton is), copies each run of adjacent values to host memory in
+one transfer, and seals the checksums on the host once the copy's event has completed. A load verifies the values on the host first, copies them to the device
 in one transfer per run, and scatters only the intact ones into the engine's blocks:
 the engine never receives a corrupted byte. The sidecar replies only once the copy's
 event has completed, so the blocks are in place before the engine hears of them.
@@ -14,20 +14,21 @@ the thread sleeps, nothing spins), never by synchronizing the device or a stream
 engine uses. Host memory the values live in is pinned (``pinned``) so that transfers
 are asynchronous DMA. Geometries of CPU tensors go to the CPU engine this one wraps.
 
-Written without a GPU at hand; its tests are marked ``gpu`` (``benchmarks/gpu_check.sh``).
+Its tests are marked ``gpu`` (``benchmarks/gpu_check.sh`` runs them on a GPU host).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import anyio
 import numpy
 import torch
 
-from pipeline.backends.cpu_copy import HelperThreads, row_digests
+from pipeline.backends.cpu_copy import HelperThreads, page_table, row_digests
 from pipeline.core.errors import ConfigError
 from pipeline.core.geometry import Segment, StoreGroupGeometry
 from pipeline.core.integrity import CHECKSUM_BYTES
@@ -142,6 +143,63 @@ def intact_runs(runs: Sequence[Run], payload_bytes: int, seed: int,
     return intact
 
 
+@functools.cache
+def _page_kernel() -> Callable[..., None] | None:
+    """``cuda_pages.copy_pages``: one launch a batch; None where Triton is missing."""
+    try:
+        from pipeline.backends.cuda_pages import copy_pages
+    except ImportError:
+        return None
+    return copy_pages
+
+
+def word_bytes(geometry: StoreGroupGeometry, row_stride: int) -> int:
+    """The widest word, 8 bytes at most, that divides every page's address, stride,
+    offset and size and the rows' stride: the unit the page kernel copies in."""
+    bits = int(numpy.bitwise_or.reduce(geometry.segment_table, axis=None)) | row_stride
+    return min(8, bits & -bits)
+
+
+def _kernel_table(geometry: StoreGroupGeometry, block_ids: Sequence[int],
+                  rows_of: Sequence[int], width: int, device: torch.device) -> torch.Tensor:
+    """The page kernel's table (``cuda_pages``) on the device, copied from pinned memory
+    on the current stream."""
+    segments, count = len(geometry.segments), len(block_ids)
+    host = torch.empty(2 * segments + count * (segments + 1), dtype=torch.int64,
+                       pin_memory=True)
+    table = host.numpy()
+    table[: 2 * segments] = (geometry.segment_table[2:4] // width).ravel()
+    table[2 * segments : 2 * segments + count * segments] = numpy.frombuffer(
+        page_table(geometry, block_ids), dtype=numpy.int64)
+    table[2 * segments + count * segments :] = rows_of
+    return host.to(device, non_blocking=True)
+
+
+def _move_pages(geometry: StoreGroupGeometry, block_ids: Sequence[int],
+                rows_of: Sequence[int], rows: torch.Tensor, device: torch.device, *,
+                to_rows: bool) -> None:
+    """Engine block ``block_ids[i]``'s pages to row ``rows_of[i]`` of ``rows`` (uint8,
+    contiguous, on the device) or back, on the current stream: one kernel where Triton
+    is, else a call per segment."""
+    kernel = _page_kernel()
+    if kernel is not None:
+        from pipeline.backends.cuda_pages import WORDS
+
+        width = word_bytes(geometry, rows.stride(0))
+        table = _kernel_table(geometry, block_ids, rows_of, width, device)
+        kernel(table, rows.view(WORDS[width]), len(block_ids), len(geometry.segments),
+               max(geometry.page_sizes) // width, to_rows=to_rows)
+        return
+    ids = torch.tensor(block_ids, dtype=torch.int64).to(device, non_blocking=True)
+    picked = rows[:, : geometry.stored_bytes]
+    if list(rows_of) != list(range(len(rows))):
+        picked = picked[torch.tensor(rows_of, dtype=torch.int64).to(device, non_blocking=True)]
+    if to_rows:
+        gather_blocks(geometry.segments, ids, picked)
+    else:
+        scatter_blocks(geometry.segments, ids, picked)
+
+
 def _device_of(geometry: StoreGroupGeometry) -> torch.device | None:
     device = geometry.segments[0].blocks.device if geometry.segments else None
     return device if device is not None and device.type == "cuda" else None
@@ -187,9 +245,9 @@ class CudaCopyEngine:
         with torch.cuda.stream(stream):
             if geometry.step_event is not None:
                 stream.wait_event(geometry.step_event)
-            ids = torch.tensor(block_ids, dtype=torch.int64).to(device, non_blocking=True)
             rows = _device_rows(runs, len(block_ids), stored, device)
-            gather_blocks(geometry.segments, ids, rows[:, :stored])
+            _move_pages(geometry, block_ids, range(len(block_ids)), rows, device,
+                        to_rows=True)
             for run in runs:
                 to, source = _paired(run.rows, rows[run.first : run.first + run.count])
                 to.copy_(source, non_blocking=True)
@@ -226,11 +284,8 @@ class CudaCopyEngine:
             for run in runs:
                 source, to = _paired(run.rows, spans[run.first : run.first + run.count])
                 to.copy_(source, non_blocking=True)
-            rows = spans[:, :stored]
-            if len(keep) < len(block_ids):
-                rows = rows[torch.tensor(keep, dtype=torch.int64).to(device, non_blocking=True)]
-            ids = torch.tensor([block_ids[index] for index in keep], dtype=torch.int64)
-            scatter_blocks(geometry.segments, ids.to(device, non_blocking=True), rows)
+            _move_pages(geometry, [block_ids[index] for index in keep], keep, spans, device,
+                        to_rows=False)
             done.record(stream)
         # The host values stay held (and unchanged) until this returns, after the copy.
         await anyio.to_thread.run_sync(done.synchronize, limiter=self._limiter)

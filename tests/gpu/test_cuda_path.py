@@ -178,3 +178,42 @@ def test_a_sigkilled_gpu_engine_leaves_no_memory_mapped(gpu_sidecar: SidecarProc
         time.sleep(0.2)
 
 
+
+
+@pytest.mark.parametrize(("page_bytes", "kv_first"), [
+    (64 << 10, False), (64 << 10, True), (1028, False), (1030, True), (1031, False),
+], ids=["words_8", "kv_first_8", "words_4", "kv_first_1", "words_1"])
+def test_one_launch_moves_the_bytes_of_a_call_per_segment(page_bytes: int,
+                                                          kv_first: bool) -> None:
+    """The page kernel (one launch a batch) gathers exactly what an ``index_select`` per
+    segment gathers, at every word it can copy in, and scatters only the rows kept into
+    their blocks, touching no other byte."""
+    pytest.importorskip("triton")
+    from pipeline.backends import cuda_copy
+    from pipeline.core.geometry import build_store_groups
+
+    assert cuda_copy._page_kernel() is not None
+    layout = KVCacheLayout.from_dict(hybrid_layout(page_bytes=page_bytes))
+    generator = torch.Generator(device="cuda").manual_seed(page_bytes)
+    shape = (2, NUM_BLOCKS, page_bytes // 2) if kv_first else (NUM_BLOCKS, page_bytes)
+    caches = {layer: torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda",
+                                   generator=generator)
+              for group in layout.groups for layer in group.layers}
+    device = torch.device("cuda")
+    for geometry in build_store_groups(
+        layout, {layer: (tensor, int(kv_first)) for layer, tensor in caches.items()}
+    ):
+        ids = [5, 9, 2, 40]
+        stride = -(-geometry.stored_bytes // 64) * 64
+        rows = torch.zeros((len(ids), stride), dtype=torch.uint8, device=device)
+        cuda_copy._move_pages(geometry, ids, range(len(ids)), rows, device, to_rows=True)
+        expected = torch.zeros_like(rows)
+        cuda_copy.gather_blocks(geometry.segments, torch.tensor(ids, device=device),
+                                expected[:, : geometry.stored_bytes])
+        assert torch.equal(rows, expected)
+
+        before = [segment.blocks.clone() for segment in geometry.segments]
+        cuda_copy._move_pages(geometry, [50, 51], [0, 2], rows, device, to_rows=False)
+        for segment, old in zip(geometry.segments, before, strict=True):
+            old[[50, 51]] = old[[5, 2]]
+            assert torch.equal(segment.blocks, old)
