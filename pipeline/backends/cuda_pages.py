@@ -5,7 +5,10 @@ page of every value in one launch, where an ``index_select`` (a save) or ``index
 on an H200 host: about 35 µs a call, most of the sidecar's own time a request).
 
 Written in Triton, which comes with CUDA builds of torch; imported only where it is
-(``pipeline.backends.cuda_copy`` falls back to the calls per segment).
+(``pipeline.backends.cuda_copy`` falls back to the calls per segment). The first copy of
+each direction and word compiles the kernel, on the event loop (not timed yet; Triton
+keeps what it compiled on disk for the sidecar's next start): a warm-up at an engine's
+registration would move that off the first request.
 
 The kernel reads one int64 ``table`` (copied to the device with the batch):
 
@@ -34,7 +37,7 @@ BLOCK = 2048
 
 
 # The integers are not specialized on (their divisibility, a value of 1): one compile for
-# each direction and word, whatever the batch (each compile takes about a second).
+# each direction and word, whatever the batch.
 @triton.jit(do_not_specialize=["pages_at", "rows_at", "segments", "row_stride"])
 def _copy_pages(table, rows, pages_at, rows_at, segments, row_stride,
                 TO_ROWS: tl.constexpr, BLOCK: tl.constexpr):
