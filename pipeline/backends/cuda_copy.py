@@ -4,9 +4,10 @@ memory, on dedicated CUDA streams.
 A save waits on the engine's step event (recorded after its forward), gathers the
 batch's blocks into one device matrix of values (every page in one kernel launch,
 ``cuda_pages``, where Triton is), copies each run of adjacent values to host memory in
-one transfer, and seals the checksums on the host once the copy's event has completed. A load verifies the values on the host first, copies them to the device
-in one transfer per run, and scatters only the intact ones into the engine's blocks:
-the engine never receives a corrupted byte. The sidecar replies only once the copy's
+one transfer, and seals the checksums on the host once the copy's event has completed.
+A load verifies the values on the host first, copies them to the device in one transfer
+per run, and scatters only the intact ones into the engine's blocks: the engine never
+receives a corrupted byte. The sidecar replies only once the copy's
 event has completed, so the blocks are in place before the engine hears of them.
 
 Completion is seen through CUDA events awaited in worker threads (blocking-sync events:
