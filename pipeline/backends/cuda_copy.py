@@ -7,8 +7,9 @@ batch's blocks into one device matrix of values (every page in one kernel launch
 one transfer, and seals the checksums on the host once the copy's event has completed.
 A load verifies the values on the host first, copies them to the device in one transfer
 per run, and scatters only the intact ones into the engine's blocks: the engine never
-receives a corrupted byte. The sidecar replies only once the copy's
-event has completed, so the blocks are in place before the engine hears of them.
+receives a corrupted byte. The sidecar replies only once the copy's event has
+completed, so the blocks are in place before the engine hears of them. Checksums are
+computed in C without the GIL (``row_digests``), a large batch's shared by helpers.
 
 Completion is seen through CUDA events awaited in worker threads (blocking-sync events:
 the thread sleeps, nothing spins), never by synchronizing the device or a stream the
