@@ -34,8 +34,8 @@ import msgspec
 import torch
 from harness import (
     DEFAULT_CONFIG,
-    RESULTS_DIR,
     median,
+    profile_path,
     run_requests,
     spawned_sidecar,
     write_results,
@@ -179,7 +179,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.blocks)
     round_bytes = args.requests * args.blocks * engine.value_bytes
     base = load_config(DEFAULT_CONFIG)
-    RESULTS_DIR.mkdir(exist_ok=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for checksum in args.checksum:
@@ -193,8 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                   args.blocks * (engine.value_bytes + 8))
             path = Path(tmp) / f"cuda-{checksum}.yaml"
             path.write_bytes(msgspec.yaml.encode(config))
-            suffix = {"cprofile": "prof", "py-spy": "txt"}.get(args.profile, "")
-            profile_out = RESULTS_DIR / f"bench_cuda_copy.checksum-{checksum}.{suffix}"
+            profile_out = profile_path(f"bench_cuda_copy.checksum-{checksum}", args.profile)
             with spawned_sidecar(path, profile=args.profile, profile_out=profile_out) as sidecar:
                 results[f"checksum_{checksum}"] = anyio.run(measure, args, sidecar.endpoint,
                                                             engine)

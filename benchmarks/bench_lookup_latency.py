@@ -46,10 +46,10 @@ import zmq
 import zmq.asyncio
 from harness import (
     DEFAULT_CONFIG,
-    RESULTS_DIR,
     ROOT,
     median,
     percentile,
+    profile_path,
     spawned_sidecar,
     write_results,
 )
@@ -225,9 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", choices=["cprofile", "py-spy"], default="")
     args = parser.parse_args(argv)
 
-    suffix = {"cprofile": "prof", "py-spy": "txt"}.get(args.profile, "")
-    profile_out = RESULTS_DIR / f"bench_lookup_latency.{suffix}" if suffix else None
-    RESULTS_DIR.mkdir(exist_ok=True)
+    profile_out = profile_path("bench_lookup_latency", args.profile)
     print(f"{BLOCK_SIZE}-token blocks; p50/p99 over {args.calls} calls, median of "
           f"{args.repeat}; config {args.config.name}"
           f"{'; profiled: ' + args.profile if args.profile else ''}")

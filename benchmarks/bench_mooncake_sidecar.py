@@ -71,10 +71,10 @@ from bench_sidecar_throughput import (
     sidecar_config,
 )
 from harness import (
-    RESULTS_DIR,
     ROOT,
     checksum_cost,
     median,
+    profile_path,
     spawned_sidecar,
     thread_cpu_s,
     write_results,
@@ -361,12 +361,9 @@ async def run(args: argparse.Namespace, geometry: Geometry, base: Config
                         config = sidecar_config(on_master(base, master, in_place=moves == "on"),
                                                 checksum, Path(tmp))
                         config = config.rename(config.with_name(f"in-place-{moves}-{config.name}"))
-                        suffix = {"cprofile": "prof", "py-spy": "txt"}.get(args.profile, "")
-                        profile_out = (
-                            RESULTS_DIR / f"bench_mooncake_sidecar.{geometry}.in-place-{moves}."
-                                          f"checksum-{sums}.{suffix}"
-                            if suffix else None
-                        )
+                        profile_out = profile_path(
+                            f"bench_mooncake_sidecar.{geometry}.in-place-{moves}."
+                            f"checksum-{sums}", args.profile)
                         process = running.enter_context(spawned_sidecar(
                             config, profile=args.profile, profile_out=profile_out))
                         client = await clients.enter_async_context(await EngineClient.connect(
@@ -407,7 +404,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if geometry.layers * geometry.page_kib * 1024 + CHECKSUM_BYTES > base.staging.slot_bytes:
             parser.error(f"{geometry}: a block does not fit in a staging slot "
                          "(staging.slot_bytes)")
-    RESULTS_DIR.mkdir(exist_ok=True)
 
     print(
         f"median of {args.repeat}; config {args.config.name} on an embedded master, "

@@ -52,10 +52,10 @@ import msgspec
 import torch
 from harness import (
     DEFAULT_CONFIG,
-    RESULTS_DIR,
     ROOT,
     checksum_cost,
     median,
+    profile_path,
     run_requests,
     spawned_sidecar,
     thread_cpu_s,
@@ -317,9 +317,8 @@ def measure_geometry(args: argparse.Namespace, geometry: Geometry, base: Config,
     rows = []
     sidecar_env = dict(item.split("=", 1) for item in args.sidecar_env)
     for variant in args.checksum:
-        suffix = {"cprofile": "prof", "py-spy": "txt"}.get(args.profile, "")
-        profile_out = (RESULTS_DIR / f"bench_sidecar_throughput.{geometry}.checksum-{variant}."
-                       f"{suffix}") if suffix else None
+        profile_out = profile_path(
+            f"bench_sidecar_throughput.{geometry}.checksum-{variant}", args.profile)
         config = sidecar_config(base, variant == "on", directory)
         with spawned_sidecar(config, profile=args.profile, profile_out=profile_out,
                              env=sidecar_env) as sidecar:
@@ -345,7 +344,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     base = load_config(args.config)
-    RESULTS_DIR.mkdir(exist_ok=True)
     print(f"median of {args.repeat} rounds; config {args.config.name}"
           f"{'; profiled: ' + args.profile if args.profile else ''}")
     with tempfile.TemporaryDirectory(prefix="kvsidecar-bench-") as tmp:

@@ -165,6 +165,16 @@ def environment() -> dict[str, Any]:
     }
 
 
+def profile_path(name: str, profile: str) -> Path | None:
+    """Where a sidecar's profile of kind ``profile`` goes (``spawned_sidecar``'s
+    ``profile_out``), in the results folder under ``name``; None without a profile."""
+    suffix = {"cprofile": "prof", "py-spy": "txt"}.get(profile)
+    if suffix is None:
+        return None
+    RESULTS_DIR.mkdir(exist_ok=True)
+    return RESULTS_DIR / f"{name}.{suffix}"
+
+
 def write_results(name: str, payload: dict[str, Any]) -> Path:
     RESULTS_DIR.mkdir(exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
