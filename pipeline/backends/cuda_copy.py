@@ -185,11 +185,9 @@ def _move_pages(geometry: StoreGroupGeometry, block_ids: Sequence[int],
     is, else a call per segment."""
     kernel = _page_kernel()
     if kernel is not None:
-        from pipeline.backends.cuda_pages import WORDS
-
         width = word_bytes(geometry, rows.stride(0))
         table = _kernel_table(geometry, block_ids, rows_of, width, device)
-        kernel(table, rows.view(WORDS[width]), len(block_ids), len(geometry.segments),
+        kernel(table, rows, width, len(block_ids), len(geometry.segments),
                max(geometry.page_sizes) // width, to_rows=to_rows)
         return
     ids = torch.tensor(block_ids, dtype=torch.int64).to(device, non_blocking=True)

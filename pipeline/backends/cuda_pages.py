@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["WORDS", "copy_pages"]
+__all__ = ["copy_pages"]
 
-WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 """The word of each width, as a torch dtype."""
 BLOCK = 2048
 """Words each program copies: a 64 KiB page of int64 words takes four."""
@@ -54,10 +54,12 @@ def _copy_pages(table, rows, pages_at, rows_at, segments, row_stride,
         tl.store(page + words, tl.load(row + words, mask=mask), mask=mask)
 
 
-def copy_pages(table: torch.Tensor, rows: torch.Tensor, count: int, segments: int,
-               longest: int, *, to_rows: bool) -> None:
+def copy_pages(table: torch.Tensor, rows: torch.Tensor, word: int, count: int,
+               segments: int, longest: int, *, to_rows: bool) -> None:
     """Pages to rows (``to_rows``) or back, on the current stream: ``table`` as above (on
-    the device), ``rows`` a matrix of words, ``longest`` the longest page in words."""
+    the device), ``rows`` a contiguous uint8 matrix copied in words of ``word`` bytes,
+    ``longest`` the longest page in words."""
+    words = rows.view(_WORDS[word])
     grid = (count, segments, triton.cdiv(longest, BLOCK))
-    _copy_pages[grid](table, rows, 2 * segments, 2 * segments + count * segments, segments,
-                      rows.stride(0), TO_ROWS=to_rows, BLOCK=BLOCK)
+    _copy_pages[grid](table, words, 2 * segments, 2 * segments + count * segments, segments,
+                      words.stride(0), TO_ROWS=to_rows, BLOCK=BLOCK)
