@@ -130,8 +130,8 @@ def test_a_speller_spells_as_keys_for_whatever_it_remembers(
     """Whatever was asked before, and however few keys it may remember, a speller's keys
     are ``keys_for``'s: all new, all remembered, some of each, or (``run_keys``) a run
     remembered whole (runs with the same last hash and length but other hashes before
-    it among them); it
-    holds at most its capacity, or one call's keys when a call alone exceeds it."""
+    it among them); it holds at most its capacity, or one call's keys when a call alone
+    exceeds it."""
     speller = KeySpeller(capacity)
     longest = 0
     for prefix, hashes, as_run in calls:
