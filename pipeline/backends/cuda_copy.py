@@ -3,13 +3,15 @@ memory, on dedicated CUDA streams.
 
 A save waits on the engine's step event (recorded after its forward), gathers the
 batch's blocks into one device matrix of values (every page in one kernel launch,
-``cuda_pages``, where Triton is), copies each run of adjacent values to host memory in
-one transfer, and seals the checksums on the host once the copy's event has completed.
-A load verifies the values on the host first, copies them to the device in one transfer
-per run, and scatters only the intact ones into the engine's blocks: the engine never
-receives a corrupted byte. The sidecar replies only once the copy's event has
-completed, so the blocks are in place before the engine hears of them. Checksums are
-computed in C without the GIL (``row_digests``), a large batch's shared by helpers.
+``cuda_pages``, where Triton is), seals each value's checksum there (``cuda_digests``)
+and copies each run of adjacent values to host memory in one transfer. A load copies
+the values to the device in one transfer per run, checks their checksums there and
+scatters only the intact ones into the engine's blocks (the page kernel skips a value
+whose check failed): the engine never receives a corrupted byte. The sidecar replies
+only once the copy's event has completed, so the blocks are in place before the engine
+hears of them. Without Triton (or for values the digest kernels do not take) checksums
+are sealed on the host once a save's copy has completed and verified on the host before
+a load's, in C without the GIL (``row_digests``), a large batch's shared by helpers.
 
 Completion is seen through CUDA events awaited in worker threads (blocking-sync events:
 the thread sleeps, nothing spins), never by synchronizing the device or a stream the
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import types
 from collections.abc import Callable, Iterator, Sequence
 
 import anyio
@@ -101,12 +104,10 @@ def pinned(memory: torch.Tensor) -> Iterator[None]:
         cudart.cudaHostUnregister(memory.data_ptr())
 
 
-def _device_rows(runs: Sequence[Run], count: int, stored: int,
-                 device: torch.device) -> torch.Tensor:
-    """A device matrix for ``count`` values, rows as far apart as the host's (a direct
-    store pads its values), so each run moves as one contiguous transfer."""
-    stride = max((run.stride for run in runs), default=stored)
-    return torch.empty((count, stride), dtype=torch.uint8, device=device)
+def _row_stride(runs: Sequence[Run], stored: int) -> int:
+    """How far apart a batch's values lie in device memory: as far as on the host (a
+    direct store pads its values), so each run moves as one contiguous transfer."""
+    return max((run.stride for run in runs), default=stored)
 
 
 def _paired(host: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,6 +156,27 @@ def _page_kernel() -> Callable[..., None] | None:
     return copy_pages
 
 
+@functools.cache
+def _digest_kernels() -> types.ModuleType | None:
+    """``cuda_digests``; None where Triton is missing."""
+    try:
+        from pipeline.backends import cuda_digests
+    except ImportError:
+        return None
+    return cuda_digests
+
+
+def _checksums_on_device(geometry: StoreGroupGeometry,
+                         row_stride: int) -> tuple[types.ModuleType, int] | None:
+    """``cuda_digests`` and the seed where the values' checksums are computed on the
+    device (one is kept, Triton is, and the kernels take such rows), else None."""
+    kernels, seed = _digest_kernels(), geometry.checksum_seed
+    if (kernels is None or seed is None
+            or not kernels.digestible(geometry.value_bytes, row_stride)):
+        return None
+    return kernels, seed
+
+
 def word_bytes(geometry: StoreGroupGeometry, row_stride: int) -> int:
     """The widest word, 8 bytes at most, that divides every page's address, stride,
     offset and size and the rows' stride: the unit the page kernel copies in."""
@@ -179,17 +201,18 @@ def _kernel_table(geometry: StoreGroupGeometry, block_ids: Sequence[int],
 
 def _move_pages(geometry: StoreGroupGeometry, block_ids: Sequence[int],
                 rows_of: Sequence[int], rows: torch.Tensor, device: torch.device, *,
-                to_rows: bool) -> None:
+                to_rows: bool, ok: torch.Tensor | None = None) -> None:
     """Engine block ``block_ids[i]``'s pages to row ``rows_of[i]`` of ``rows`` (uint8,
     contiguous, on the device) or back, on the current stream: one kernel where Triton
-    is, else a call per segment."""
+    is, else a call per segment. ``ok`` (the kernel's only) holds back rows flagged 0."""
     kernel = _page_kernel()
     if kernel is not None:
         width = word_bytes(geometry, rows.stride(0))
         table = _kernel_table(geometry, block_ids, rows_of, width, device)
         kernel(table, rows, width, len(block_ids), len(geometry.segments),
-               max(geometry.page_sizes) // width, to_rows=to_rows)
+               max(geometry.page_sizes) // width, to_rows=to_rows, ok=ok)
         return
+    assert ok is None, "rows are checked on the device only where the page kernel is"
     ids = torch.tensor(block_ids, dtype=torch.int64).to(device, non_blocking=True)
     picked = rows[:, : geometry.stored_bytes]
     if list(rows_of) != list(range(len(rows))):
@@ -239,15 +262,19 @@ class CudaCopyEngine:
         if device is None:
             await self._fallback.gather(geometry, block_ids, runs)
             return
-        stored = geometry.stored_bytes
+        stride = _row_stride(runs, geometry.stored_bytes)
+        on_device = _checksums_on_device(geometry, stride)
         stream = self._stream(device)
         done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         with torch.cuda.stream(stream):
             if geometry.step_event is not None:
                 stream.wait_event(geometry.step_event)
-            rows = _device_rows(runs, len(block_ids), stored, device)
+            rows = torch.empty((len(block_ids), stride), dtype=torch.uint8, device=device)
             _move_pages(geometry, block_ids, range(len(block_ids)), rows, device,
                         to_rows=True)
+            if on_device is not None:
+                kernels, seed = on_device
+                kernels.seal_on_device(rows, geometry.value_bytes, seed)
             for run in runs:
                 to, source = _paired(run.rows, rows[run.first : run.first + run.count])
                 to.copy_(source, non_blocking=True)
@@ -256,7 +283,7 @@ class CudaCopyEngine:
 
         def finish() -> None:
             done.synchronize()
-            if geometry.checksum_seed is not None:
+            if on_device is None and geometry.checksum_seed is not None:
                 seal_runs(runs, geometry.value_bytes, geometry.checksum_seed, self._helpers)
 
         await anyio.to_thread.run_sync(finish, limiter=self._limiter)
@@ -266,27 +293,41 @@ class CudaCopyEngine:
         device = _device_of(geometry)
         if device is None:
             return await self._fallback.scatter(geometry, block_ids, runs)
-        stored, seed = geometry.stored_bytes, geometry.checksum_seed
-
-        def verify() -> list[bool]:
-            if seed is None:
-                return [True] * len(block_ids)
-            return intact_runs(runs, geometry.value_bytes, seed, self._helpers)
-
-        intact = await anyio.to_thread.run_sync(verify, limiter=self._limiter)
-        keep = [index for index, ok in enumerate(intact) if ok]
-        if not keep:
-            return intact
+        stride = _row_stride(runs, geometry.stored_bytes)
+        on_device = _checksums_on_device(geometry, stride)
+        if on_device is None:
+            intact = await anyio.to_thread.run_sync(self._verify, geometry, len(block_ids),
+                                                    runs, limiter=self._limiter)
+            keep = [index for index, ok in enumerate(intact) if ok]
+            if not keep:
+                return intact
         stream = self._stream(device)
         done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         with torch.cuda.stream(stream):
-            spans = _device_rows(runs, len(block_ids), stored, device)
+            spans = torch.empty((len(block_ids), stride), dtype=torch.uint8, device=device)
             for run in runs:
                 source, to = _paired(run.rows, spans[run.first : run.first + run.count])
                 to.copy_(source, non_blocking=True)
-            _move_pages(geometry, [block_ids[index] for index in keep], keep, spans, device,
-                        to_rows=False)
+            if on_device is None:
+                _move_pages(geometry, [block_ids[index] for index in keep], keep, spans,
+                            device, to_rows=False)
+            else:
+                # Checked where they landed: a value that fails is never scattered.
+                kernels, seed = on_device
+                ok = kernels.check_on_device(spans, geometry.value_bytes, seed)
+                _move_pages(geometry, block_ids, range(len(block_ids)), spans, device,
+                            to_rows=False, ok=ok)
+                flags = torch.empty(len(block_ids), dtype=torch.int8, pin_memory=True)
+                flags.copy_(ok, non_blocking=True)
             done.record(stream)
         # The host values stay held (and unchanged) until this returns, after the copy.
         await anyio.to_thread.run_sync(done.synchronize, limiter=self._limiter)
-        return intact
+        return intact if on_device is None else [bool(flag) for flag in flags.tolist()]
+
+    def _verify(self, geometry: StoreGroupGeometry, count: int,
+                runs: Sequence[Run]) -> list[bool]:
+        """Whether each value matches its checksum, checked on the host (all are, where
+        none is kept)."""
+        if geometry.checksum_seed is None:
+            return [True] * count
+        return intact_runs(runs, geometry.value_bytes, geometry.checksum_seed, self._helpers)

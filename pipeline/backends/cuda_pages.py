@@ -39,15 +39,20 @@ BLOCK = 2048
 # The integers are not specialized on (their divisibility, a value of 1): one compile for
 # each direction and word, whatever the batch.
 @triton.jit(do_not_specialize=["pages_at", "rows_at", "segments", "row_stride"])
-def _copy_pages(table, rows, pages_at, rows_at, segments, row_stride,
-                TO_ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (value, segment, chunk): the chunk's words of that value's page."""
+def _copy_pages(table, rows, ok, pages_at, rows_at, segments, row_stride,
+                TO_ROWS: tl.constexpr, CHECKED: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (value, segment, chunk): the chunk's words of that value's page (from a row
+    whose ``ok`` flag is set, where ``CHECKED``)."""
     value = tl.program_id(0)
     segment = tl.program_id(1)
     words = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-    mask = words < tl.load(table + segments + segment)
+    size = tl.load(table + segments + segment)
+    index = tl.load(table + rows_at + value)
+    if CHECKED:
+        size = tl.where(tl.load(ok + index) != 0, size, 0)
+    mask = words < size
     page = tl.load(table + pages_at + value * segments + segment).to(rows.dtype)
-    row = rows + tl.load(table + rows_at + value) * row_stride + tl.load(table + segment)
+    row = rows + index * row_stride + tl.load(table + segment)
     if TO_ROWS:
         tl.store(row + words, tl.load(page + words, mask=mask), mask=mask)
     else:
@@ -55,11 +60,14 @@ def _copy_pages(table, rows, pages_at, rows_at, segments, row_stride,
 
 
 def copy_pages(table: torch.Tensor, rows: torch.Tensor, word: int, count: int,
-               segments: int, longest: int, *, to_rows: bool) -> None:
+               segments: int, longest: int, *, to_rows: bool,
+               ok: torch.Tensor | None = None) -> None:
     """Pages to rows (``to_rows``) or back, on the current stream: ``table`` as above (on
     the device), ``rows`` a contiguous uint8 matrix copied in words of ``word`` bytes,
-    ``longest`` the longest page in words."""
+    ``longest`` the longest page in words; ``ok`` (a flag a row, on the device) leaves a
+    row whose flag is 0 uncopied."""
     words = rows.view(_WORDS[word])
     grid = (count, segments, triton.cdiv(longest, BLOCK))
-    _copy_pages[grid](table, words, 2 * segments, 2 * segments + count * segments, segments,
-                      words.stride(0), TO_ROWS=to_rows, BLOCK=BLOCK)
+    _copy_pages[grid](table, words, words if ok is None else ok, 2 * segments,
+                      2 * segments + count * segments, segments, words.stride(0),
+                      TO_ROWS=to_rows, CHECKED=ok is not None, BLOCK=BLOCK)

@@ -18,7 +18,7 @@ import torch
 
 from pipeline.app.launcher import SidecarProcess, run_sidecar_process
 from pipeline.core.layout import KVCacheLayout
-from tests.kit import KVEngine, hybrid_layout, random_tokens
+from tests.kit import DIGEST_CASES, KVEngine, hybrid_layout, random_tokens
 from transport.client import EngineClient
 
 pytestmark = pytest.mark.gpu
@@ -217,3 +217,70 @@ def test_one_launch_moves_the_bytes_of_a_call_per_segment(page_bytes: int,
         for segment, old in zip(geometry.segments, before, strict=True):
             old[[50, 51]] = old[[5, 2]]
             assert torch.equal(segment.blocks, old)
+
+
+@pytest.mark.parametrize(("payload", "padding", "seed"), DIGEST_CASES)
+def test_checksums_on_the_device_are_those_the_host_seals(payload: int, padding: int,
+                                                          seed: int) -> None:
+    """The checksum kernels, compiled, seal what ``integrity.seal_rows`` seals on the host
+    and fail exactly the row with a flipped byte."""
+    pytest.importorskip("triton")
+    from pipeline.backends.cuda_digests import check_on_device, seal_on_device
+    from pipeline.core.integrity import CHECKSUM_BYTES, seal_rows
+
+    generator = torch.Generator().manual_seed(payload)
+    host = torch.randint(0, 256, (5, payload + CHECKSUM_BYTES + padding), dtype=torch.uint8,
+                         generator=generator)
+    rows = host.cuda()
+    seal_on_device(rows, payload, seed)
+    seal_rows(host, payload, seed)
+    assert torch.equal(rows.cpu(), host)
+    rows[3, payload // 3] ^= 1
+    assert check_on_device(rows, payload, seed).tolist() == [1, 1, 1, 0, 1]
+
+
+@pytest.mark.parametrize("on_device", [True, False], ids=["device_checksums", "host_checksums"])
+async def test_gpu_values_are_sealed_as_the_host_seals_and_a_failed_one_never_lands(
+    on_device: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Values saved from GPU blocks into two runs of padded host rows carry the checksums
+    the host seals; loaded into other blocks, the one with a flipped byte is reported and
+    its block left as it was, and the others land byte for byte. Alike with checksums on
+    the device and on the host."""
+    from pipeline.backends import cuda_copy
+    from pipeline.backends.cpu_copy import CopyThreads
+    from pipeline.backends.threads import WorkerThreads
+    from pipeline.core.geometry import build_store_groups
+    from pipeline.core.integrity import seal_rows
+    from pipeline.core.runs import Run
+
+    if not on_device:
+        monkeypatch.setattr(cuda_copy, "_checksums_on_device", lambda geometry, stride: None)
+    layout = KVCacheLayout.from_dict(hybrid_layout(page_bytes=PAGE_BYTES))
+    caches = gpu_caches(layout, kv_first=True)
+    geometry = build_store_groups(layout, {layer: (tensor, 1)
+                                           for layer, tensor in caches.items()})[0]
+    assert geometry.checksum_seed is not None
+    stride = geometry.stored_bytes + 64
+    memory = torch.zeros((6, stride), dtype=torch.uint8)
+    runs = [Run(0, memory[0:3, : geometry.stored_bytes]),
+            Run(3, memory[4:6, : geometry.stored_bytes])]  # a gap at 3: two runs
+    engine = cuda_copy.CudaCopyEngine(CopyThreads(WorkerThreads(1, name="test")),
+                                      anyio.CapacityLimiter(2), streams=2)
+    with anyio.fail_after(TIMEOUT):
+        await engine.gather(geometry, [1, 2, 3, 4, 5], runs)
+    expected = memory[[0, 1, 2, 4, 5], : geometry.stored_bytes].clone()
+    seal_rows(expected, geometry.value_bytes, geometry.checksum_seed)
+    assert torch.equal(memory[[0, 1, 2, 4, 5], : geometry.stored_bytes], expected)
+    assert not memory[3].any() and not memory[:, geometry.stored_bytes :].any()
+
+    memory[4, 100] ^= 1  # value 3
+    before = {layer: caches[layer].clone() for layer in geometry.group.layers}
+    with anyio.fail_after(TIMEOUT):
+        intact = await engine.scatter(geometry, [11, 12, 13, 14, 15], runs)
+    torch.cuda.synchronize()
+    assert intact == [True, True, True, False, True]
+    for layer in geometry.group.layers:
+        for source, target in ((1, 11), (2, 12), (3, 13), (5, 15)):
+            assert torch.equal(block(caches[layer], target), block(before[layer], source))
+        assert torch.equal(block(caches[layer], 14), block(before[layer], 14))

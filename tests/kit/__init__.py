@@ -21,9 +21,15 @@ from transport.client import EngineClient
 from transport.tensors import shared_kv_caches
 
 __all__ = [
-    "KVEngine", "StallProxy", "hybrid_layout", "random_tokens", "shm_names", "stall_proxy",
-    "views_at",
+    "DIGEST_CASES", "KVEngine", "StallProxy", "hybrid_layout", "random_tokens", "shm_names",
+    "stall_proxy", "views_at",
 ]
+
+DIGEST_CASES = [(248, 0, 0), (1024, 8, 2**64 - 1), (1088, 56, 0x9F9F9F9F9F9F9F9F),
+                (2056, 0, 1), (3 * 1024 + 960, 8, 0), (16 * 1024 + 64, 56, 2**63 + 5)]
+"""(payload bytes, padding after the checksum, seed) for the checksum kernels: just long
+enough for xxh3's long path, one block, a block and a stripe, two blocks and a word, a
+partial block of 15 stripes, and more; rows apart by none, a word and 56 bytes."""
 
 
 def views_at(runs: list[Run], count: int) -> list[torch.Tensor | None]:
