@@ -61,13 +61,13 @@ BLOCKS = 4
 # The key table (uint64 words): [0, 128) stripe s's key for lane l at s * 8 + l; then the
 # scramble's 8 keys, the last stripe's 8, the merge's 8, the 8 starting accumulators,
 # and the primes the kernels multiply by (so that no literal above 2**63 is needed).
-_SCRAMBLE: tl.constexpr = 128
-_LAST: tl.constexpr = 136
-_MERGE: tl.constexpr = 144
-_START: tl.constexpr = 152
-_P32_1: tl.constexpr = 160
-_MX1: tl.constexpr = 161
-_P64_1: tl.constexpr = 162
+_SCRAMBLE = tl.constexpr(128)
+_LAST = tl.constexpr(136)
+_MERGE = tl.constexpr(144)
+_START = tl.constexpr(152)
+_P32_1 = tl.constexpr(160)
+_MX1 = tl.constexpr(161)
+_P64_1 = tl.constexpr(162)
 
 
 @functools.lru_cache(maxsize=64)
