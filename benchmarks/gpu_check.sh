@@ -5,35 +5,19 @@
 #
 #   benchmarks/gpu_check.sh [OUT_DIR]        (default: bench-results/gpu)
 #
-# Needs python3 (or $PYTHON) with a CUDA build of torch, setuptools, a C compiler and
-# OpenSSL's headers (CFLAGS and LDFLAGS reach the compiler). The project's other packages
-# are installed from .whl/ when that folder exists (benchmarks/gpu_wheels.sh fills it on
-# a machine that reaches the package index), else from the index. The C extensions are
-# built in place for that Python.
+# Needs what benchmarks/gpu_env.sh says (a CUDA torch, a C compiler, OpenSSL's headers);
+# benchmarks/gpu_wheels.sh fills .whl/ for a host that cannot reach the package index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-results/gpu}"
 mkdir -p "$out"
-py="${PYTHON:-python3}"
-export PYTHONUNBUFFERED=1
-
-site=/tmp/kvsidecar-site
-if [ -d .whl ]; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$site" .whl/*.whl
-else
-  "$py" -m pip install -q --target "$site" $(benchmarks/gpu_wheels.sh --list)
-fi
+source benchmarks/gpu_env.sh
 export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
 
 "$py" -c 'import torch; assert torch.cuda.is_available(), "torch sees no CUDA device"
 print("torch", torch.__version__, "on", torch.cuda.get_device_name(0))' | tee "$out/gpu.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >>"$out/gpu.txt" 2>&1 || true
-if ! "$py" -c 'from setuptools import setup; setup()' build_ext --inplace -q \
-    >"$out/build.log" 2>&1; then
-  tail -40 "$out/build.log"
-  exit 1
-fi
+build_here . "$out/build.log"
 
 set +e
 # Only the plugins the suite needs: a host's own (older or newer) stay out of the run.
