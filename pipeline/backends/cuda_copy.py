@@ -27,7 +27,7 @@ import contextlib
 import functools
 import itertools
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import anyio
 import numpy
@@ -147,34 +147,25 @@ def intact_runs(runs: Sequence[Run], payload_bytes: int, seed: int,
 
 
 @functools.cache
-def _page_kernel() -> Callable[..., None] | None:
-    """``cuda_pages.copy_pages``: one launch a batch; None where Triton is missing."""
+def _kernels() -> tuple[types.ModuleType, types.ModuleType] | None:
+    """The Triton kernels, ``cuda_pages`` (a batch's pages in one launch) and
+    ``cuda_digests``; None where Triton is missing."""
     try:
-        from pipeline.backends.cuda_pages import copy_pages
+        from pipeline.backends import cuda_digests, cuda_pages
     except ImportError:
         return None
-    return copy_pages
-
-
-@functools.cache
-def _digest_kernels() -> types.ModuleType | None:
-    """``cuda_digests``; None where Triton is missing."""
-    try:
-        from pipeline.backends import cuda_digests
-    except ImportError:
-        return None
-    return cuda_digests
+    return cuda_pages, cuda_digests
 
 
 def _checksums_on_device(geometry: StoreGroupGeometry,
                          row_stride: int) -> tuple[types.ModuleType, int] | None:
     """``cuda_digests`` and the seed where the values' checksums are computed on the
     device (one is kept, Triton is, and the kernels take such rows), else None."""
-    kernels, seed = _digest_kernels(), geometry.checksum_seed
+    kernels, seed = _kernels(), geometry.checksum_seed
     if (kernels is None or seed is None
-            or not kernels.digestible(geometry.value_bytes, row_stride)):
+            or not kernels[1].digestible(geometry.value_bytes, row_stride)):
         return None
-    return kernels, seed
+    return kernels[1], seed
 
 
 def word_bytes(geometry: StoreGroupGeometry, row_stride: int) -> int:
@@ -205,12 +196,12 @@ def _move_pages(geometry: StoreGroupGeometry, block_ids: Sequence[int],
     """Engine block ``block_ids[i]``'s pages to row ``rows_of[i]`` of ``rows`` (uint8,
     contiguous, on the device) or back, on the current stream: one kernel where Triton
     is, else a call per segment. ``ok`` (the kernel's only) holds back rows flagged 0."""
-    kernel = _page_kernel()
-    if kernel is not None:
+    kernels = _kernels()
+    if kernels is not None:
         width = word_bytes(geometry, rows.stride(0))
         table = _kernel_table(geometry, block_ids, rows_of, width, device)
-        kernel(table, rows, width, len(block_ids), len(geometry.segments),
-               max(geometry.page_sizes) // width, to_rows=to_rows, ok=ok)
+        kernels[0].copy_pages(table, rows, width, len(block_ids), len(geometry.segments),
+                              max(geometry.page_sizes) // width, to_rows=to_rows, ok=ok)
         return
     assert ok is None, "rows are checked on the device only where the page kernel is"
     ids = torch.tensor(block_ids, dtype=torch.int64).to(device, non_blocking=True)

@@ -192,7 +192,7 @@ def test_one_launch_moves_the_bytes_of_a_call_per_segment(page_bytes: int,
     from pipeline.backends import cuda_copy
     from pipeline.core.geometry import build_store_groups
 
-    assert cuda_copy._page_kernel() is not None
+    assert cuda_copy._kernels() is not None
     layout = KVCacheLayout.from_dict(hybrid_layout(page_bytes=page_bytes))
     generator = torch.Generator(device="cuda").manual_seed(page_bytes)
     shape = (2, NUM_BLOCKS, page_bytes // 2) if kv_first else (NUM_BLOCKS, page_bytes)
