@@ -54,20 +54,21 @@ STRIPES = 16
 """Stripes of 64 bytes in a block: (secret 192 - stripe 64) / 8 bytes consumed each."""
 BLOCK_WORDS = STRIPES * 8
 CHUNK = 16
-"""Block sums ``_finish`` reads at once (one round trip to memory for each 16 blocks)."""
+"""Blocks ``_finish`` steps through with their sums loaded ahead (one wait on memory for
+each 16 blocks)."""
 BLOCKS = 4
 """Blocks each program of ``_block_sums`` sums."""
 
 # The key table (uint64 words): [0, 128) stripe s's key for lane l at s * 8 + l; then the
 # scramble's 8 keys, the last stripe's 8, the merge's 8, the 8 starting accumulators,
-# and the primes the kernels multiply by (so that no literal above 2**63 is needed).
+# and the 64-bit primes the kernels multiply by (no literal may be above 2**63).
 _SCRAMBLE = tl.constexpr(128)
 _LAST = tl.constexpr(136)
 _MERGE = tl.constexpr(144)
 _START = tl.constexpr(152)
-_P32_1 = tl.constexpr(160)
-_MX1 = tl.constexpr(161)
-_P64_1 = tl.constexpr(162)
+_MX1 = tl.constexpr(160)
+_P64_1 = tl.constexpr(161)
+_SCRAMBLE_PRIME = tl.constexpr(_PRIME32[0])
 
 
 @functools.lru_cache(maxsize=64)
@@ -86,7 +87,7 @@ def _keys(seed: int, device: torch.device) -> torch.Tensor:
     stripes = numpy.stack([words[stripe : stripe + 8] for stripe in range(STRIPES)])
     table = numpy.concatenate([
         stripes.ravel(), words[16:24], at(len(secret) - 64 - 7), at(11),
-        numpy.array((*_INIT, _PRIME32[0], _MIX, _PRIME64[0]), dtype=numpy.uint64),
+        numpy.array((*_INIT, _MIX, _PRIME64[0]), dtype=numpy.uint64),
     ])
     return torch.from_numpy(table.view(numpy.int64)).to(device)
 
@@ -144,11 +145,23 @@ def _block_sums(rows, sums, keys, row_words, blocks, BLOCKS: tl.constexpr):
             tl.store(out + block * 8 + lane + 1, odd)
 
 
+@triton.jit
+def _scramble(accumulators, block_sums, keys):
+    """The accumulators after a block: its sums added, then scrambled
+    (``XXH3_scrambleAcc``; the prime fits 32 bits, so the multiply is a short one)."""
+    accumulators += block_sums
+    return (accumulators ^ (accumulators >> 47) ^ keys) * _SCRAMBLE_PRIME
+
+
 @triton.jit(do_not_specialize=["row_words", "payload_words", "blocks", "tail"])
 def _finish(rows, sums, keys, ok, row_words, payload_words, blocks, tail,
             CHECK: tl.constexpr, CHUNK: tl.constexpr):
     """Program (row): the row's digest, from its block sums on, written after the payload
-    or (``CHECK``) compared with what is there, into ``ok[row]``."""
+    or (``CHECK``) compared with what is there, into ``ok[row]``.
+
+    The blocks chain one after another, so this walk is a row's latency: each step is a
+    few integer operations on values in registers (one warp, no reduction), and the sums
+    of ``CHUNK`` blocks are loaded before their steps, one wait on memory for them all."""
     row = tl.program_id(0)
     words = rows.to(tl.pointer_type(tl.uint64)) + row * row_words
     table = keys.to(tl.pointer_type(tl.uint64))
@@ -157,21 +170,16 @@ def _finish(rows, sums, keys, ok, row_words, payload_words, blocks, tail,
     odd = tl.load(table + _START + lane + 1)
     scramble_even = tl.load(table + _SCRAMBLE + lane)
     scramble_odd = tl.load(table + _SCRAMBLE + lane + 1)
-    prime = tl.load(table + _P32_1)
-    block_sums = sums.to(tl.pointer_type(tl.uint64)) + row * blocks * 8
-    pick = tl.arange(0, CHUNK)[:, None]
-    for start in range(0, blocks, CHUNK):
-        mask = start + pick < blocks
-        chunk_even = tl.load(block_sums + (start + pick) * 8 + lane[None, :], mask=mask,
-                             other=0)
-        chunk_odd = tl.load(block_sums + (start + pick) * 8 + lane[None, :] + 1, mask=mask,
-                            other=0)
+    block_sums = sums.to(tl.pointer_type(tl.uint64)) + row * blocks * 8 + lane
+    whole = blocks - blocks % CHUNK
+    for start in range(0, whole, CHUNK):
         for step in tl.static_range(CHUNK):
-            if start + step < blocks:
-                even += tl.sum(tl.where(pick == step, chunk_even, 0), axis=0)
-                odd += tl.sum(tl.where(pick == step, chunk_odd, 0), axis=0)
-                even = (even ^ (even >> 47) ^ scramble_even) * prime
-                odd = (odd ^ (odd >> 47) ^ scramble_odd) * prime
+            at = block_sums + (start + step) * 8
+            even = _scramble(even, tl.load(at), scramble_even)
+            odd = _scramble(odd, tl.load(at + 1), scramble_odd)
+    for block in range(whole, blocks):
+        even = _scramble(even, tl.load(block_sums + block * 8), scramble_even)
+        odd = _scramble(odd, tl.load(block_sums + block * 8 + 1), scramble_odd)
     to_even, to_odd = _stripes(words + blocks * 128, table, tail)
     even += to_even
     odd += to_odd
@@ -202,7 +210,8 @@ def _digest(rows: torch.Tensor, payload_bytes: int, seed: int, ok: torch.Tensor 
         _block_sums[(count, triton.cdiv(blocks, BLOCKS))](rows, sums, keys, row_words, blocks,
                                                          BLOCKS=BLOCKS)
     _finish[(count,)](rows, sums, keys, rows if ok is None else ok, row_words,
-                      payload_bytes // 8, blocks, tail, CHECK=ok is not None, CHUNK=CHUNK)
+                      payload_bytes // 8, blocks, tail, CHECK=ok is not None, CHUNK=CHUNK,
+                      num_warps=1)
 
 
 def seal_on_device(rows: torch.Tensor, payload_bytes: int, seed: int) -> None:

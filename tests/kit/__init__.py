@@ -26,10 +26,13 @@ __all__ = [
 ]
 
 DIGEST_CASES = [(248, 0, 0), (1024, 8, 2**64 - 1), (1088, 56, 0x9F9F9F9F9F9F9F9F),
-                (2056, 0, 1), (3 * 1024 + 960, 8, 0), (16 * 1024 + 64, 56, 2**63 + 5)]
+                (2056, 0, 1), (3 * 1024 + 960, 8, 0), (16 * 1024 + 64, 56, 2**63 + 5),
+                (40 * 1024 + 8, 8, 3)]
 """(payload bytes, padding after the checksum, seed) for the checksum kernels: just long
 enough for xxh3's long path, one block, a block and a stripe, two blocks and a word, a
-partial block of 15 stripes, and more; rows apart by none, a word and 56 bytes."""
+partial block of 15 stripes, 16 blocks and a stripe, and 40 blocks and a word (the GPU
+walks a row's blocks 16 at a time, then the rest one by one); rows apart by none, a word
+and 56 bytes."""
 
 
 def views_at(runs: list[Run], count: int) -> list[torch.Tensor | None]:

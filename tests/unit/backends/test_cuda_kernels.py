@@ -83,30 +83,32 @@ def test_the_page_kernel_moves_pages_and_holds_back_failed_rows(cases_and_made) 
 
 
 def kernel_builds() -> list[object]:
-    """(kernel, argument types, constants) of every compile the sidecar asks for."""
+    """(kernel, argument types, constants, options) of every compile the sidecar asks for."""
     digests = {"rows": "*u8", "sums": "*i64", "keys": "*i64", "row_words": "i32",
                "blocks": "i32"}
     finish = {**digests, "ok": "*i8", "payload_words": "i32", "tail": "i32"}
     pages = {"table": "*i64", "ok": "*i8", "pages_at": "i32", "rows_at": "i32",
              "segments": "i32", "row_stride": "i32"}
     builds = [
-        pytest.param("cuda_digests._block_sums", digests, {"BLOCKS": 4}, id="block_sums"),
+        pytest.param("cuda_digests._block_sums", digests, {"BLOCKS": 4}, {}, id="block_sums"),
         *[pytest.param("cuda_digests._finish", finish, {"CHECK": check, "CHUNK": 16},
-                       id=f"finish-{'check' if check else 'seal'}") for check in (False, True)],
+                       {"num_warps": 1}, id=f"finish-{'check' if check else 'seal'}")
+          for check in (False, True)],
     ]
     for word in ("*i64", "*i32", "*i16", "*u8"):
         for to_rows, checked, name in ((True, False, "gather"), (False, False, "scatter"),
                                        (False, True, "checked_scatter")):
             builds.append(pytest.param(
                 "cuda_pages._copy_pages", {**pages, "rows": word},
-                {"TO_ROWS": to_rows, "CHECKED": checked, "BLOCK": 2048},
+                {"TO_ROWS": to_rows, "CHECKED": checked, "BLOCK": 2048}, {},
                 id=f"copy_pages-{name}-{word[1:]}"))
     return builds
 
 
-@pytest.mark.parametrize(("kernel", "types", "constants"), kernel_builds())
+@pytest.mark.parametrize(("kernel", "types", "constants", "options"), kernel_builds())
 def test_the_kernels_compile_for_a_hopper_gpu(kernel: str, types: dict[str, str],
-                                             constants: dict[str, object]) -> None:
+                                             constants: dict[str, object],
+                                             options: dict[str, object]) -> None:
     """Each kernel, in each form the sidecar launches, compiles to a cubin for sm_90 on
     this machine (Triton carries its own ptxas): the interpreter runs Python, so what
     only the compiler refuses (a global that is not a constexpr, say) shows here."""
@@ -121,5 +123,5 @@ def test_the_kernels_compile_for_a_hopper_gpu(kernel: str, types: dict[str, str]
                  for arg in function.arg_names}
     source = triton.compiler.ASTSource(fn=function, signature=signature,
                                        constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.asm["cubin"]
