@@ -13,7 +13,10 @@ the reverse for a load; all of a round queued, then one synchronize.
         [--requests 16] [--concurrency 4] [--repeat 5] [--checksum on off]
         [--threads N] [--profile {cprofile,py-spy}]
 
-Ratios are sidecar GB/s over bare GB/s (goal: >= 0.9). Loaded blocks are compared with
+Ratios are sidecar GB/s over bare GB/s (goal: >= 0.9); each request's share of a round's
+time is printed beside the sidecar's own medians, from its log (receipt to when each
+stage finished its part, and to the reply): at one in flight, what the request spent
+outside the sidecar is the difference. Loaded blocks are compared with
 the saved ones byte for byte. Results go to benchmarks/results/bench_cuda_copy.json.
 """
 
@@ -36,6 +39,7 @@ from harness import (
     DEFAULT_CONFIG,
     median,
     profile_path,
+    request_medians,
     run_requests,
     spawned_sidecar,
     write_results,
@@ -150,7 +154,9 @@ async def measure(args: argparse.Namespace, endpoint: str, engine: Engine) -> di
     def gbps(key: str) -> float:
         return round_bytes / median([r[key] for r in rounds]) / 1e9
 
-    result = {name: round(gbps(name), 2) for name in rounds[0]}
+    result: dict[str, Any] = {name: round(gbps(name), 2) for name in rounds[0]}
+    result["ms_per_request"] = {name: round(median([r[name] for r in rounds])
+                                            / args.requests * 1e3, 3) for name in rounds[0]}
     result["save_ratio"] = round(median([r["bare_save"] / r["sidecar_save"] for r in rounds]), 3)
     result["load_ratio"] = round(median([r["bare_load"] / r["sidecar_load"] for r in rounds]), 3)
     return result
@@ -194,13 +200,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             path.write_bytes(msgspec.yaml.encode(config))
             profile_out = profile_path(f"bench_cuda_copy.checksum-{checksum}", args.profile)
             with spawned_sidecar(path, profile=args.profile, profile_out=profile_out) as sidecar:
-                results[f"checksum_{checksum}"] = anyio.run(measure, args, sidecar.endpoint,
-                                                            engine)
-            figures = results[f"checksum_{checksum}"]
+                figures = anyio.run(measure, args, sidecar.endpoint, engine)
+                figures["inside_ms"] = request_medians(sidecar.final_log(timeout_s=60))
+            results[f"checksum_{checksum}"] = figures
             print(f"checksum {checksum}: save {figures['sidecar_save']} GB/s "
                   f"(bare {figures['bare_save']}) ratio {figures['save_ratio']}; "
                   f"load {figures['sidecar_load']} GB/s (bare {figures['bare_load']}) "
                   f"ratio {figures['load_ratio']}  [goal >= {GOAL}]", flush=True)
+            for kind in ("save", "load"):
+                each = figures["ms_per_request"]
+                inside = figures["inside_ms"].get(kind, {})
+                print(f"  a {kind}, ms: bare {each[f'bare_{kind}']}, sidecar "
+                      f"{each[f'sidecar_{kind}']}, inside it (receipt to each stage's end) "
+                      + ", ".join(f"{stage} {ms}" for stage, ms in inside.items()), flush=True)
     write_results("bench_cuda_copy", {
         "device": torch.cuda.get_device_name(0), "goal": GOAL, "args": vars(args),
         "results": results,

@@ -143,6 +143,20 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
+def request_medians(log: str) -> dict[str, dict[str, float]]:
+    """For each kind of request in a sidecar's log, the medians of its ``request.done``
+    lines, in ms after receipt: when each stage finished its part, and ``ms``, when the
+    reply was handed to the socket."""
+    by_kind: dict[str, list[dict[str, float]]] = {}
+    for line in log.splitlines():
+        if '"request.done"' in line:
+            done = json.loads(line)
+            by_kind.setdefault(done["kind"], []).append({**done["stages"], "ms": done["ms"]})
+    return {kind: {name: round(median([done[name] for done in lines if name in done]), 3)
+                   for name in dict.fromkeys(name for done in lines for name in done)}
+            for kind, lines in by_kind.items()}
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-quantile (0..1) by nearest rank on sorted samples."""
     ordered = sorted(values)

@@ -53,11 +53,14 @@ LONG = 240
 STRIPES = 16
 """Stripes of 64 bytes in a block: (secret 192 - stripe 64) / 8 bytes consumed each."""
 BLOCK_WORDS = STRIPES * 8
-CHUNK = 16
+CHUNK = 32
 """Blocks ``_finish`` steps through with their sums loaded ahead (one wait on memory for
-each 16 blocks)."""
-BLOCKS = 4
+each 32 blocks)."""
+BLOCKS = 8
 """Blocks each program of ``_block_sums`` sums."""
+WARPS = 1
+"""Warps a program of either kernel (on an H200, one did both kernels' work quickest:
+``_finish`` has no work to share, and ``_block_sums`` a block's 16 x 8 words)."""
 
 # The key table (uint64 words): [0, 128) stripe s's key for lane l at s * 8 + l; then the
 # scramble's 8 keys, the last stripe's 8, the merge's 8, the 8 starting accumulators,
@@ -208,10 +211,10 @@ def _digest(rows: torch.Tensor, payload_bytes: int, seed: int, ok: torch.Tensor 
     sums = torch.empty((count, max(blocks, 1), 8), dtype=torch.int64, device=rows.device)
     if blocks:
         _block_sums[(count, triton.cdiv(blocks, BLOCKS))](rows, sums, keys, row_words, blocks,
-                                                         BLOCKS=BLOCKS)
+                                                         BLOCKS=BLOCKS, num_warps=WARPS)
     _finish[(count,)](rows, sums, keys, rows if ok is None else ok, row_words,
                       payload_bytes // 8, blocks, tail, CHECK=ok is not None, CHUNK=CHUNK,
-                      num_warps=1)
+                      num_warps=WARPS)
 
 
 def seal_on_device(rows: torch.Tensor, payload_bytes: int, seed: int) -> None:

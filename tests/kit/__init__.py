@@ -31,8 +31,8 @@ DIGEST_CASES = [(248, 0, 0), (1024, 8, 2**64 - 1), (1088, 56, 0x9F9F9F9F9F9F9F9F
 """(payload bytes, padding after the checksum, seed) for the checksum kernels: just long
 enough for xxh3's long path, one block, a block and a stripe, two blocks and a word, a
 partial block of 15 stripes, 16 blocks and a stripe, and 40 blocks and a word (the GPU
-walks a row's blocks 16 at a time, then the rest one by one); rows apart by none, a word
-and 56 bytes."""
+walks a row's blocks in chunks of ``cuda_digests.CHUNK``, then the rest one by one); rows
+apart by none, a word and 56 bytes."""
 
 
 def views_at(runs: list[Run], count: int) -> list[torch.Tensor | None]:

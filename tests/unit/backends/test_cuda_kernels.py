@@ -84,15 +84,20 @@ def test_the_page_kernel_moves_pages_and_holds_back_failed_rows(cases_and_made) 
 
 def kernel_builds() -> list[object]:
     """(kernel, argument types, constants, options) of every compile the sidecar asks for."""
+    from pipeline.backends import cuda_digests, cuda_pages
+
     digests = {"rows": "*u8", "sums": "*i64", "keys": "*i64", "row_words": "i32",
                "blocks": "i32"}
     finish = {**digests, "ok": "*i8", "payload_words": "i32", "tail": "i32"}
     pages = {"table": "*i64", "ok": "*i8", "pages_at": "i32", "rows_at": "i32",
              "segments": "i32", "row_stride": "i32"}
+    warps = {"num_warps": cuda_digests.WARPS}
     builds = [
-        pytest.param("cuda_digests._block_sums", digests, {"BLOCKS": 4}, {}, id="block_sums"),
-        *[pytest.param("cuda_digests._finish", finish, {"CHECK": check, "CHUNK": 16},
-                       {"num_warps": 1}, id=f"finish-{'check' if check else 'seal'}")
+        pytest.param("cuda_digests._block_sums", digests, {"BLOCKS": cuda_digests.BLOCKS},
+                     warps, id="block_sums"),
+        *[pytest.param("cuda_digests._finish", finish,
+                       {"CHECK": check, "CHUNK": cuda_digests.CHUNK}, warps,
+                       id=f"finish-{'check' if check else 'seal'}")
           for check in (False, True)],
     ]
     for word in ("*i64", "*i32", "*i16", "*u8"):
@@ -100,7 +105,7 @@ def kernel_builds() -> list[object]:
                                        (False, True, "checked_scatter")):
             builds.append(pytest.param(
                 "cuda_pages._copy_pages", {**pages, "rows": word},
-                {"TO_ROWS": to_rows, "CHECKED": checked, "BLOCK": 2048}, {},
+                {"TO_ROWS": to_rows, "CHECKED": checked, "BLOCK": cuda_pages.BLOCK}, {},
                 id=f"copy_pages-{name}-{word[1:]}"))
     return builds
 
