@@ -9,6 +9,7 @@ error.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
@@ -27,6 +28,7 @@ from pipeline.backends.cpu_copy import copy_features
 from pipeline.backends.faults import Faults
 from pipeline.core.config import Config
 from pipeline.core.errors import StoreError, TransportError
+from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.keys import ValueFormat
 from pipeline.core.messages import CudaIpcEvent, TensorHandle
 from pipeline.core.store import PiecewiseKVStore
@@ -48,6 +50,9 @@ SWITCH_INTERVAL_S = 0.0005
 """How long a thread holds the GIL while another waits for it (Python's default: 5 ms)."""
 OWNER_CHECK_S = 1.0
 """How often the engines whose memory is mapped are checked for having exited."""
+KERNEL_COMPILES = 16
+"""Registrations whose GPU kernels may wait to be compiled; past them, an engine's first
+copies compile its kernels (most engines share theirs: one compile serves them all)."""
 
 
 def map_shared_tensors(handles: Sequence[TensorHandle]) -> tuple[LayerTensors, MappedTensors]:
@@ -127,6 +132,8 @@ class Sidecar:
         events: KVEventLog, history: BlockHistory,
     ) -> None:
         self.config = config
+        self._kernels_to_compile, self._kernels_inbox = anyio.create_memory_object_stream[
+            tuple[StoreGroupGeometry, ...]](KERNEL_COMPILES)
         self.history = history
         self.faults = faults
         self.backends = backends
@@ -143,6 +150,8 @@ class Sidecar:
                 (pool.slots - pool.load_slots) * (pool.slot_bytes // value_bytes)
             ),
             open_step_event=_step_events(config),
+            prepare_copies=self._queue_kernels if config.stages.transfer.device == "cuda"
+            else None,
         )
         self.graph = build_graph(config)
         self.tracker = JobTracker(self.graph.inline_first(SAVE_COMPLETION),
@@ -154,6 +163,22 @@ class Sidecar:
             load_copy_waits=backends.load_copy.waits,
         )
         self.socket = socket
+
+    def _queue_kernels(self, geometries: tuple[StoreGroupGeometry, ...]) -> None:
+        """Have the GPU kernels of a newly registered engine's copies compiled (by
+        ``_compile_kernels``); while too many registrations wait, its first copies
+        compile them."""
+        with contextlib.suppress(anyio.WouldBlock):
+            self._kernels_to_compile.send_nowait(geometries)
+
+    async def _compile_kernels(self) -> None:
+        """Compile the kernels each registration queued, in a worker thread, so that no
+        compile runs on the event loop while every engine waits
+        (``cuda_copy.compile_kernels``)."""
+        from pipeline.backends.cuda_copy import compile_kernels
+
+        async for geometries in self._kernels_inbox:
+            await anyio.to_thread.run_sync(compile_kernels, geometries)
 
     def alone(self) -> bool:
         """Whether the event loop has nothing else to do: one job in flight (the one
@@ -250,6 +275,8 @@ class Sidecar:
                     self.events.cleared()  # the store starts empty
             root.start_soon(receiver.run, name="receive")
             root.start_soon(self._reap_loop, name="reap")
+            if self.config.stages.transfer.device == "cuda":
+                root.start_soon(self._compile_kernels, name="kernels")
             drained = anyio.Event()
             pipeline_scope = anyio.CancelScope()
 

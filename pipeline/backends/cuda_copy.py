@@ -26,24 +26,28 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import time
 import types
 from collections.abc import Iterator, Sequence
 
 import anyio
 import numpy
+import structlog
 import torch
 
 from pipeline.backends.cpu_copy import HelperThreads, page_table, row_digests
 from pipeline.core.errors import ConfigError
 from pipeline.core.geometry import Segment, StoreGroupGeometry
 from pipeline.core.integrity import CHECKSUM_BYTES
-from pipeline.core.runs import Run
+from pipeline.core.runs import Run, value_span
 from pipeline.core.seams import CopyEngine
 
 __all__ = [
-    "CudaCopyEngine", "gather_blocks", "intact_runs", "pinned", "scatter_blocks", "seal_runs",
-    "span_of",
+    "CudaCopyEngine", "compile_kernels", "gather_blocks", "intact_runs", "pinned",
+    "scatter_blocks", "seal_runs", "span_of",
 ]
+
+log = structlog.get_logger("kvsidecar.copy")
 
 
 def span_of(rows: torch.Tensor) -> torch.Tensor:
@@ -212,6 +216,53 @@ def _move_pages(geometry: StoreGroupGeometry, block_ids: Sequence[int],
         gather_blocks(geometry.segments, ids, picked)
     else:
         scatter_blocks(geometry.segments, ids, picked)
+
+
+def compile_kernels(geometries: Sequence[StoreGroupGeometry]) -> None:
+    """Compile the Triton kernels the copies of these geometries launch, by launching
+    each once on scratch memory of their blocks' device (never on the blocks): meant for
+    a worker thread at an engine's registration, so that its first save and load find
+    them compiled instead of compiling them on the event loop while every engine waits
+    (a second or more each where Triton's disk cache is cold). Rows are taken to lie as
+    a store lending them lays them (``value_span``); rows that lie otherwise may leave
+    a word width to compile at the first copy. A failure is logged, and the first copy
+    compiles (or fails) as it would have."""
+    kernels = _kernels()
+    on_gpu = [(geometry, device) for geometry in geometries
+              if (device := _device_of(geometry)) is not None]
+    if kernels is None or not on_gpu:
+        return
+    started = time.monotonic()
+    try:
+        for geometry, device in on_gpu:
+            _launch_once(kernels[0], geometry, device)
+    except Exception as exc:  # Triton's and CUDA's errors alike
+        log.warning("cuda.kernels.failed", error=repr(exc))
+        return
+    log.info("cuda.kernels.compiled", seconds=round(time.monotonic() - started, 3))
+
+
+def _launch_once(pages: types.ModuleType, geometry: StoreGroupGeometry,
+                 device: torch.device) -> None:
+    """Each kernel a copy of the geometry's values launches, once, on one row and one
+    page of scratch memory, as ``gather`` and ``scatter`` launch them."""
+    stride = value_span(geometry.stored_bytes)
+    width = word_bytes(geometry, stride)
+    on_device = _checksums_on_device(geometry, stride)
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(stream):
+        rows = torch.zeros((1, stride), dtype=torch.uint8, device=device)
+        page = torch.zeros(width, dtype=torch.uint8, device=device)
+        # One value, one segment: its page at row offset 0, one word long, at ``page``.
+        table = torch.tensor([0, 1, page.data_ptr(), 0], dtype=torch.int64, device=device)
+        pages.copy_pages(table, rows, width, 1, 1, 1, to_rows=True)
+        ok = None
+        if on_device is not None:
+            digests, seed = on_device
+            digests.seal_on_device(rows, geometry.value_bytes, seed)
+            ok = digests.check_on_device(rows, geometry.value_bytes, seed)
+        pages.copy_pages(table, rows, width, 1, 1, 1, to_rows=False, ok=ok)
+    stream.synchronize()
 
 
 def _device_of(geometry: StoreGroupGeometry) -> torch.device | None:

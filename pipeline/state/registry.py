@@ -47,11 +47,15 @@ class SessionRegistry:
         max_value_bytes: int,
         save_capacity_blocks: Callable[[int], int],
         open_step_event: Callable[[CudaIpcEvent], torch.cuda.Event] | None = None,
+        prepare_copies: Callable[[tuple[StoreGroupGeometry, ...]], None] | None = None,
     ) -> None:
         """``open_step_event``: opens an engine's step event; None: GPU tensors are
-        not served (the copies are CPU threads)."""
+        not served (the copies are CPU threads). ``prepare_copies``: told the store
+        groups of each engine registered with tensors, to ready what their copies need
+        (it must return at once)."""
         self._map_tensors = map_tensors
         self._open_step_event = open_step_event
+        self._prepare_copies = prepare_copies
         self._checksum = checksum
         self._value_format = value_format
         self._max_value_bytes = max_value_bytes
@@ -101,6 +105,8 @@ class SessionRegistry:
             store_groups, mapping = self._lookup_groups(layout, message)
         else:
             store_groups, mapping = self._mapped_groups(layout, message)
+            if self._prepare_copies is not None:
+                self._prepare_copies(store_groups)
 
         old = self.sessions.pop(identity, None)
         if old is not None:

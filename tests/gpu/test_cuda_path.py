@@ -4,6 +4,7 @@ where torch sees no CUDA device (``benchmarks/gpu_check.sh`` runs them on a GPU 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -85,6 +86,9 @@ async def test_gpu_blocks_are_saved_and_loaded_byte_exact(
         assert torch.equal(block(caches[layer], 4), block(caches[layer], 24))
     for layer, before in ring.items():
         assert torch.equal(caches[layer], before)
+    # The engine's kernels were compiled off the event loop as it registered.
+    log = gpu_sidecar.wait_log(lambda log: "cuda.kernels." in log, timeout_s=TIMEOUT)
+    assert "cuda.kernels.compiled" in log and "cuda.kernels.failed" not in log
 
 
 async def test_a_save_waits_for_the_forward_that_wrote_the_blocks(
@@ -217,6 +221,65 @@ def test_one_launch_moves_the_bytes_of_a_call_per_segment(page_bytes: int,
         for segment, old in zip(geometry.segments, before, strict=True):
             old[[50, 51]] = old[[5, 2]]
             assert torch.equal(segment.blocks, old)
+
+
+KERNELS = textwrap.dedent("""
+    import json, sys, anyio, torch
+    from pipeline.backends import cuda_copy
+    from pipeline.backends.cpu_copy import CopyThreads
+    from pipeline.backends.threads import WorkerThreads
+    from pipeline.core.geometry import build_store_groups
+    from pipeline.core.layout import KVCacheLayout
+    from pipeline.core.runs import Run, value_span
+    from tests.gpu.test_cuda_path import PAGE_BYTES, gpu_caches
+    from tests.kit import hybrid_layout
+
+    layout = KVCacheLayout.from_dict(hybrid_layout(page_bytes=PAGE_BYTES))
+    caches = gpu_caches(layout)
+    geometries = build_store_groups(layout, {layer: (t, 0) for layer, t in caches.items()})
+    if sys.argv[1] == "compiled":
+        cuda_copy.compile_kernels(geometries)
+    compiled = []
+
+    def hook(**info):  # Triton's: a kernel not compiled in this process yet
+        compiled.append(info["repr"])
+
+    try:
+        from triton import knobs
+        knobs.runtime.jit_cache_hook = hook
+    except ImportError:  # Triton before 3.4
+        from triton.runtime.jit import JITFunction
+        JITFunction.cache_hook = hook
+    engine = cuda_copy.CudaCopyEngine(CopyThreads(WorkerThreads(1, name="test")),
+                                      anyio.CapacityLimiter(2), streams=2)
+
+    async def round_trip():
+        for geometry in geometries:
+            memory = torch.zeros((2, value_span(geometry.stored_bytes)), dtype=torch.uint8)
+            runs = [Run(0, memory[:, : geometry.stored_bytes])]
+            await engine.gather(geometry, [1, 2], runs)
+            assert await engine.scatter(geometry, [3, 4], runs) == [True, True]
+
+    anyio.run(round_trip)
+    print(json.dumps(compiled))
+""")
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "control"])
+def test_a_registered_engines_first_copies_compile_no_kernel(compiled: bool) -> None:
+    """``compile_kernels`` (which the sidecar runs in a worker thread as an engine
+    registers) compiles every kernel a save and a load of the engine's groups launch: in
+    a fresh process, such a round trip after it compiles nothing, and without it the
+    same round trip compiles (the check can fail)."""
+    pytest.importorskip("triton")
+    done = subprocess.run([sys.executable, "-c", KERNELS, "compiled" if compiled else "cold"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    kernels = json.loads(done.stdout.strip().splitlines()[-1])
+    if compiled:
+        assert kernels == []
+    else:
+        assert kernels
 
 
 @pytest.mark.parametrize(("payload", "padding", "seed"), DIGEST_CASES)

@@ -3,7 +3,7 @@ the stored groups' tensors; re-registration replaces the session and releases it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pipeline.core.errors import RequestRejected, TransportError
+from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.hashing import block_hashes
 from pipeline.core.messages import (
     PROTOCOL_VERSION,
@@ -125,11 +126,14 @@ class FakeMapper:
         return {layer for call in self.calls for layer in call}
 
 
-def registry(mapper: FakeMapper, *, max_value_bytes: int = 1 << 20) -> SessionRegistry:
+def registry(mapper: FakeMapper, *, max_value_bytes: int = 1 << 20,
+             prepare_copies: Callable[[Sequence[StoreGroupGeometry]], None] | None = None,
+             ) -> SessionRegistry:
     return SessionRegistry(
         mapper,
         max_value_bytes=max_value_bytes,
         save_capacity_blocks=lambda value_bytes: 4096 // value_bytes,
+        prepare_copies=prepare_copies,
     )
 
 
@@ -158,6 +162,25 @@ def test_registration_maps_only_the_stored_groups_layers() -> None:
     # Each stored value carries its 8-byte checksum after the payload.
     assert session.store_groups[0].stored_bytes == value_bytes + 8
     assert reply.save_capacity_blocks == 4096 // (value_bytes + 8)
+
+
+def test_copies_are_prepared_for_each_engine_registered_with_tensors() -> None:
+    """The copies are prepared (their GPU kernels compiled) with the store groups of each
+    engine registered with tensors; never for a rejected registration or one that only
+    looks up."""
+    prepared: list[tuple[int, ...]] = []
+
+    def prepare(groups: Sequence[StoreGroupGeometry]) -> None:
+        prepared.append(tuple(g.kv_group_id for g in groups))
+
+    # A value over the 100 bytes of a staging slot.
+    rejected(registry(FakeMapper(), max_value_bytes=100, prepare_copies=prepare), register(),
+             "bad_tensors")
+    reg = registry(FakeMapper(), prepare_copies=prepare)
+    session, _ = reg.register(b"engine", register())
+    reg.register(b"looker", msgspec.structs.replace(register(tensors=()), lookup_only=True))
+    assert prepared == [(0, 2)]
+    assert [g.kv_group_id for g in session.store_groups] == [0, 2]
 
 
 def test_gpu_tensors_are_refused_by_a_sidecar_that_copies_with_threads() -> None:
