@@ -25,6 +25,7 @@ from pipeline.app.dispatch import Receiver
 from pipeline.app.graph import LOAD_COMPLETION, SAVE_COMPLETION, Resources, build_graph
 from pipeline.app.metrics import BackendGauges, Metrics
 from pipeline.backends.cpu_copy import copy_features
+from pipeline.backends.cuda_copy import KernelForms, compile_kernels, kernel_forms
 from pipeline.backends.faults import Faults
 from pipeline.core.config import Config
 from pipeline.core.errors import StoreError, TransportError
@@ -133,7 +134,7 @@ class Sidecar:
     ) -> None:
         self.config = config
         self._kernels_to_compile, self._kernels_inbox = anyio.create_memory_object_stream[
-            tuple[StoreGroupGeometry, ...]](KERNEL_COMPILES)
+            set[KernelForms]](KERNEL_COMPILES)
         self.history = history
         self.faults = faults
         self.backends = backends
@@ -167,18 +168,16 @@ class Sidecar:
     def _queue_kernels(self, geometries: tuple[StoreGroupGeometry, ...]) -> None:
         """Have the GPU kernels of a newly registered engine's copies compiled (by
         ``_compile_kernels``); while too many registrations wait, its first copies
-        compile them."""
+        compile them. What waits names no engine memory (``KernelForms``)."""
         with contextlib.suppress(anyio.WouldBlock):
-            self._kernels_to_compile.send_nowait(geometries)
+            self._kernels_to_compile.send_nowait(kernel_forms(geometries))
 
     async def _compile_kernels(self) -> None:
         """Compile the kernels each registration queued, in a worker thread, so that no
         compile runs on the event loop while every engine waits
         (``cuda_copy.compile_kernels``)."""
-        from pipeline.backends.cuda_copy import compile_kernels
-
-        async for geometries in self._kernels_inbox:
-            await anyio.to_thread.run_sync(compile_kernels, geometries)
+        async for forms in self._kernels_inbox:
+            await anyio.to_thread.run_sync(compile_kernels, forms)
 
     def alone(self) -> bool:
         """Whether the event loop has nothing else to do: one job in flight (the one

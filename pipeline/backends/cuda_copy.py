@@ -24,11 +24,12 @@ Its tests are marked ``gpu`` (``benchmarks/gpu_check.sh`` runs them on a GPU hos
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import time
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import anyio
 import numpy
@@ -43,8 +44,8 @@ from pipeline.core.runs import Run, value_span
 from pipeline.core.seams import CopyEngine
 
 __all__ = [
-    "CudaCopyEngine", "compile_kernels", "gather_blocks", "intact_runs", "pinned",
-    "scatter_blocks", "seal_runs", "span_of",
+    "CudaCopyEngine", "KernelForms", "compile_kernels", "gather_blocks", "intact_runs",
+    "kernel_forms", "pinned", "scatter_blocks", "seal_runs", "span_of",
 ]
 
 log = structlog.get_logger("kvsidecar.copy")
@@ -161,13 +162,13 @@ def _kernels() -> tuple[types.ModuleType, types.ModuleType] | None:
     return cuda_pages, cuda_digests
 
 
-def _checksums_on_device(geometry: StoreGroupGeometry,
+def _checksums_on_device(value_bytes: int, seed: int | None,
                          row_stride: int) -> tuple[types.ModuleType, int] | None:
-    """``cuda_digests`` and the seed where the values' checksums are computed on the
-    device (one is kept, Triton is, and the kernels take such rows), else None."""
-    kernels, seed = _kernels(), geometry.checksum_seed
-    if (kernels is None or seed is None
-            or not kernels[1].digestible(geometry.value_bytes, row_stride)):
+    """``cuda_digests`` and the seed where the checksums of values of ``value_bytes``
+    are computed on the device (one is kept, Triton is, and the kernels take such rows),
+    else None."""
+    kernels = _kernels()
+    if kernels is None or seed is None or not kernels[1].digestible(value_bytes, row_stride):
         return None
     return kernels[1], seed
 
@@ -218,50 +219,72 @@ def _move_pages(geometry: StoreGroupGeometry, block_ids: Sequence[int],
         scatter_blocks(geometry.segments, ids, picked)
 
 
-def compile_kernels(geometries: Sequence[StoreGroupGeometry]) -> None:
-    """Compile the Triton kernels the copies of these geometries launch, by launching
-    each once on scratch memory of their blocks' device (never on the blocks): meant for
-    a worker thread at an engine's registration, so that its first save and load find
-    them compiled instead of compiling them on the event loop while every engine waits
-    (a second or more each where Triton's disk cache is cold). Rows are taken to lie as
-    a store lending them lays them (``value_span``); rows that lie otherwise may leave
-    a word width to compile at the first copy. A failure is logged, and the first copy
-    compiles (or fails) as it would have."""
+@dataclasses.dataclass(frozen=True)
+class KernelForms:
+    """What decides the forms of the kernels a geometry's copies launch, and nothing of
+    its blocks: held while its compile waits, a reference to them would keep an engine's
+    memory mapped after the engine is gone."""
+
+    device: torch.device
+    word: int
+    row_stride: int
+    value_bytes: int
+    checksum_seed: int | None
+
+
+def kernel_forms(geometries: Sequence[StoreGroupGeometry]) -> set[KernelForms]:
+    """The forms the copies of these geometries take, rows lying as a store lending them
+    lays them (``value_span``): rows that lie otherwise may leave a word width for the
+    first copy to compile."""
+    forms = set()
+    for geometry in geometries:
+        if geometry.segments:
+            stride = value_span(geometry.stored_bytes)
+            forms.add(KernelForms(geometry.segments[0].blocks.device,
+                                  word_bytes(geometry, stride), stride,
+                                  geometry.value_bytes, geometry.checksum_seed))
+    return forms
+
+
+def compile_kernels(forms: Iterable[KernelForms]) -> None:
+    """Compile the Triton kernels of these forms (those on a GPU), by launching each once
+    on scratch memory of the device: meant for a worker thread at an engine's
+    registration, so that its first save and load find them compiled instead of
+    compiling them on the event loop while every engine waits (a second or more each
+    where Triton's disk cache is cold). A failure is logged, and the first copy compiles
+    (or fails) as it would have."""
     kernels = _kernels()
-    on_gpu = [(geometry, device) for geometry in geometries
-              if (device := _device_of(geometry)) is not None]
+    on_gpu = [form for form in forms if form.device.type == "cuda"]
     if kernels is None or not on_gpu:
         return
     started = time.monotonic()
     try:
-        for geometry, device in on_gpu:
-            _launch_once(kernels[0], geometry, device)
+        for form in on_gpu:
+            _launch_once(kernels[0], form)
     except Exception as exc:  # Triton's and CUDA's errors alike
         log.warning("cuda.kernels.failed", error=repr(exc))
         return
     log.info("cuda.kernels.compiled", seconds=round(time.monotonic() - started, 3))
 
 
-def _launch_once(pages: types.ModuleType, geometry: StoreGroupGeometry,
-                 device: torch.device) -> None:
-    """Each kernel a copy of the geometry's values launches, once, on one row and one
-    page of scratch memory, as ``gather`` and ``scatter`` launch them."""
-    stride = value_span(geometry.stored_bytes)
-    width = word_bytes(geometry, stride)
-    on_device = _checksums_on_device(geometry, stride)
+def _launch_once(pages: types.ModuleType, form: KernelForms) -> None:
+    """Each kernel of the form, once, on one row and one page of scratch memory, as
+    ``gather`` and ``scatter`` launch them."""
+    device, word, stride = form.device, form.word, form.row_stride
+    on_device = _checksums_on_device(form.value_bytes, form.checksum_seed, stride)
     stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     with torch.cuda.stream(stream):
         rows = torch.zeros((1, stride), dtype=torch.uint8, device=device)
-        page = torch.zeros(width, dtype=torch.uint8, device=device)
+        page = torch.zeros(word, dtype=torch.uint8, device=device)
         # One value, one segment: its page at row offset 0, one word long, at ``page``.
         table = torch.tensor([0, 1, page.data_ptr(), 0], dtype=torch.int64, device=device)
-        pages.copy_pages(table, rows, width, 1, 1, 1, to_rows=True)
+        pages.copy_pages(table, rows, word, 1, 1, 1, to_rows=True)
         ok = None
         if on_device is not None:
             digests, seed = on_device
-            digests.seal_on_device(rows, geometry.value_bytes, seed)
-            ok = digests.check_on_device(rows, geometry.value_bytes, seed)
-        pages.copy_pages(table, rows, width, 1, 1, 1, to_rows=False, ok=ok)
+            digests.seal_on_device(rows, form.value_bytes, seed)
+            ok = digests.check_on_device(rows, form.value_bytes, seed)
+        pages.copy_pages(table, rows, word, 1, 1, 1, to_rows=False, ok=ok)
     stream.synchronize()
 
 
@@ -305,7 +328,7 @@ class CudaCopyEngine:
             await self._fallback.gather(geometry, block_ids, runs)
             return
         stride = _row_stride(runs, geometry.stored_bytes)
-        on_device = _checksums_on_device(geometry, stride)
+        on_device = _checksums_on_device(geometry.value_bytes, geometry.checksum_seed, stride)
         stream = self._stream(device)
         done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         with torch.cuda.stream(stream):
@@ -336,7 +359,7 @@ class CudaCopyEngine:
         if device is None:
             return await self._fallback.scatter(geometry, block_ids, runs)
         stride = _row_stride(runs, geometry.stored_bytes)
-        on_device = _checksums_on_device(geometry, stride)
+        on_device = _checksums_on_device(geometry.value_bytes, geometry.checksum_seed, stride)
         if on_device is None:
             intact = await anyio.to_thread.run_sync(self._verify, geometry, len(block_ids),
                                                     runs, limiter=self._limiter)

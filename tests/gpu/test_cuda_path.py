@@ -238,7 +238,7 @@ KERNELS = textwrap.dedent("""
     caches = gpu_caches(layout)
     geometries = build_store_groups(layout, {layer: (t, 0) for layer, t in caches.items()})
     if sys.argv[1] == "compiled":
-        cuda_copy.compile_kernels(geometries)
+        cuda_copy.compile_kernels(cuda_copy.kernel_forms(geometries))
     compiled = []
 
     def hook(**info):  # Triton's: a kernel not compiled in this process yet
@@ -318,7 +318,7 @@ async def test_gpu_values_are_sealed_as_the_host_seals_and_a_failed_one_never_la
     from pipeline.core.runs import Run
 
     if not on_device:
-        monkeypatch.setattr(cuda_copy, "_checksums_on_device", lambda geometry, stride: None)
+        monkeypatch.setattr(cuda_copy, "_checksums_on_device", lambda *args: None)
     layout = KVCacheLayout.from_dict(hybrid_layout(page_bytes=PAGE_BYTES))
     caches = gpu_caches(layout, kv_first=True)
     geometry = build_store_groups(layout, {layer: (tensor, 1)
