@@ -75,6 +75,7 @@ from harness import (
     checksum_cost,
     median,
     profile_path,
+    request_medians,
     spawned_sidecar,
     thread_cpu_s,
     write_results,
@@ -189,6 +190,8 @@ class Sidecar:
     client: EngineClient
     stored_bytes: int
     workload: Workload
+    log: Callable[[], str]
+    """Its log as written so far."""
 
     @property
     def name(self) -> str:
@@ -279,6 +282,7 @@ async def measure(
                         verify=index == 0)
     rows = []
     for concurrency in args.concurrency:
+        logged = {sidecar.name: len(sidecar.log()) for sidecar in sidecars}
         rounds = [await one_round(sidecars, engine, raw, concurrency, rotate=rep,
                                   verify=False)
                   for rep in range(args.repeat)]
@@ -307,6 +311,10 @@ async def measure(
                 "cpu_ms_per_request": {
                     name: 1000 * sum(cpu[sidecar.name][name] for _, cpu in rounds) / requests
                     for name in ("loop_save", "threads_save", "loop_load", "threads_load")},
+                "ms_per_request": {
+                    op: 1000 * median([s[f"{sidecar.name} {op}"] for s in samples])
+                    / workload.requests for op in ("save", "load")},
+                "inside_ms": request_medians(sidecar.log()[logged[sidecar.name]:]),
                 "samples_s": samples,
             })
     return rows
@@ -373,7 +381,7 @@ async def run(args: argparse.Namespace, geometry: Geometry, base: Config
                             client,
                             engine.value_bytes + (CHECKSUM_BYTES if checksum else 0),
                             Workload(requests, geometry.blocks_per_request, engine_blocks,
-                                     first_token=1 + index * 2**28)))
+                                     first_token=1 + index * 2**28), process.log))
                     rows = await measure(args, sidecars, engine, raw)
                     return [{"geometry": str(geometry), **row} for row in rows]
         finally:
@@ -440,6 +448,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{row['geometry']:>9} {row['variant']:>22} {row['concurrency']:>9} "
               f"{ms['loop_save']:>10.2f} {ms['threads_save']:>8.2f} {ms['loop_load']:>10.2f} "
               f"{ms['threads_load']:>8.2f}")
+    print("a request's share of a round, ms, and inside the sidecar (medians from its log, ms "
+          "after receipt: each stage's end, then the reply)")
+    for row in rows:
+        for op in ("save", "load"):
+            inside = row["inside_ms"].get(op, {})
+            print(f"{row['geometry']:>9} {row['variant']:>22} {row['concurrency']:>9} {op}: "
+                  f"{row['ms_per_request'][op]:.2f}; "
+                  + ", ".join(f"{stage} {ms}" for stage, ms in inside.items()))
     integrity = checksum_cost(results, ("geometry", "values", "concurrency"), "save", "load")
     path = write_results(
         "bench_mooncake_sidecar",

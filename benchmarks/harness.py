@@ -144,12 +144,13 @@ def median(values: Sequence[float]) -> float:
 
 
 def request_medians(log: str) -> dict[str, dict[str, float]]:
-    """For each kind of request in a sidecar's log, the medians of its ``request.done``
-    lines, in ms after receipt: when each stage finished its part, and ``ms``, when the
-    reply was handed to the socket."""
+    """For each kind of request in (part of) a sidecar's log, the medians of its
+    ``request.done`` lines, in ms after receipt: when each stage finished its part, and
+    ``ms``, when the reply was handed to the socket. A log read while the sidecar writes
+    it may end in part of a line, which is left out."""
     by_kind: dict[str, list[dict[str, float]]] = {}
-    for line in log.splitlines():
-        if '"request.done"' in line:
+    for line in log.splitlines(keepends=True):
+        if '"request.done"' in line and line.endswith("\n"):  # not one still being written
             done = json.loads(line)
             by_kind.setdefault(done["kind"], []).append({**done["stages"], "ms": done["ms"]})
     return {kind: {name: round(median([done[name] for done in lines if name in done]), 3)
