@@ -42,6 +42,7 @@ from harness import (
     request_medians,
     run_requests,
     spawned_sidecar,
+    stage_times,
     write_results,
 )
 
@@ -212,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 inside = figures["inside_ms"].get(kind, {})
                 print(f"  a {kind}, ms: bare {each[f'bare_{kind}']}, sidecar "
                       f"{each[f'sidecar_{kind}']}, inside it (receipt to each stage's end) "
-                      + ", ".join(f"{stage} {ms}" for stage, ms in inside.items()), flush=True)
+                      + stage_times(inside), flush=True)
     write_results("bench_cuda_copy", {
         "device": torch.cuda.get_device_name(0), "goal": GOAL, "args": vars(args),
         "results": results,

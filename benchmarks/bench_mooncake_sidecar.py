@@ -77,6 +77,7 @@ from harness import (
     profile_path,
     request_medians,
     spawned_sidecar,
+    stage_times,
     thread_cpu_s,
     write_results,
 )
@@ -454,8 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for op in ("save", "load"):
             inside = row["inside_ms"].get(op, {})
             print(f"{row['geometry']:>9} {row['variant']:>22} {row['concurrency']:>9} {op}: "
-                  f"{row['ms_per_request'][op]:.2f}; "
-                  + ", ".join(f"{stage} {ms}" for stage, ms in inside.items()))
+                  f"{row['ms_per_request'][op]:.2f}; {stage_times(inside)}")
     integrity = checksum_cost(results, ("geometry", "values", "concurrency"), "save", "load")
     path = write_results(
         "bench_mooncake_sidecar",

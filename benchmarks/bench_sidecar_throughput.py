@@ -56,8 +56,10 @@ from harness import (
     checksum_cost,
     median,
     profile_path,
+    request_medians,
     run_requests,
     spawned_sidecar,
+    stage_times,
     thread_cpu_s,
     write_results,
 )
@@ -241,6 +243,7 @@ async def measure(args: argparse.Namespace, sidecar: SidecarProcess, engine: Eng
             await one_round(client, engine, workload, max(args.concurrency), sidecar.pid,
                             verify=index == 0)
         for concurrency in args.concurrency:
+            logged = len(sidecar.log())
             samples = [await one_round(client, engine, workload, concurrency, sidecar.pid,
                                        verify=False)
                        for _ in range(args.repeat)]
@@ -257,6 +260,9 @@ async def measure(args: argparse.Namespace, sidecar: SidecarProcess, engine: Eng
                 "save_ratio": gbps["sidecar_save"] / gbps["bare_save"],
                 "load_ratio": gbps["sidecar_load"] / gbps["bare_load"],
                 "cpu_ms_per_request": cpu_ms,
+                "ms_per_request": {name: 1000 * median([s[name] for s in samples])
+                                   / args.requests for name in gbps},
+                "inside_ms": request_medians(sidecar.log()[logged:]),
                 "samples_s": samples,
             })
     return rows
@@ -379,6 +385,15 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{ms['bare_save']:>10.2f} {ms['loop_save']:>6.2f} {ms['threads_save']:>8.2f} "
               f"{ms['engine_save']:>7.2f} {ms['bare_load']:>10.2f} {ms['loop_load']:>6.2f} "
               f"{ms['threads_load']:>8.2f} {ms['engine_load']:>7.2f}")
+    print("a request's share of a round, ms: the bare copy request by request, the sidecar; "
+          "inside the sidecar (medians from its log, ms after receipt: each stage's end, "
+          "then the reply)")
+    for row in rows:
+        each = row["ms_per_request"]
+        for op in ("save", "load"):
+            print(f"{row['geometry']:>9} {row['checksum']:>8} {row['concurrency']:>9} {op}: "
+                  f"{each[f'bare_{op}_each']:.2f}, {each[f'sidecar_{op}']:.2f}; "
+                  f"{stage_times(row['inside_ms'].get(op, {}))}")
     integrity = checksum_cost(rows, ("geometry", "concurrency"), "sidecar_save", "sidecar_load")
     path = write_results("bench_sidecar_throughput", {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()

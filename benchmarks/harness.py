@@ -158,6 +158,11 @@ def request_medians(log: str) -> dict[str, dict[str, float]]:
             for kind, lines in by_kind.items()}
 
 
+def stage_times(inside: dict[str, float]) -> str:
+    """One kind's ``request_medians``, as a line: each stage's end, then the reply."""
+    return ", ".join(f"{stage} {ms}" for stage, ms in inside.items())
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-quantile (0..1) by nearest rank on sorted samples."""
     ordered = sorted(values)
