@@ -65,6 +65,8 @@ __all__ = [
 ]
 
 KVCacheShape = Literal["blocks_first", "kv_first"]
+LOOKUP_SPIN_S = 0.001
+"""``EngineClient.connect``'s default ``lookup_spin_s``."""
 BlockHasher = Callable[[Sequence[int], int], list[bytes]]
 
 
@@ -157,6 +159,8 @@ class EngineClient(AsyncResource):
         self._curve = curve
         self._context = context
         self._timeout_s = timeout_s
+        self.lookup_spin_s = LOOKUP_SPIN_S
+        """How long a lookup polls for its reply (``connect``'s ``lookup_spin_s``)."""
         self._seq = itertools.count(1)
         self._recv_lock = anyio.Lock(fast_acquire=True)  # uncontended: no loop trip
         self._register_lock = anyio.Lock()
@@ -189,6 +193,7 @@ class EngineClient(AsyncResource):
         lookup_only: bool = False,
         share_in_place: bool = False,
         timeout_s: float = 30.0,
+        lookup_spin_s: float = LOOKUP_SPIN_S,
         curve_server_key: str | bytes | None = None,
         curve_key_pair: tuple[str | bytes, str | bytes] | None = None,
     ) -> EngineClient:
@@ -205,6 +210,9 @@ class EngineClient(AsyncResource):
         ``curve_server_key`` (the sidecar's public key) and ``curve_key_pair`` (this
         engine's public and secret keys, all Z85) connect to a sidecar that has CURVE on;
         ``transport.server.load_key_pair`` reads a pair from a ``kvsidecar keygen`` file.
+        ``lookup_spin_s``: a lookup that is the only call awaiting a reply polls for it
+        this long, holding the event loop, before it sleeps on the socket: on an idle
+        core the wake-up from that sleep can cost as much as the lookup (0: never poll).
         """
         if not isinstance(layout, KVCacheLayout):
             layout = KVCacheLayout.from_dict(layout)
@@ -221,6 +229,7 @@ class EngineClient(AsyncResource):
         self_test = HashSelfTest(tokens, tuple(hasher(tokens, layout.hash_block_size)))
         engine_id = engine_id or f"engine-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         client = cls._connect(endpoint, engine_id, timeout_s, curve_server_key, curve_key_pair)
+        client.lookup_spin_s = lookup_spin_s
         client._step = step
         registration = Register(engine_id, layout.to_dict(), handles, self_test, hash_seed,
                                 hash_algo=hash_algo, lookup_only=lookup_only,
@@ -338,7 +347,7 @@ class EngineClient(AsyncResource):
             keys=_request_keys(**request_keys), block_hashes=block_hashes,
             request_id=request_id, explain=explain,
         )
-        reply = await self._call(seq, message, timeout_s)
+        reply = await self._call(seq, message, timeout_s, spin_s=self.lookup_spin_s)
         assert isinstance(reply, LookupReply)
         self.save_credits = reply.save_credits
         if explain:
@@ -436,11 +445,13 @@ class EngineClient(AsyncResource):
         self._context.term()
 
     async def _call(
-        self, seq: int, message: EngineMessage, timeout_s: float | None = None
+        self, seq: int, message: EngineMessage, timeout_s: float | None = None, *,
+        spin_s: float = 0.0,
     ) -> SidecarMessage:
-        """Send and wait for the reply; re-register once if the sidecar forgot us."""
+        """Send and wait for the reply; re-register once if the sidecar forgot us.
+        ``spin_s``: poll for the reply this long first, when no other call waits."""
         known = self.registered
-        reply = await self._exchange(seq, message, timeout_s)
+        reply = await self._exchange(seq, message, timeout_s, spin_s)
         if (
             isinstance(reply, ErrorReply)
             and reply.code == ErrorCode.NOT_REGISTERED
@@ -462,7 +473,8 @@ class EngineClient(AsyncResource):
         return reply
 
     async def _exchange(
-        self, seq: int, message: EngineMessage, timeout_s: float | None = None
+        self, seq: int, message: EngineMessage, timeout_s: float | None = None,
+        spin_s: float = 0.0,
     ) -> SidecarMessage:
         if self._closed:
             raise TransportError("client is closed")
@@ -479,7 +491,9 @@ class EngineClient(AsyncResource):
                     async with self._recv_lock:
                         if seq in self._replies:
                             break
-                        frames = await self._frames.recv_multipart()
+                        # Poll only while nothing else of the engine's waits on the loop.
+                        frames = await self._frames.recv_multipart(
+                            spin_s if len(self._waiting) == 1 else 0.0)
                         reply = decode_sidecar_message(b"".join(frames))
                         reply_seq = getattr(reply, "seq", 0)
                         if reply_seq in self._waiting:  # else: a call that gave up on it

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import select
+import time
 from collections import deque
 from typing import Any, cast
 
@@ -109,7 +110,9 @@ class FastSocket:
             known = self._events()
         return bool(known & _IN)
 
-    async def recv_multipart(self) -> list[bytes]:
+    async def recv_multipart(self, spin_s: float = 0.0) -> list[bytes]:
+        """The next frames. ``spin_s``: when none is there yet, poll for it this long
+        before waiting on the descriptor, holding the event loop (see ``_spin``)."""
         waited = False
         while True:
             # The socket's events say whether a frame is there: a receive that finds
@@ -123,12 +126,25 @@ class FastSocket:
                     break
                 finally:
                     self._known = None
+            if spin_s:
+                self._spin(spin_s)
+                spin_s = 0.0
+                continue
             await self._wait(_IN)
             waited = True
         self._recheck()
         if self._fair and not waited:  # a wait has let the others run already
             await anyio.lowlevel.checkpoint()
         return frames
+
+    def _spin(self, seconds: float) -> None:
+        """Poll until a frame has arrived or ``seconds`` have passed. A thread that sleeps
+        for a reply is woken the slower the longer it slept (a core gone idle): an echo
+        whose server worked 100-250 µs took 180-194 µs more than that work, and 48-95
+        µs more with the caller polling. For a caller with nothing else to do meanwhile."""
+        deadline = time.perf_counter() + seconds
+        while not self.readable() and time.perf_counter() < deadline:
+            pass
 
     def close(self) -> None:
         """Stop watching the descriptor (before the socket closes: the event loop must

@@ -26,6 +26,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lookup_wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     """How long the scheduler waits for a lookup before it defers the request to a later
     step (vLLM asks again); the scheduler itself never waits longer."""
+    lookup_spin_ms: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    """How long the connector's client polls for a lookup's reply before it sleeps on
+    the socket (``EngineClient.connect``'s ``lookup_spin_s``; 0: never poll)."""
     connect_timeout_s: Positive = 10.0
     retry_after_s: Positive = 5.0
     """After the sidecar could not be reached, requests skip it for this long."""

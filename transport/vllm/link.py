@@ -73,6 +73,7 @@ class SidecarLink:
                 self._config.endpoint,
                 heartbeat_interval_s=self._config.heartbeat_interval_s,
                 timeout_s=self._config.connect_timeout_s,
+                lookup_spin_s=self._config.lookup_spin_ms / 1000,
                 **self._connect_kwargs(),
                 **self._curve,
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -218,6 +219,51 @@ async def test_asking_whether_a_frame_waits_wakes_a_receive_waiting_for_it(
         assert received[0][1] == b"frame"
     finally:
         close(context, [router, dealer], server)
+
+
+async def test_a_receive_that_polls_holds_the_event_loop_until_its_frame_or_its_time_is_up(
+    tmp_path: Path,
+) -> None:
+    """``spin_s``: a reply that arrives while the receive polls is taken with the event
+    loop held throughout (no other task ran meanwhile); one that arrives after the
+    polling time is still received, the receive then waiting on the descriptor and
+    letting the others run."""
+    context = zmq.asyncio.Context()
+    router, (dealer,) = pair(tmp_path, context, clients=1)
+    server, client = FastSocket(router), FastSocket(dealer)
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.sleep(0.001)
+
+    async def exchange(spin_s: float, reply_after_s: float) -> tuple[bytes, int]:
+        """A request, its reply sent from another thread after ``reply_after_s``: the
+        reply, and how often the other task ran while the client received it."""
+        await client.send_multipart([b"ask"])
+        identity, _ = await server.recv_multipart()
+        shadow = zmq.Socket.shadow(router.underlying)
+        timer = threading.Timer(reply_after_s, shadow.send_multipart, [[identity, b"reply"]])
+        timer.start()
+        before = ticks
+        try:
+            frames = await client.recv_multipart(spin_s)
+        finally:
+            timer.join()
+        return frames[0], ticks - before
+
+    try:
+        with anyio.fail_after(TIMEOUT_S):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(tick)
+                assert await exchange(spin_s=10.0, reply_after_s=0.2) == (b"reply", 0)
+                reply, ran = await exchange(spin_s=0.02, reply_after_s=0.3)
+                assert reply == b"reply" and ran > 0
+                tg.cancel_scope.cancel()
+    finally:
+        close(context, [router, dealer], server, client)
 
 
 class _CountedEvents:
