@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterator
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import anyio
 import psutil
@@ -308,6 +309,46 @@ def test_blocking_client_for_engine_threads(sidecar: SidecarProcess) -> None:
         assert client.lookup(tokens) == 32
         assert client.load("r2", tokens, [[5, 6, 7], [8], [5, 6, 7]], 32).loaded_tokens == 32
     assert engine.same_block(0, 1, engine, 5) and engine.same_block(0, 2, engine, 6)
+
+
+def test_an_inline_client_looks_up_in_the_calling_thread_and_takes_late_replies(
+    sidecar: SidecarProcess,
+) -> None:
+    """``InlineLookupClient`` (vLLM's scheduler's): a lookup started while the sidecar is
+    stopped is not answered within its wait and stays pending; once the sidecar runs
+    again, a later ``result`` takes the reply. A cancelled lookup's reply (a miss),
+    arriving later, is not taken for another's."""
+    from transport.client import BlockingEngineClient, InlineLookupClient
+
+    engine = KVEngine(hybrid_layout())
+    tokens = random_tokens(2 * 16 + 1, seed=13)
+    other = random_tokens(2 * 16 + 1, seed=14)
+    with BlockingEngineClient(sidecar.endpoint, layout=engine.layout,
+                              kv_caches=engine.kv_caches) as saver:
+        assert saver.save("r", tokens, [[1, 2, 3], [4], [1, 2, 3]]).stored == 4
+    with InlineLookupClient(sidecar.endpoint, layout=engine.layout) as client:
+        assert client.lookup(tokens) == 32
+        os.kill(sidecar.pid, signal.SIGSTOP)
+        try:
+            pending = client.start_lookup(tokens)
+            cancelled = client.start_lookup(other)
+            with pytest.raises(FutureTimeout):
+                pending.result(timeout=0.2)
+            assert not pending.done() and cancelled.cancel()
+        finally:
+            os.kill(sidecar.pid, signal.SIGCONT)
+        assert pending.result(timeout=TIMEOUT) == 32
+        assert client.start_lookup(tokens).result(timeout=TIMEOUT) == 32
+
+
+async def test_an_inline_client_refuses_a_thread_that_runs_an_event_loop(
+    sidecar: SidecarProcess,
+) -> None:
+    """Its loop cannot run inside another: a clear error, not a hang."""
+    from transport.client import InlineLookupClient
+
+    with pytest.raises(TransportError, match="runs an event loop"):
+        InlineLookupClient(sidecar.endpoint, layout=hybrid_layout())
 
 
 async def test_kv_first_tensors_round_trip(sidecar: SidecarProcess) -> None:

@@ -33,6 +33,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     retry_after_s: Positive = 5.0
     """After the sidecar could not be reached, requests skip it for this long."""
     heartbeat_interval_s: Positive = 5.0
+    """How often the worker's connection says it is alive while idle. The scheduler's,
+    lookups only, sends none: the sidecar may reap it, and its next lookup registers it
+    again."""
     cache_prefix: str = ""
     """A namespace of this deployment's keys (tenants apart, or a model revision)."""
     store_tp_size: Annotated[int, msgspec.Meta(gt=0)] | None = None

@@ -11,34 +11,39 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import structlog
 
 from pipeline.core.errors import KVSidecarError
-from transport.client import BlockingEngineClient
+from transport.client import BlockingEngineClient, InlineLookupClient
 from transport.vllm.config import ConnectorConfig
 
 __all__ = ["SidecarLink"]
 
 log = structlog.get_logger("kvsidecar.vllm")
 
+C = TypeVar("C", BlockingEngineClient, InlineLookupClient)
 
-class SidecarLink:
+
+class SidecarLink(Generic[C]):
     def __init__(
-        self, config: ConnectorConfig, name: str, connect_kwargs: Callable[[], dict[str, Any]]
+        self, config: ConnectorConfig, name: str, opens: Callable[..., C],
+        connect_kwargs: Callable[[], dict[str, Any]],
     ) -> None:
+        """``opens(endpoint, **kwargs)`` connects: the client class of the side."""
         self._config = config
         self._name = name
+        self._opens: Callable[..., C] = opens
         self._connect_kwargs = connect_kwargs
         self._curve = config.curve()  # unreadable key files stop the engine now, not later
         self._lock = threading.Lock()
-        self._client: BlockingEngineClient | None = None
+        self._client: C | None = None
         self._thread: threading.Thread | None = None
         self._down_until = 0.0
         self._closed = False
 
-    def client(self) -> BlockingEngineClient | None:
+    def client(self) -> C | None:
         """The connected client, or None (then a connection is being made, or the
         sidecar failed within the last ``retry_after_s``)."""
         with self._lock:
@@ -69,11 +74,11 @@ class SidecarLink:
 
     def _connect(self) -> None:
         try:
-            client = BlockingEngineClient(
+            client = self._opens(
                 self._config.endpoint,
-                heartbeat_interval_s=self._config.heartbeat_interval_s,
                 timeout_s=self._config.connect_timeout_s,
-                lookup_spin_s=self._config.lookup_spin_ms / 1000,
+                # Never past the scheduler's wait: a poll holds the thread it runs in.
+                lookup_spin_s=min(self._config.lookup_spin_ms, self._config.lookup_wait_ms) / 1000,
                 **self._connect_kwargs(),
                 **self._curve,
             )
@@ -85,7 +90,7 @@ class SidecarLink:
         with self._lock:
             self._thread = None
             if self._closed:
-                closing: BlockingEngineClient | None = client
+                closing: C | None = client
             else:
                 self._client, closing = client, None
         if closing is not None:
@@ -95,7 +100,7 @@ class SidecarLink:
         log.info("vllm.sidecar.registered", side=self._name, endpoint=self._config.endpoint,
                  store_groups=registered.store_group_ids if registered else None)
 
-    def wait_connected(self, timeout_s: float) -> BlockingEngineClient | None:
+    def wait_connected(self, timeout_s: float) -> C | None:
         """Wait up to ``timeout_s`` for the connection (tests and start-up checks)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

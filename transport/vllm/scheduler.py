@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
-from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -27,6 +26,7 @@ import structlog
 
 from pipeline.core.errors import RequestRejected, TransportError
 from pipeline.core.layout import GroupKind, KVCacheLayout
+from transport.client import InlineLookupClient, PendingLookup
 from transport.vllm.config import ConnectorConfig
 from transport.vllm.layout import request_keys, vllm_block_hasher
 from transport.vllm.link import SidecarLink
@@ -76,7 +76,7 @@ class SchedulerSide:
         self._fenced = [g.kind in FENCED_KINDS for g in layout.groups]
         self._stored = set(layout.prefix_cacheable_group_ids)
         self._requests: dict[str, _Tracked] = {}
-        self._lookups: dict[str, Future[int]] = {}
+        self._lookups: dict[str, PendingLookup] = {}
         self._matched: dict[str, int] = {}
         """Request -> the engine's own hit its lookup was answered for."""
         self._planned_loads: list[LoadPlan] = []
@@ -84,10 +84,9 @@ class SchedulerSide:
         self._delayed: set[str] = set()
         """Finished requests whose blocks wait for the worker's word."""
         self._block_ids: Any = None  # the KV cache manager's get_block_ids, once bound
-        self.link = SidecarLink(config, "scheduler", lambda: {
+        # Lookups wait in this thread, vLLM's scheduler's, with no hop to another.
+        self.link = SidecarLink(config, "scheduler", InlineLookupClient, lambda: {
             "layout": layout,
-            "kv_caches": {},
-            "lookup_only": True,
             "hash_algo": hash_algo,
             "hash_seed": os.environ.get("PYTHONHASHSEED"),
             "block_hasher": vllm_block_hasher(hash_algo),

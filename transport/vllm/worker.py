@@ -29,7 +29,7 @@ import torch
 
 from pipeline.core.errors import LayoutError, TransportError
 from pipeline.core.layout import KVCacheLayout
-from transport.client import KVCacheShape, LoadResult
+from transport.client import BlockingEngineClient, KVCacheShape, LoadResult
 from transport.tensors import tensor_handle
 from transport.vllm.config import ConnectorConfig
 from transport.vllm.layout import vllm_block_hasher
@@ -90,7 +90,7 @@ class WorkerSide:
         only once all of them are done and the request has finished."""
         self._finished: set[str] = set()
         self._invalid: set[int] = set()
-        self.link: SidecarLink | None = None
+        self.link: SidecarLink[BlockingEngineClient] | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         payload = {layer for layers in self._layout.payload_layers for layer in layers}
@@ -106,7 +106,8 @@ class WorkerSide:
             # by CUDA IPC handle as it is.
             for layer, tensor in tensors.items():
                 tensor_handle(layer, tensor, share_in_place=True)
-        self.link = SidecarLink(self._config, "worker", lambda: {
+        self.link = SidecarLink(self._config, "worker", BlockingEngineClient, lambda: {
+            "heartbeat_interval_s": self._config.heartbeat_interval_s,
             "layout": self._layout,
             "kv_caches": tensors,
             "kv_cache_shape": shape,
