@@ -16,6 +16,9 @@ sleeps on the socket (a thread woken from a sleep costs more the longer it slept
 case is also measured both ways round: the client sleeping at once (``lookup_spin_s=0``)
 and a bare round trip that polls as the client does; the goals are judged against the
 bare round trip as ZMQ makes it (sleeping), the like-for-like ratios printed beside.
+With the engine's hashes, lookups are also made as vLLM's scheduler makes them through
+the connector, from a thread without an event loop: with ``InlineLookupClient`` (the
+connector's) and through a portal thread (``BlockingEngineClient``).
 
     python benchmarks/bench_lookup_latency.py [--tokens 1024 4096 8192] [--calls 100]
         [--repeat 5] [--config configs/default.yaml] [--profile {cprofile,py-spy}]
@@ -63,7 +66,13 @@ from harness import (
 from pipeline.core.hashing import block_hashes
 from pipeline.core.layout import KVCacheLayout
 from pipeline.core.messages import LookupReply, encode
-from transport.client import LOOKUP_SPIN_S, EngineClient, lookup_message
+from transport.client import (
+    LOOKUP_SPIN_S,
+    BlockingEngineClient,
+    EngineClient,
+    InlineLookupClient,
+    lookup_message,
+)
 from transport.sockets import FastSocket
 from transport.tensors import shared_kv_caches
 
@@ -120,6 +129,18 @@ async def sample(call: Callable[[], Awaitable[Any]], calls: int) -> list[float]:
     return out
 
 
+def threaded(start_lookup: Callable[..., Any], prompt: list[int], hashes: list[bytes],
+             calls: int) -> list[float]:
+    """Seconds of each of ``calls`` lookups with the engine's hashes, each started and
+    its result waited for, in this thread (one without an event loop)."""
+    out = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        start_lookup(prompt, block_hashes=hashes).result(timeout=30)
+        out.append(time.perf_counter() - started)
+    return out
+
+
 async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dict[str, Any]]:
     layout = {"model": "bench/lookup", "groups": [{
         "kind": "full_attention", "block_size": BLOCK_SIZE, "dtype": "bfloat16",
@@ -146,7 +167,7 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
                          "engine_hashes_p50": [], "engine_hashes_p99": [],
                          "request_id_p50": [], "bare_polling_p50": [],
                          "bare_hashes_polling_p50": [], "sidecar_sleeping_p50": [],
-                         "engine_hashes_sleeping_p50": []}
+                         "engine_hashes_sleeping_p50": [], "inline_p50": [], "portal_p50": []}
         for kind, tokens, _ in cases
     }
     # Every call's seconds, for the latency CDF: (case, tokens) -> series -> samples.
@@ -169,6 +190,11 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
                 expected = tokens - BLOCK_SIZE if kind == "hit" else 0
                 hit = await client.lookup(prompt)
                 assert hit == expected, (kind, tokens, hit, expected)
+            inline = await anyio.to_thread.run_sync(
+                lambda: InlineLookupClient(sidecar, layout=layout))
+            portal = await anyio.to_thread.run_sync(
+                lambda: BlockingEngineClient(sidecar, layout=layout, kv_caches={},
+                                             lookup_only=True))
             for _ in range(args.repeat):
                 for kind, tokens, prompt in cases:
                     # The frames exactly as the client sends them.
@@ -203,6 +229,11 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
                     bare_hp = await sample(lambda f=hashes_frame: polling_call(f), args.calls)
                     side_h_sleep = await lookups(0.0, block_hashes=hashes)
                     client.lookup_spin_s = LOOKUP_SPIN_S
+                    # As the connector's scheduler: started, then its result waited for.
+                    side_i = await anyio.to_thread.run_sync(
+                        threaded, inline.start_lookup, prompt, hashes, args.calls)
+                    side_p = await anyio.to_thread.run_sync(
+                        threaded, portal.start_lookup, prompt, hashes, args.calls)
                     # A request waiting to be scheduled is looked up again under its id.
                     side_r = await sample(
                         lambda p=prompt, r=f"{kind}-{tokens}": client.lookup(p, request_id=r),
@@ -230,6 +261,10 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
                     row["bare_hashes_polling_p50"].append(percentile(bare_hp, 0.5))
                     row["sidecar_sleeping_p50"].append(percentile(side_sleep, 0.5))
                     row["engine_hashes_sleeping_p50"].append(percentile(side_h_sleep, 0.5))
+                    row["inline_p50"].append(percentile(side_i, 0.5))
+                    row["portal_p50"].append(percentile(side_p, 0.5))
+            await anyio.to_thread.run_sync(inline.close)
+            await anyio.to_thread.run_sync(portal.close)
     finally:
         bare.close(0)
         polling.close()
@@ -251,6 +286,8 @@ async def measure(args: argparse.Namespace, sidecar: str, echo: str) -> list[dic
                                                          / us["bare_hashes_polling_p50"]),
                      "ratio_engine_hashes_sleeping_p50": (us["engine_hashes_sleeping_p50"]
                                                           / us["bare_hashes_p50"]),
+                     "ratio_inline_p50": us["inline_p50"] / us["bare_hashes_p50"],
+                     "ratio_portal_p50": us["portal_p50"] / us["bare_hashes_p50"],
                      "frame_bytes": frame_bytes[(kind, tokens)][0],
                      "hashes_frame_bytes": frame_bytes[(kind, tokens)][1],
                      "samples_s": samples, "calls_s": every[(kind, tokens)]})
@@ -307,6 +344,15 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{row['ratio_engine_hashes_polling_p50']:>6.2f} "
               f"{us['engine_hashes_sleeping_p50']:>9.0f} "
               f"{row['ratio_engine_hashes_sleeping_p50']:>6.2f}")
+    print("\nengine hashes as vLLM's scheduler asks, from a thread without an event loop: "
+          "the connector's InlineLookupClient, and through a portal thread")
+    print(f"{'case':>5} {'tokens':>6} {'bare p50':>9} {'inline p50':>11} {'ratio':>6} "
+          f"{'portal p50':>11} {'ratio':>6}   (µs)")
+    for row in rows:
+        us = row["us"]
+        print(f"{row['case']:>5} {row['tokens']:>6} {us['bare_hashes_p50']:>9.0f} "
+              f"{us['inline_p50']:>11.0f} {row['ratio_inline_p50']:>6.2f} "
+              f"{us['portal_p50']:>11.0f} {row['ratio_portal_p50']:>6.2f}")
     print()
     met = True
     for name, ratio, goal in (("tokens only", worst, GOAL_TOKENS_ONLY),
