@@ -12,7 +12,11 @@ in alternating order:
 - each sidecar: ``save`` a fresh round's requests, then ``load`` them into other engine
   blocks;
 - raw: ``batch_put_from`` of the same number of values of the same size (one call per
-  request, from a registered buffer), then ``batch_get_into`` of them back.
+  request, from a registered buffer), then ``batch_get_into`` of them back;
+- raw pages: what vLLM's own Mooncake connector does, the same number of blocks put
+  straight from the engine's KV tensors (registered with the raw client), each block's
+  pages one value, with ``batch_put_from_multi_buffers``, then got into other blocks
+  with ``batch_get_into_multi_buffers`` (one call per request each).
 
 All the sidecars run at once, and each repetition takes turns in a rotated order, so
 that every variant and the raw calls are measured in the same stretch of time.
@@ -34,7 +38,8 @@ A geometry is LAYERSxPAGE_KIBxBLOCKS_PER_REQUEST: by default a small request (4 
 where the fixed cost of a request shows, and the two shapes the embedded store's goal
 names (``bench_sidecar_throughput.py``). A round is ``--requests`` requests, fewer where
 they would not fit in a quarter of the segment. Ratios are sidecar GB/s over raw GB/s
-(goal: >= 0.9); what checksums cost is printed as GB/s with them on over off. Results
+(goal: >= 0.9, against the raw calls); the ratios against the raw pages calls are printed
+beside. What checksums cost is printed as GB/s with them on over off. Results
 are also written to benchmarks/results/bench_mooncake_sidecar.json.
 """
 
@@ -94,9 +99,12 @@ DEFAULT_CONFIG = ROOT / "configs" / "mooncake.yaml"
 
 
 class RawClient:
-    """A raw Mooncake client on the same master, with one registered buffer of two halves."""
+    """A raw Mooncake client on the same master, with one registered buffer of two halves,
+    and the engine's KV tensors registered too (its pages' calls take blocks from
+    ``pages``)."""
 
-    def __init__(self, config: MooncakeStoreConfig, master: EmbeddedMaster, round_bytes: int):
+    def __init__(self, config: MooncakeStoreConfig, master: EmbeddedMaster, round_bytes: int,
+                 engine: Engine, pages: Workload):
         import mooncake.store
 
         self.client = mooncake.store.MooncakeDistributedStore()
@@ -114,9 +122,13 @@ class RawClient:
         self.replicate = replicate(mooncake.store, config, self.client)  # as the sidecar's
         self.round_bytes = round_bytes
         self.buffer = torch.randint(0, 256, (2 * round_bytes,), dtype=torch.uint8)
-        rc = self.client.register_buffer(self.buffer.data_ptr(), self.buffer.numel())
-        if rc != 0:
-            raise RuntimeError(f"raw mooncake register_buffer failed with code {rc}")
+        self.engine = engine
+        self.pages = pages
+        for tensor in [self.buffer, *engine.kv_caches.values()]:
+            rc = self.client.register_buffer(tensor.data_ptr(),
+                                             tensor.numel() * tensor.element_size())
+            if rc != 0:
+                raise RuntimeError(f"raw mooncake register_buffer failed with code {rc}")
 
     def calls(
         self,
@@ -155,6 +167,48 @@ class RawClient:
             puts.append(put)
             gets.append(get)
         return puts, gets
+
+    def page_calls(
+        self, prefix: str
+    ) -> tuple[list[Callable[[], None]], list[Callable[[], None]], Callable[[], bool]]:
+        """One batch_put_from_multi_buffers per request from the engine's pages of a
+        fresh round's blocks, one batch_get_into_multi_buffers into other blocks, and
+        whether those now hold the bytes put."""
+        _, src, dst, _ = self.pages.next_round()
+        tensors = list(self.engine.kv_caches.values())
+        page = self.engine.page_bytes
+
+        def pointers(blocks: list[int]) -> list[list[int]]:
+            return [[t.data_ptr() + b * page for t in tensors] for b in blocks]
+
+        puts, gets = [], []
+        for r, (sources, targets) in enumerate(zip(src, dst, strict=True)):
+            keys = [f"raw-pages-{prefix}-{r}-{i}" for i in range(len(sources))]
+            sizes = [[page] * len(tensors)] * len(keys)
+            src_ptrs, dst_ptrs = pointers(sources), pointers(targets)
+
+            def put(keys: list[str] = keys, ptrs: list[list[int]] = src_ptrs,
+                    sizes: list[list[int]] = sizes) -> None:
+                codes = self.client.batch_put_from_multi_buffers(keys, ptrs, sizes,
+                                                                 self.replicate)
+                if codes != [0] * len(keys):
+                    raise RuntimeError(f"raw batch_put_from_multi_buffers: {sorted(set(codes))}")
+
+            def get(keys: list[str] = keys, ptrs: list[list[int]] = dst_ptrs,
+                    sizes: list[list[int]] = sizes) -> None:
+                codes = self.client.batch_get_into_multi_buffers(keys, ptrs, sizes)
+                if codes != [sum(each) for each in sizes]:
+                    raise RuntimeError(f"raw batch_get_into_multi_buffers: {sorted(set(codes))}")
+
+            puts.append(put)
+            gets.append(get)
+
+        def loaded() -> bool:
+            return all(self.engine.same_bytes(a, b)
+                       for sources, targets in zip(src, dst, strict=True)
+                       for a, b in zip(sources, targets, strict=True))
+
+        return puts, gets, loaded
 
     def same_halves(self, used: int) -> bool:
         return torch.equal(
@@ -267,6 +321,11 @@ async def one_round(
         times["raw load"] = await run_raw(concurrency, gets)
         if verify and not raw.same_halves(workload.requests * workload.blocks * value_bytes):
             raise RuntimeError("raw batch_get_into did not return the bytes put")
+        puts, gets, loaded = raw.page_calls(f"r{rotate}")
+        times["raw pages save"] = await run_raw(concurrency, puts)
+        times["raw pages load"] = await run_raw(concurrency, gets)
+        if verify and not loaded():
+            raise RuntimeError("raw batch_get_into_multi_buffers did not load the bytes put")
     # Forced: the puts' and gets' leases would keep the objects for kv_lease_ttl_ms.
     await anyio.to_thread.run_sync(raw.client.remove_all, True)
     return times, cpu
@@ -305,8 +364,11 @@ async def measure(
                 "round_bytes": round_bytes,
                 "gbps": {op: gbps[f"{sidecar.name} {op}"] for op in ("save", "load")},
                 "raw_gbps": {op: gbps[f"raw {op}"] for op in ("save", "load")},
+                "raw_pages_gbps": {op: gbps[f"raw pages {op}"] for op in ("save", "load")},
                 "save_ratio": gbps[f"{sidecar.name} save"] / gbps["raw save"],
                 "load_ratio": gbps[f"{sidecar.name} load"] / gbps["raw load"],
+                "pages_save_ratio": gbps[f"{sidecar.name} save"] / gbps["raw pages save"],
+                "pages_load_ratio": gbps[f"{sidecar.name} load"] / gbps["raw pages load"],
                 "paired_save_ratio": paired["save"],
                 "paired_load_ratio": paired["load"],
                 "cpu_ms_per_request": {
@@ -358,7 +420,8 @@ async def run(args: argparse.Namespace, geometry: Geometry, base: Config
           f"{geometry.blocks_per_request} blocks = {total * engine.value_bytes / 2**20:.0f} "
           "MiB per round")
     async with await open_embedded_master(base.store.mooncake) as master:
-        raw = RawClient(base.store.mooncake, master, total * widest)
+        raw = RawClient(base.store.mooncake, master, total * widest, engine,
+                        Workload(requests, geometry.blocks_per_request, engine_blocks))
         try:
             with tempfile.TemporaryDirectory(prefix="kvsidecar-bench-") as tmp, \
                     contextlib.ExitStack() as running:
@@ -440,6 +503,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     verdict = "meets" if worst >= GOAL else "misses"
     print(f"worst ratio {worst:.2f} {verdict} the goal of {GOAL}")
+    print("against the raw pages calls, as vLLM's own Mooncake connector moves blocks "
+          "(multi-buffer, straight from and into the engine's KV tensors)")
+    print(f"{'geometry':>9} {'values':>22} {'in flight':>9} {'pages save':>11} {'ratio':>6} "
+          f"{'pages load':>11} {'ratio':>6}   (GB/s)")
+    for row in rows:
+        p = row["raw_pages_gbps"]
+        print(f"{row['geometry']:>9} {row['variant']:>22} {row['concurrency']:>9} "
+              f"{p['save']:>11.2f} {row['pages_save_ratio']:>6.2f} {p['load']:>11.2f} "
+              f"{row['pages_load_ratio']:>6.2f}")
     print("sidecar CPU ms per request (all rounds): its event loop, and its other threads "
           "(Mooncake's copies and calls, sockets, logs)")
     print(f"{'geometry':>9} {'values':>22} {'in flight':>9} {'save loop':>10} {'threads':>8} "
