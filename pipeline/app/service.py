@@ -133,6 +133,8 @@ class Sidecar:
         events: KVEventLog, history: BlockHistory,
     ) -> None:
         self.config = config
+        self._gpu_copies = config.stages.transfer.device == "cuda"
+        """The copies run on GPUs: their kernels are compiled as engines register."""
         self._kernels_to_compile, self._kernels_inbox = anyio.create_memory_object_stream[
             set[KernelForms]](KERNEL_COMPILES)
         self.history = history
@@ -151,8 +153,7 @@ class Sidecar:
                 (pool.slots - pool.load_slots) * (pool.slot_bytes // value_bytes)
             ),
             open_step_event=_step_events(config),
-            prepare_copies=self._queue_kernels if config.stages.transfer.device == "cuda"
-            else None,
+            prepare_copies=self._queue_kernels if self._gpu_copies else None,
         )
         self.graph = build_graph(config)
         self.tracker = JobTracker(self.graph.inline_first(SAVE_COMPLETION),
@@ -274,7 +275,7 @@ class Sidecar:
                     self.events.cleared()  # the store starts empty
             root.start_soon(receiver.run, name="receive")
             root.start_soon(self._reap_loop, name="reap")
-            if self.config.stages.transfer.device == "cuda":
+            if self._gpu_copies:
                 root.start_soon(self._compile_kernels, name="kernels")
             drained = anyio.Event()
             pipeline_scope = anyio.CancelScope()
