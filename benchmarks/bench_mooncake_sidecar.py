@@ -55,7 +55,6 @@ import contextlib
 import dataclasses
 import itertools
 import math
-import statistics
 import sys
 import tempfile
 import time
@@ -79,6 +78,8 @@ from harness import (
     ROOT,
     checksum_cost,
     median,
+    paired,
+    paired_text,
     profile_path,
     request_medians,
     spawned_sidecar,
@@ -351,11 +352,8 @@ async def measure(
         gbps = {name: median([round_bytes / s[name] / 1e9 for s in samples])
                 for name in samples[0]}
         for sidecar in sidecars:
-            paired = {
-                op: statistics.median(s[f"raw {op}"] / s[f"{sidecar.name} {op}"]
-                                      for s in samples)
-                for op in ("save", "load")
-            }
+            each_round = {op: paired(samples, f"raw {op}", f"{sidecar.name} {op}")
+                          for op in ("save", "load")}
             rows.append({
                 "variant": sidecar.name,
                 "values": sidecar.values,
@@ -369,8 +367,8 @@ async def measure(
                 "load_ratio": gbps[f"{sidecar.name} load"] / gbps["raw load"],
                 "pages_save_ratio": gbps[f"{sidecar.name} save"] / gbps["raw pages save"],
                 "pages_load_ratio": gbps[f"{sidecar.name} load"] / gbps["raw pages load"],
-                "paired_save_ratio": paired["save"],
-                "paired_load_ratio": paired["load"],
+                "paired_save_ratio": each_round["save"],
+                "paired_load_ratio": each_round["load"],
                 "cpu_ms_per_request": {
                     name: 1000 * sum(cpu[sidecar.name][name] for _, cpu in rounds) / requests
                     for name in ("loop_save", "threads_save", "loop_load", "threads_load")},
@@ -499,7 +497,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{row['geometry']:>9} {row['variant']:>22} {row['concurrency']:>9} "
             f"{r['save']:>9.2f} {g['save']:>13.2f} {row['save_ratio']:>6.2f} {r['load']:>9.2f} "
             f"{g['load']:>13.2f} {row['load_ratio']:>6.2f}   (paired: save "
-            f"{row['paired_save_ratio']:.2f}, load {row['paired_load_ratio']:.2f})"
+            f"{paired_text(row['paired_save_ratio'])}, load "
+            f"{paired_text(row['paired_load_ratio'])})"
         )
     verdict = "meets" if worst >= GOAL else "misses"
     print(f"worst ratio {worst:.2f} {verdict} the goal of {GOAL}")

@@ -55,6 +55,8 @@ from harness import (
     ROOT,
     checksum_cost,
     median,
+    paired,
+    paired_text,
     profile_path,
     request_medians,
     run_requests,
@@ -259,6 +261,12 @@ async def measure(args: argparse.Namespace, sidecar: SidecarProcess, engine: Eng
                 "gbps": gbps,
                 "save_ratio": gbps["sidecar_save"] / gbps["bare_save"],
                 "load_ratio": gbps["sidecar_load"] / gbps["bare_load"],
+                "paired_save_ratio": paired(samples, "bare_save", "sidecar_save"),
+                "paired_load_ratio": paired(samples, "bare_load", "sidecar_load"),
+                "bare_gbps_range": {
+                    op: [round_bytes / max(s[f"bare_{op}"] for s in samples) / 1e9,
+                         round_bytes / min(s[f"bare_{op}"] for s in samples) / 1e9]
+                    for op in ("save", "load")},
                 "cpu_ms_per_request": cpu_ms,
                 "ms_per_request": {name: 1000 * median([s[name] for s in samples])
                                    / args.requests for name in gbps},
@@ -373,6 +381,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{g['sidecar_load'] / g['bare_load_each']:>6.2f}")
     verdict = "meets" if worst >= GOAL else "misses"
     print(f"worst ratio with checksums on {worst:.2f} {verdict} the goal of {GOAL}")
+    print("each round's own ratio, against the bare copy timed beside it in that round: "
+          "median [quartiles]; the bare copy's GB/s over the rounds, lowest-highest")
+    for row in rows:
+        low_high = {op: "-".join(f"{gbps:.2f}" for gbps in row["bare_gbps_range"][op])
+                    for op in ("save", "load")}
+        print(f"{row['geometry']:>9} {row['checksum']:>8} {row['concurrency']:>9} save "
+              f"{paired_text(row['paired_save_ratio'])} (bare {low_high['save']}), load "
+              f"{paired_text(row['paired_load_ratio'])} (bare {low_high['load']})")
     print("CPU ms per request (all rounds): the bare copy's (torch's threads included); the "
           "sidecar's event loop and its other threads (copies, sockets, logs); the engine's "
           "(this process: its client, while the sidecar served it)")

@@ -143,6 +143,21 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
+def paired(samples: Sequence[dict[str, Any]], baseline: str, measured: str) -> dict[str, float]:
+    """Each round's own ratio, ``samples[i][baseline] / samples[i][measured]`` (seconds:
+    the measured's throughput over the baseline's timed beside it in the same round),
+    as ``median``, ``q1`` and ``q3`` over the rounds: on a noisy machine, drift between
+    rounds moves both sides of a round alike, and the quartiles show what is left."""
+    ratios = sorted(s[baseline] / s[measured] for s in samples)
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return {"median": statistics.median(ratios), "q1": q1, "q3": q3}
+
+
+def paired_text(ratio: dict[str, float]) -> str:
+    """A ``paired`` ratio as printed: median [q1-q3]."""
+    return f"{ratio['median']:.2f} [{ratio['q1']:.2f}-{ratio['q3']:.2f}]"
+
+
 def request_medians(log: str) -> dict[str, dict[str, float]]:
     """For each kind of request in (part of) a sidecar's log, the medians of its
     ``request.done`` lines, in ms after receipt: when each stage finished its part, and
