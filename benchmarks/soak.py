@@ -11,8 +11,12 @@ it. The run has four phases, all against the same sidecar:
    open loop (a save every interval, not waiting for the previous one), fresh tokens
    every request, for ``--seconds``; each engine's client sheds the saves the sidecar
    has said it would refuse, as every engine's does (``EngineClient.save``). Meanwhile
-   the probe engine keeps looking up and loading its prefix (saving it again when the
-   flood evicted it), and the sidecar's RSS is sampled;
+   the probe engine keeps looking up and loading its prefix every ``--probe-interval``
+   (saving it again when the flood evicted it), and the sidecar's RSS is sampled. Every
+   10 ms by default: often enough that its loads keep the prefix among the store's most
+   recently used values, which a small store under the flood turns over in tens of
+   milliseconds, and that a minute gives the p99 a few thousand loads (every 50 ms, the
+   prefix was evicted before nearly every probe, and the p99 was of some 190 loads);
 4. drain: the engines stop sending and wait for every reply.
 
 Reported: RSS over time (peak, and against baseline + staging.pool_bytes + store
@@ -537,8 +541,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--slot-mib", type=int, default=4)
     parser.add_argument("--load-slots", type=int, default=4)
     parser.add_argument("--probe-blocks", type=int, default=8)
-    parser.add_argument("--probe-interval", type=float, default=0.05)
-    parser.add_argument("--unloaded-probes", type=int, default=50)
+    parser.add_argument("--probe-interval", type=float, default=0.01)
+    parser.add_argument("--unloaded-probes", type=int, default=200)
     parser.add_argument("--calibrate-seconds", type=float, default=5.0)
     parser.add_argument("--calibrate-concurrency", type=int, default=4)
     parser.add_argument("--engine-startup-s", type=float, default=5.0)
