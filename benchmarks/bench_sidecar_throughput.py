@@ -17,8 +17,11 @@ costs.
 
 A geometry is layers x page KiB x blocks per request; each runs with checksums on and
 off (one sidecar each). Ratios are sidecar GB/s over bare-copy GB/s (goal, with the
-default config's checksums on: >= 0.8); where both variants ran, what integrity costs is
-printed too: sidecar GB/s with checksums on over off (1.0: free). Then the CPU each
+default config's checksums on: >= 0.8), of the medians over the rounds; beside them, the
+median and quartiles of each round's own ratio, against the bare copy timed in that
+round, and the bare copy's range over the rounds (how far the machine drifted). Where
+both variants ran, what integrity costs is printed too: sidecar GB/s with checksums on
+over off (1.0: free). Then the CPU each
 request cost: the bare copy (this process, torch's threads included), the sidecar's
 event loop and its other threads (copies, sockets, logs), and the engine's client (this
 process, while the sidecar served it), summed over the rounds: at 4 in flight on a small
