@@ -40,8 +40,8 @@ names (``bench_sidecar_throughput.py``). A round is ``--requests`` requests, few
 they would not fit in a quarter of the segment. Ratios are sidecar GB/s over raw GB/s
 (goal: >= 0.9, against the raw calls), of the medians over the repetitions, with each
 repetition's own ratio beside them (median and quartiles); the ratios against the raw
-pages calls are printed after. What checksums cost is printed as GB/s with them on over off. Results
-are also written to benchmarks/results/bench_mooncake_sidecar.json.
+pages calls are printed after. What checksums cost is printed as GB/s with them on over
+off. Results are also written to benchmarks/results/bench_mooncake_sidecar.json.
 """
 
 from __future__ import annotations
