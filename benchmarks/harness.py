@@ -164,13 +164,24 @@ def request_medians(log: str) -> dict[str, dict[str, float]]:
     ``ms``, when the reply was handed to the socket. A log read while the sidecar writes
     it may end in part of a line, which is left out."""
     by_kind: dict[str, list[dict[str, float]]] = {}
-    for line in log.splitlines(keepends=True):
-        if '"request.done"' in line and line.endswith("\n"):  # not one still being written
-            done = json.loads(line)
-            by_kind.setdefault(done["kind"], []).append({**done["stages"], "ms": done["ms"]})
+    for done in _requests_done(log):
+        by_kind.setdefault(done["kind"], []).append({**done["stages"], "ms": done["ms"]})
     return {kind: {name: round(median([done[name] for done in lines if name in done]), 3)
                    for name in dict.fromkeys(name for done in lines for name in done)}
             for kind, lines in by_kind.items()}
+
+
+def reply_ms(log: str) -> dict[tuple[str, str], float]:
+    """Each request in (part of) a sidecar's log, by kind and request id: ms from its
+    receipt to its reply."""
+    return {(done["kind"], done["request_id"]): done["ms"] for done in _requests_done(log)}
+
+
+def _requests_done(log: str) -> Iterator[dict[str, Any]]:
+    """The ``request.done`` lines of a log; one still being written is left out."""
+    for line in log.splitlines(keepends=True):
+        if '"request.done"' in line and line.endswith("\n"):
+            yield json.loads(line)
 
 
 def stage_times(inside: dict[str, float]) -> str:
