@@ -305,7 +305,7 @@ def outside_ms(samples: Sequence[dict[str, Any]], replied: dict[tuple[str, str],
     for op in ("save", "load"):
         round_trips = [1000 * wait - replied[op, request_id] for s in samples
                        for request_id, wait in s["waits"][op].items()
-                       if (op, request_id) in replied]
+                       if (op, request_id) in replied] or [math.nan]  # no request lines
         figures[op] = {
             "wait": 1000 * median([w for s in samples for w in s["waits"][op].values()]),
             "round_trip": median(round_trips),
@@ -454,7 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("1 in flight, outside the sidecar, ms a request: the round trip (the engine's wait "
           "less the sidecar's receipt to reply, request by request: median, mean) and the "
           "engine's time between its calls; and the ratio a sidecar would reach, all else "
-          "the same, whose receipt to reply took just the bare copy's share of the round")
+          "the same (the mean round trip), whose receipt to reply took just the bare "
+          "copy's share of the round")
     for row in rows:
         if row["concurrency"] != 1:
             continue
