@@ -77,8 +77,6 @@ class SidecarLink(Generic[C]):
             client = self._opens(
                 self._config.endpoint,
                 timeout_s=self._config.connect_timeout_s,
-                # Never past the scheduler's wait: a poll holds the thread it runs in.
-                lookup_spin_s=min(self._config.lookup_spin_ms, self._config.lookup_wait_ms) / 1000,
                 **self._connect_kwargs(),
                 **self._curve,
             )

@@ -91,6 +91,8 @@ class SchedulerSide:
             "hash_seed": os.environ.get("PYTHONHASHSEED"),
             "block_hasher": vllm_block_hasher(hash_algo),
             "engine_id": f"vllm-scheduler-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+            # Never past the scheduler's wait: a poll holds the thread it runs in.
+            "lookup_spin_s": min(config.lookup_spin_ms, config.lookup_wait_ms) / 1000,
         })
         if load:
             self.link.client()  # start connecting now, not at the first request
