@@ -3,8 +3,12 @@ event log which blocks were stored."""
 
 from __future__ import annotations
 
-from pipeline.core.outcomes import BlockStatus
+import contextlib
+
+from pipeline.core.errors import StoreError
+from pipeline.core.outcomes import MEMORY_LOST, BlockStatus, KeyOutcome
 from pipeline.core.seams import BatchMemory, Count, count_nothing
+from pipeline.core.store import KVStore
 from pipeline.state.events import KVEventLog
 from pipeline.state.jobs import JobTracker, StagedBatch, StorePressure
 
@@ -13,11 +17,13 @@ __all__ = ["CommitStage"]
 
 class CommitStage:
     def __init__(
-        self, memory: BatchMemory, tracker: JobTracker, pressure: StorePressure,
-        events: KVEventLog, *, stored: Count = count_nothing,
+        self, memory: BatchMemory, store: KVStore, tracker: JobTracker,
+        pressure: StorePressure, events: KVEventLog, *, stored: Count = count_nothing,
     ) -> None:
-        """``stored`` hears the bytes of the values each store call stored."""
+        """``stored`` hears the bytes of the values each store call stored. ``store`` is
+        the one ``memory`` stores into."""
         self._memory = memory
+        self._store = store
         self._tracker = tracker
         self._pressure = pressure
         self._events = events
@@ -25,9 +31,22 @@ class CommitStage:
 
     async def process(self, batch: StagedBatch) -> None:
         outcomes = await self._memory.store(batch.values)
+        if batch.session.memory_lost():
+            # Values moved in place were read from the engine by the store call itself.
+            await self._forget_stored(batch, outcomes)
+            await self._tracker.settle_all(batch.tasks, MEMORY_LOST)
+            return
         self._pressure.record(batch.tasks, outcomes)
         stored = [task for task, outcome in zip(batch.tasks, outcomes, strict=True)
                   if outcome.status is BlockStatus.STORED]
         self._stored(len(stored) * batch.geometry.stored_bytes)
         self._events.stored(stored)
         await self._tracker.settle_each(batch.tasks, outcomes)
+
+    async def _forget_stored(self, batch: StagedBatch, outcomes: list[KeyOutcome]) -> None:
+        """Remove what a store call just stored from memory that shrank meanwhile."""
+        keys = [task.key for task, outcome in zip(batch.tasks, outcomes, strict=True)
+                if outcome.status is BlockStatus.STORED]
+        if keys:
+            with contextlib.suppress(StoreError):  # a load of one would fail its checksum
+                await self._store.remove(keys)

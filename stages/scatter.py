@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 
 from pipeline.core.errors import StoreError
-from pipeline.core.outcomes import LOADED, BlockStatus, KeyOutcome
+from pipeline.core.outcomes import LOADED, MEMORY_LOST, BlockStatus, KeyOutcome
 from pipeline.core.seams import CopyEngine, Count, count_nothing
 from pipeline.core.store import KVStore
 from pipeline.state.events import KVEventLog
@@ -38,6 +38,9 @@ class ScatterStage:
             intact = await self._copy.scatter(batch.geometry, batch.block_ids, batch.runs)
         finally:
             batch.values.release()
+        if batch.session.memory_lost():
+            await self._tracker.settle_all(batch.tasks, MEMORY_LOST)
+            return
         corrupt = [task for task, ok in zip(batch.tasks, intact, strict=True) if not ok]
         self._copied((len(batch.tasks) - len(corrupt)) * batch.geometry.stored_bytes)
         if corrupt:

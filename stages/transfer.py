@@ -6,7 +6,7 @@ flight (for at most ``yield_to_loads_ms``), so loads get the cores first.
 
 from __future__ import annotations
 
-from pipeline.core.outcomes import STORE_FULL, BlockStatus
+from pipeline.core.outcomes import MEMORY_LOST, STORE_FULL, BlockStatus
 from pipeline.core.seams import BatchMemory, CopyEngine, Count, count_nothing
 from pipeline.state.jobs import BlockTask, JobTracker, StagedBatch, StorePressure
 
@@ -53,5 +53,9 @@ class TransferStage:
         except BaseException:
             values.release()
             raise
+        if batch.session.memory_lost():
+            values.release()
+            await self._tracker.settle_all(batch.tasks, MEMORY_LOST)
+            return None
         self._copied(len(batch.tasks) * batch.geometry.stored_bytes)
         return batch

@@ -233,7 +233,7 @@ class EngineClient(AsyncResource):
         client = cls._connect(endpoint, engine_id, timeout_s, curve_server_key, curve_key_pair)
         client.lookup_spin_s = lookup_spin_s
         client._step = step
-        registration = Register(engine_id, layout.to_dict(), handles, self_test, hash_seed,
+        registration = Register(engine_id, layout, handles, self_test, hash_seed,
                                 hash_algo=hash_algo, lookup_only=lookup_only,
                                 step_event=step_handle)
         try:

@@ -38,6 +38,10 @@ __all__ = [
 
 log = structlog.get_logger("kvsidecar.server")
 
+FRAME_SLACK_BYTES = 4096
+"""How far past ``server.max_frame_bytes`` a frame is still read (and refused with an
+error reply); a larger one closes its sender's connection."""
+
 
 def _is_z85_key(token: str) -> bool:
     try:
@@ -163,8 +167,10 @@ class SidecarSocket:
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._socket.setsockopt(zmq.RCVHWM, config.rcvhwm)
         self._socket.setsockopt(zmq.SNDHWM, config.sndhwm)
-        # Frames over max_frame_bytes get an error reply; far larger ones cut the peer off.
-        self._socket.setsockopt(zmq.MAXMSGSIZE, 4 * config.max_frame_bytes)
+        # ZMQ takes no frame past the frame limit (and a little slack, so that one just
+        # over it gets an error reply, not a dropped connection): what a peer can queue at
+        # the socket is at most rcvhwm such frames.
+        self._socket.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes + FRAME_SLACK_BYTES)
         self._ipc_path: str | None = None
         try:
             if config.endpoint.startswith("ipc://"):
@@ -183,11 +189,11 @@ class SidecarSocket:
             raise TransportError(f"cannot bind {config.endpoint}: {exc}") from exc
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    async def receive(self) -> tuple[bytes, bytes]:
-        # A ROUTER prepends the identity; an engine sends one frame (any extra parts are
-        # joined, and the decoder judges the result).
+    async def receive(self) -> tuple[bytes, list[bytes]]:
+        """The sender's identity and the parts of its message: an engine sends one (more
+        are refused, never joined: ZMQ bounds each part, not their number)."""
         identity, *frames = await self._frames.recv_multipart()
-        return identity, frames[0] if len(frames) == 1 else b"".join(frames)
+        return identity, frames
 
     def waiting(self) -> bool:
         """Whether a frame waits to be received."""

@@ -27,7 +27,7 @@ unmapped memory, it only defers the unmapping to when the last tensor is freed.
 
 from __future__ import annotations
 
-import contextlib
+import fcntl
 import math
 import mmap
 import os
@@ -43,9 +43,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.core.errors import TransportError
+from pipeline.core.errors import LimitExceeded, TransportError
 from pipeline.core.layout import KVCacheLayout
 from pipeline.core.messages import TensorHandle
+from transport import _memguard
 
 if TYPE_CHECKING:
     from transport.cuda_ipc import IpcAllocations
@@ -60,6 +61,7 @@ __all__ = [
 ]
 
 SHM_DIR = Path("/dev/shm")
+_SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _MEMFD_NAME = "kvsidecar"
 """What ``/proc/PID/maps`` shows for an engine's shared KV memory: ``/memfd:kvsidecar``."""
 _NAME_MAX = 255
@@ -110,13 +112,16 @@ def shared_kv_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         raise ValueError(f"a shared KV tensor needs a positive shape, got {tuple(shape)}")
     nbytes = math.prod(shape) * dtype.itemsize
     try:
-        fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
+        fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
         raise TransportError(f"cannot create a shared memory file: {exc}") from exc
     try:
         # Reserve the pages now: a full tmpfs would otherwise surface as SIGBUS on a
         # later write instead of an error here.
         os.posix_fallocate(fd, 0, nbytes)
+        # Sealed at its size: no process holding it (this one included) can shrink it
+        # under a sidecar that maps it, nor grow it past what was reserved.
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SIZE_SEALS)
         mapping = mmap.mmap(fd, nbytes)
     except OSError as exc:
         os.close(fd)
@@ -299,9 +304,19 @@ class MappedTensors:
     of the session can tell at once when that engine is gone (``owner_exited``).
     """
 
-    def __init__(self, allocations: IpcAllocations | None = None) -> None:
-        """``allocations``: where CUDA allocations are opened (one per process)."""
+    def __init__(self, allocations: IpcAllocations | None = None, *,
+                 max_bytes: int | None = None, limit: str = "") -> None:
+        """``allocations``: where CUDA allocations are opened (one per process).
+        ``max_bytes``: the most host memory the segments may span together (None: no
+        bound); a segment past it is refused before it is mapped (``LimitExceeded``
+        naming ``limit``)."""
         self._mappings: dict[str, mmap.mmap] = {}
+        self._max_bytes = max_bytes
+        self._limit = limit
+        self._bytes = 0
+        self._guards: dict[str, int] = {}
+        """Segment -> the ``_memguard`` token of its mapping, where a shrink could fault
+        it."""
         self._allocations: dict[str, torch.Tensor] = {}
         self._cuda = allocations
         self._pidfds: dict[int, int] = {}
@@ -321,6 +336,16 @@ class MappedTensors:
     @property
     def segment_names(self) -> frozenset[str]:
         return frozenset(self._mappings) | frozenset(self._allocations)
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of host memory mapped (GPU allocations are not host memory)."""
+        return self._bytes
+
+    def lost(self) -> bool:
+        """Whether a mapped file shrank under this process: its mapping now reads zeros
+        (``_memguard``), so nothing read from it since is the engine's."""
+        return any(map(_memguard.lost, self._guards.values()))
 
     def map_tensor(self, handle: TensorHandle) -> torch.Tensor:
         """The tensor a handle describes, sharing memory with its owner (no copy)."""
@@ -355,10 +380,20 @@ class MappedTensors:
         """Unmap every segment and let go of every allocation; idempotent."""
         self._closed = True
         mappings, self._mappings = self._mappings, {}
-        for mapping in mappings.values():
-            # Live tensors hold an export: the mapping then goes with the last of them.
-            with contextlib.suppress(BufferError):
+        guards, self._guards = self._guards, {}
+        for name, mapping in mappings.items():
+            # A guard ends before its mapping does: a later mapping at the same address
+            # must not be taken for it.
+            guarded = name in guards
+            if guarded:
+                _memguard.unwatch(guards[name])
+            try:
                 mapping.close()
+            except BufferError:
+                # Live tensors hold an export: the mapping then goes with the last of
+                # them, guarded until then.
+                if guarded:
+                    _guard(mapping)
         # Likewise an allocation is closed once no tensor built on it is alive.
         self._allocations = {}
         pidfds, self._pidfds = self._pidfds, {}
@@ -367,13 +402,46 @@ class MappedTensors:
 
     def _attach(self, handle: TensorHandle) -> mmap.mmap:
         if handle.owner_fd is None:
-            return _attach(handle)
-        pid = handle.owner_fd[0]
-        pidfd = self._watch(handle, pid)
-        mapping = _attach(handle)
-        if not self._running(pidfd):
-            mapping.close()
-            raise _fail(handle, f"engine process {pid} exited while being mapped")
+            mapping = self._map(handle)
+        else:
+            pid = handle.owner_fd[0]
+            pidfd = self._watch(handle, pid)
+            mapping = self._map(handle)
+            if not self._running(pidfd):
+                mapping.close()
+                raise _fail(handle, f"engine process {pid} exited while being mapped")
+        self._bytes += len(mapping)
+        return mapping
+
+    def _map(self, handle: TensorHandle) -> mmap.mmap:
+        """Map a handle's segment whole, within the budget, guarded against a shrink."""
+        name = _segment(handle)
+        fd = _open_segment(handle)
+        try:
+            status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode):
+                raise _fail(handle, f"{name!r} is not a shared memory segment")
+            size = status.st_size
+            if size == 0:
+                raise _fail(handle, f"shared memory segment {name!r} is empty")
+            if self._max_bytes is not None and self._bytes + size > self._max_bytes:
+                raise LimitExceeded(
+                    self._limit, f"layer {handle.layer!r}: mapping its segment of {size} "
+                    f"bytes would take the engine's mapped memory past {self._max_bytes} bytes")
+            if status.st_blocks * 512 < size:
+                # Mapping it would allocate the rest at the sidecar's expense.
+                raise _fail(handle, f"segment {name!r} is sparse: allocate its memory "
+                                    "before sharing it (posix_fallocate)")
+            sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+            # Populate the page tables now: a first touch per page at copy time would run
+            # the first transfers of every block several times slower.
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+        except OSError as exc:
+            raise _fail(handle, f"cannot map shared memory segment {name!r}: {exc}") from exc
+        finally:
+            os.close(fd)
+        if not sealed:
+            self._guards[name] = _guard(mapping)
         return mapping
 
     def _open_allocation(self, handle: TensorHandle, geometry: _Geometry) -> torch.Tensor:
@@ -434,23 +502,13 @@ def _open_segment(handle: TensorHandle) -> int:
         raise _fail(handle, f"cannot open shared memory segment {path!r}: {exc}") from exc
 
 
-def _attach(handle: TensorHandle) -> mmap.mmap:
-    name = _segment(handle)
-    fd = _open_segment(handle)
-    try:
-        status = os.fstat(fd)
-        if not stat.S_ISREG(status.st_mode):
-            raise _fail(handle, f"{name!r} is not a shared memory segment")
-        size = status.st_size
-        if size == 0:
-            raise _fail(handle, f"shared memory segment {name!r} is empty")
-        # Populate the page tables now: a first touch per page at copy time would run
-        # the first transfers of every block several times slower.
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
-    except OSError as exc:
-        raise _fail(handle, f"cannot map shared memory segment {name!r}: {exc}") from exc
-    finally:
-        os.close(fd)
+def _guard(mapping: mmap.mmap) -> int:
+    """Watch a mapping of a file its owner could shrink (``_memguard``): a fault in it
+    then reads zeros and marks it lost instead of killing the process. The watch ends
+    when the mapping is unmapped: at ``close()``, or once the last tensor on it goes."""
+    token = _memguard.watch(mapping)
+    weakref.finalize(mapping, _memguard.unwatch, token)
+    return token
 
 
 # -- blocks ----------------------------------------------------------------------------

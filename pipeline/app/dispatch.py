@@ -6,6 +6,11 @@ of queueing in front of completions that loads are waiting for. Such refusals ar
 logged as one ``saves.refused`` line per engine per second, not a line each: under a
 flood the lines would cost the loop more than the refusals.
 
+One guard surrounds every message (``Receiver._answer``): whatever its handling raises,
+its sender is answered (an error reply, or for an accepted save or load its completion
+with every block failed), the failure is logged and counted as ``internal``, and the
+loop reads on. A peer's frame never ends the sidecar; ``internal`` is a bug to fix.
+
 Loads and lookups go first. A save received while other frames wait at the socket is
 held back (``MAX_DEFERRED_SAVES`` at most) until none does, and every other kind of
 message after it too, in order: the loads and lookups behind it are dispatched before
@@ -17,6 +22,7 @@ its path's workers, a hand-off per stage.
 from __future__ import annotations
 
 import collections
+import math
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -27,12 +33,14 @@ import structlog
 
 from pipeline.app.logs import log_request
 from pipeline.app.metrics import Metrics
+from pipeline.backends.faults import Faults
 from pipeline.core.config import Config
-from pipeline.core.errors import FrameTooLarge, ProtocolError, RequestRejected
+from pipeline.core.errors import LimitExceeded, ProtocolError, RequestRejected
 from pipeline.core.hashing import INLINE_TOKENS
 from pipeline.core.hitrule import blocks_to_load
 from pipeline.core.layout import NULL_BLOCK_ID
 from pipeline.core.messages import (
+    MAX_TEXT,
     EngineMessage,
     ErrorCode,
     ErrorReply,
@@ -54,9 +62,16 @@ from pipeline.core.messages import (
     outcome_counts,
     prompt_length,
 )
-from pipeline.core.outcomes import OVERLOADED
+from pipeline.core.outcomes import OVERLOADED, BlockStatus, KeyOutcome
 from pipeline.runner import EdgeSendStream
-from pipeline.state.jobs import Job, JobTracker, LookupRequest, Reply, load_bytes
+from pipeline.state.jobs import (
+    Job,
+    JobTracker,
+    LookupRequest,
+    Reply,
+    load_bytes,
+    planned_blocks,
+)
 from pipeline.state.registry import SessionRegistry
 from pipeline.state.sessions import EngineSession
 from stages.completion import completion_message
@@ -65,6 +80,11 @@ from transport.server import SidecarSocket
 __all__ = ["Receiver"]
 
 log = structlog.get_logger("kvsidecar.service")
+
+INTERNAL_LOG_INTERVAL_S = 1.0
+"""A peer's internal failures are logged once a second at most (the rest are counted)."""
+
+OUTCOME_INTERNAL = KeyOutcome(BlockStatus.FAILED, "internal")
 
 MAX_DEFERRED_SAVES = 16
 """Saves (and the messages behind them) held back while loads and lookups are read past
@@ -85,6 +105,7 @@ class Receiver:
         entrance: Callable[[str], EdgeSendStream[object]],
         run_inline: RunInline | None = None,
         load_copy_waits: Callable[[int], bool] = lambda nbytes: True,
+        faults: Faults | None = None,
     ) -> None:
         """``run_inline(path, item, whole=...)`` runs an item through its path in this
         task, if the path can take it now (``Graph.run_inline``): given for a store whose
@@ -102,6 +123,7 @@ class Receiver:
         self._lookup_inbox = entrance("lookup")
         self._run_inline = run_inline
         self._load_copy_waits = load_copy_waits
+        self._faults = faults if faults is not None and faults.enabled else None
         self.accepting = True
         self.last_receive = 0.0
         self._refused: collections.Counter[str] = collections.Counter()
@@ -109,6 +131,8 @@ class Receiver:
         self._deferred: collections.deque[tuple[bytes, EngineMessage, float]] = (
             collections.deque())
         """Messages held back behind a save, in order, with when each was received."""
+        self._internal_logged: dict[bytes, tuple[float, int]] = {}
+        """Per peer: when its last internal failure was logged, and how many since."""
 
     def close_inboxes(self) -> None:
         """Stop feeding the paths: they drain what they hold, then end."""
@@ -155,6 +179,12 @@ class Receiver:
     def _send(self, identity: bytes, message: SidecarMessage) -> None:
         self._socket.send(identity, encode(message))
 
+    def _send_error(self, identity: bytes, code: str, error: str, seq: int = 0) -> None:
+        """An error reply; its text cut to what the wire takes."""
+        if len(error) > MAX_TEXT:
+            error = error[: MAX_TEXT - 3] + "..."
+        self._send(identity, ErrorReply(code, error, seq))
+
     # -- receiving --------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -164,19 +194,19 @@ class Receiver:
                              or not self._socket.waiting()):
                 await self._answer(*deferred.popleft())
                 continue
-            identity, frame = await self._socket.receive()
+            identity, frames = await self._socket.receive()
             received_at = time.monotonic()
             self.last_receive = anyio.current_time()
             try:
+                if len(frames) != 1:
+                    raise ProtocolError(f"an engine message is one frame, not {len(frames)}")
                 message = decode_engine_message(
-                    frame, max_bytes=self._config.server.max_frame_bytes
+                    frames[0], max_bytes=self._config.server.max_frame_bytes
                 )
             except ProtocolError as exc:
-                too_large = isinstance(exc, FrameTooLarge)
-                code = ErrorCode.TOO_LARGE if too_large else ErrorCode.BAD_FRAME
-                self._metrics.rejected.labels(code).inc()
-                log.info("server.frame.rejected", code=code, error=str(exc))
-                self._send(identity, ErrorReply(code, str(exc)))
+                self._metrics.rejected.labels(exc.code).inc()
+                log.info("server.frame.rejected", code=exc.code, error=str(exc)[:MAX_TEXT])
+                self._send_error(identity, exc.code, str(exc))
                 continue
             if self._goes_now(message):
                 await self._answer(identity, message, received_at)
@@ -194,19 +224,74 @@ class Receiver:
 
     async def _answer(self, identity: bytes, message: EngineMessage,
                       received_at: float) -> None:
-        """Dispatch a message; a request that cannot be served gets an error reply."""
+        """Dispatch a message; a request that cannot be served gets an error reply, and
+        one whose handling failed is answered as ``internal`` (the guard)."""
         try:
             await self._dispatch(identity, message, received_at)
         except RequestRejected as exc:
             self._metrics.rejected.labels(exc.code).inc()
-            log.info("server.request.rejected", code=exc.code, error=str(exc))
-            self._send(identity, ErrorReply(exc.code, str(exc), _seq(message)))
+            if isinstance(exc, LimitExceeded):
+                self._metrics.over_limit.labels(exc.limit).inc()
+            log.info("server.request.rejected", code=exc.code, error=str(exc)[:MAX_TEXT])
+            self._send_error(identity, exc.code, str(exc), _seq(message))
+        except _Answered as exc:
+            self._internal(identity, message, exc.__cause__)
+        except Exception as exc:
+            self._internal(identity, message, exc)
+            self._send_error(identity, ErrorCode.INTERNAL,
+                             f"the sidecar failed to handle this {_kind(message)}", _seq(message))
+
+    def _internal(self, identity: bytes, message: EngineMessage,
+                  exc: BaseException | None) -> None:
+        """Count a message whose handling failed, and log it (once a second per peer)."""
+        self._metrics.rejected.labels(ErrorCode.INTERNAL).inc()
+        self._metrics.internal.inc()
+        now = time.monotonic()
+        logged = self._internal_logged
+        last, since = logged.get(identity, (-math.inf, 0))
+        if now - last < INTERNAL_LOG_INTERVAL_S:
+            logged[identity] = (last, since + 1)
+            return
+        if len(logged) >= 1024:
+            logged.clear()
+        logged[identity] = (now, 0)
+        session = self._registry.get(identity)
+        log.error("server.request.internal", kind=_kind(message), seq=_seq(message),
+                  engine_id=None if session is None else session.engine_id,
+                  request_id=getattr(message, "request_id", None), unlogged_before=since,
+                  exc_info=exc)
+
+    def _injected_bug(self) -> None:
+        """Fault point ``receive.accepted``: a save or load failing once accepted."""
+        if self._faults is not None:
+            self._faults.bug("receive.accepted")
+
+    async def _serve_job(self, job: Job) -> None:
+        """Accept and start a save or load; if that fails once it is accepted, it is
+        answered at once, every block failed (``_Answered``)."""
+        try:
+            if isinstance(job.message, Load):
+                self._tracker.accept(job)
+                self._injected_bug()
+                if not await self._run_job(job):
+                    await self._enqueue(self._load_inbox, job)
+            else:
+                await self._accept_save(job)
+        except (RequestRejected, anyio.get_cancelled_exc_class()):
+            raise
+        except Exception as exc:
+            if not self._tracker.is_open(job):
+                raise
+            if self._tracker.abandon(job, "internal"):
+                await self.send_reply(Reply(job.session, _failed_completion(job), job))
+            self._tracker.answered(job)
+            raise _Answered from exc
 
     async def _dispatch(self, identity: bytes, message: EngineMessage,
                         received_at: float) -> None:
         self._metrics.received(str(message.__struct_config__.tag))
         if isinstance(message, Register):
-            registered_session, registered = self._registry.register(identity, message)
+            registered_session, registered = await self._registry.register(identity, message)
             log.info(
                 "session.registered",
                 engine_id=registered_session.engine_id,
@@ -231,18 +316,22 @@ class Receiver:
         elif not self.accepting:
             raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
         elif isinstance(message, Lookup):
+            self._check_tokens(prompt_length(message))
             _check_prompt_head(session, message)
             _check_engine_hashes(session, message)
             await self._lookup(LookupRequest(session, message, received_at))
         else:
-            _check_request(session, message)
-            job = Job(session, message, received_at=received_at)
-            if isinstance(message, Load):
-                self._tracker.accept(job)
-                if not await self._run_job(job):
-                    await self._enqueue(self._load_inbox, job)
-            else:
-                await self._accept_save(job)
+            self._check_tokens(len(message.token_ids))
+            _check_request(session, message, self._config.limits.max_request_tokens)
+            await self._serve_job(Job(session, message, received_at=received_at))
+
+    def _check_tokens(self, tokens: int) -> None:
+        """Refuse a request past ``limits.max_request_tokens``."""
+        limit = self._config.limits.max_request_tokens
+        if tokens > limit:
+            raise LimitExceeded("limits.max_request_tokens",
+                                f"a request of {tokens} tokens is longer than this sidecar "
+                                f"takes ({limit})")
 
     async def _lookup(self, request: LookupRequest) -> None:
         """Answer a lookup here when it has little or nothing to hash (the engine sent its
@@ -274,6 +363,7 @@ class Receiver:
         """Explain a prompt as a registered engine sees it, for whoever asks."""
         if not self.accepting:
             raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
+        self._check_tokens(len(message.token_ids))
         session = self._registry.find(message.engine_id)
         lookup = Lookup(message.seq, message.token_ids, message.keys, message.block_hashes,
                         explain=True)
@@ -302,11 +392,13 @@ class Receiver:
         receive = self._config.stages.receive
         if receive.overflow == "block":
             self._tracker.accept(job)
+            self._injected_bug()
             if not await self._run_job(job):
                 await self._enqueue(self._save_inbox, job)
             return
         if job.session.saves_in_flight < receive.max_saves_per_engine:
             self._tracker.accept(job)
+            self._injected_bug()
             if await self._run_job(job):
                 return
             try:
@@ -335,6 +427,32 @@ def _seq(message: object) -> int:
     return int(getattr(message, "seq", 0))
 
 
+def _kind(message: EngineMessage) -> str:
+    return str(message.__struct_config__.tag)
+
+
+class _Answered(Exception):
+    """An accepted job whose start failed has been answered; ``__cause__`` is why."""
+
+
+def _failed_completion(job: Job) -> SaveDone | LoadDone:
+    """The completion of a job that failed as a whole: every block it would move failed,
+    and for a load nothing loaded past what the engine held (every block it would write
+    is listed, so that the engine never reads one)."""
+    if job.reports:  # settled in part, the rest failed (``JobTracker.abandon``)
+        reports = tuple(job.reports)
+    else:
+        tasks = job.planned or planned_blocks(job)
+        reports = tuple(job.report(task, OUTCOME_INTERNAL) for task in tasks)
+    message = job.message
+    if isinstance(message, Save):
+        return SaveDone(message.seq, message.request_id, reports)
+    projected = job.session.layout.project_block_ids(message.block_ids)
+    invalid = sorted({block for ids in projected for block in ids if block != NULL_BLOCK_ID})
+    return LoadDone(message.seq, message.request_id, message.computed_tokens,
+                    tuple(invalid), reports)
+
+
 def _check_engine_hashes(session: EngineSession, message: Lookup | Save | Load) -> None:
     """Engine-sent block hashes must match the tokens in number and, on a sample (the
     first block), in value: a wrong hash would name another prefix's KV."""
@@ -358,7 +476,7 @@ def _check_engine_hashes(session: EngineSession, message: Lookup | Save | Load) 
     if session.engine_hashes_only:
         return
     if expected and message.block_hashes[0] != session.first_block_hash(
-            message.keys, tuple(message.token_ids[:hbs])):
+            message.keys, message.token_ids[:hbs].tobytes()):
         raise RequestRejected(
             ErrorCode.HASH_MISMATCH,
             "the first block hash differs from the sidecar's hash of the same tokens",
@@ -387,12 +505,41 @@ def _check_prompt_head(session: EngineSession, message: Lookup) -> None:
         )
 
 
-def _check_request(session: EngineSession, message: Save | Load) -> None:
+def _check_block_counts(session: EngineSession, message: Save | Load,
+                        max_request_tokens: int) -> None:
+    """Refuse block-id lists longer than a request can use, before anything walks them:
+    a save names no more blocks than its tokens reach; a load's lists are bounded by the
+    blocks the engine registered (the connector sends every block of its request) and by
+    the longest request."""
+    if len(message.block_ids) != len(session.layout.groups):
+        return  # refused by check_block_ids
+    stored = {geometry.kv_group_id: geometry for geometry in session.store_groups}
+    for group_id, (group, ids) in enumerate(
+            zip(session.layout.groups, message.block_ids, strict=True)):
+        if isinstance(message, Save):
+            most = -(-len(message.token_ids) // group.block_size)
+            what = f"a save of {len(message.token_ids)} tokens reaches {most}"
+        else:
+            most = -(-max_request_tokens // group.block_size)
+            what = f"a request reaches at most {most}"
+            if group_id in stored:
+                most = min(most, stored[group_id].num_blocks)
+                what = f"the engine registered {most}"
+        if len(ids) > most:
+            raise RequestRejected(
+                ErrorCode.BAD_REQUEST,
+                f"{len(ids)} block ids for kv-cache group {group_id}; {what}",
+            )
+
+
+def _check_request(session: EngineSession, message: Save | Load,
+                   max_request_tokens: int) -> None:
     """Reject a save or load that cannot be served, before it is accepted."""
     if session.lookup_only:
         raise RequestRejected(
             ErrorCode.BAD_REQUEST, "this engine registered for lookups only: it cannot save or load"
         )
+    _check_block_counts(session, message, max_request_tokens)
     _check_engine_hashes(session, message)
     try:
         projected = session.check_block_ids(message.block_ids)

@@ -86,7 +86,7 @@ SAVE = (
         copied=r.moved("save", "copy"),
     ), "transfer"),
     Spec("commit", lambda r: CommitStage(
-        r.memory, r.tracker, r.pressure, r.events, stored=r.moved("save", "store"),
+        r.memory, r.store, r.tracker, r.pressure, r.events, stored=r.moved("save", "store"),
     ), "commit"),
 )
 LOAD = (

@@ -182,6 +182,15 @@ class Metrics:
             "kvsidecar_rejected", "Frames and requests refused with an error reply, by code",
             ["code"], registry=self.registry,
         )
+        self.internal = Counter(
+            "kvsidecar_internal_errors",
+            "Messages whose handling failed inside the sidecar (a bug: answered as internal)",
+            registry=self.registry,
+        )
+        self.over_limit = Counter(
+            "kvsidecar_over_limit", "Requests and registrations refused past a limit, by limit",
+            ["limit"], registry=self.registry,
+        )
         self.blocks = Counter(
             "kvsidecar_blocks", "Block outcomes reported to engines", ["path", "status", "reason"],
             registry=self.registry,

@@ -36,7 +36,7 @@ from pipeline.core.store import PiecewiseKVStore
 from pipeline.state.events import KVEventLog
 from pipeline.state.history import BlockHistory
 from pipeline.state.jobs import Failable, JobTracker, Reply, StorePressure, mark_done
-from pipeline.state.registry import LayerTensors, SessionRegistry
+from pipeline.state.registry import LayerTensors, MappingBudget, SessionRegistry
 from stages.completion import CompletionStage
 from transport.events import EventPublisher
 from transport.server import SidecarSocket, open_server_socket
@@ -56,8 +56,10 @@ KERNEL_COMPILES = 16
 copies compile its kernels (most engines share theirs: one compile serves them all)."""
 
 
-def map_shared_tensors(handles: Sequence[TensorHandle]) -> tuple[LayerTensors, MappedTensors]:
-    mapper = MappedTensors()
+def map_shared_tensors(
+    handles: Sequence[TensorHandle], budget: MappingBudget
+) -> tuple[LayerTensors, MappedTensors]:
+    mapper = MappedTensors(max_bytes=budget.max_bytes, limit=budget.limit)
     try:
         tensors = {
             handle.layer: (mapper.map_tensor(handle), handle.block_dim) for handle in handles
@@ -92,13 +94,20 @@ class RegisteredMapping:
     def owner_exited(self) -> bool:
         return self._mapping.owner_exited()
 
+    @property
+    def mapped_bytes(self) -> int:
+        return self._mapping.mapped_bytes
+
+    def lost(self) -> bool:
+        return self._mapping.lost()
+
 
 def map_registered_tensors(
-    store: PiecewiseKVStore, handles: Sequence[TensorHandle]
+    store: PiecewiseKVStore, handles: Sequence[TensorHandle], budget: MappingBudget
 ) -> tuple[LayerTensors, RegisteredMapping]:
     """``map_shared_tensors``, and the memory under the tensors registered with ``store``
     (each mapping once, whole)."""
-    tensors, mapper = map_shared_tensors(handles)
+    tensors, mapper = map_shared_tensors(handles, budget)
     storages: dict[int, torch.UntypedStorage] = {}
     for tensor, _ in tensors.values():
         storage = tensor.untyped_storage()
@@ -154,6 +163,7 @@ class Sidecar:
             ),
             open_step_event=_step_events(config),
             prepare_copies=self._queue_kernels if self._gpu_copies else None,
+            limits=config.limits,
         )
         self.graph = build_graph(config)
         self.tracker = JobTracker(self.graph.inline_first(SAVE_COMPLETION),
@@ -163,6 +173,7 @@ class Sidecar:
             config, socket, self.registry, self.tracker, self.metrics, self.graph.entrance,
             run_inline=self.graph.run_inline if backends.answers_at_once else None,
             load_copy_waits=backends.load_copy.waits,
+            faults=faults,
         )
         self.socket = socket
 
@@ -236,8 +247,8 @@ class Sidecar:
 
     async def _reap_loop(self) -> None:
         """Drop the sessions of engines gone silent, and at once those of engines whose
-        process has exited, so that none of a dead engine's memory stays mapped; and sum
-        up the saves refused meanwhile."""
+        process has exited or whose memory shrank under the sidecar, so that none of a
+        dead engine's memory stays mapped; and sum up the saves refused meanwhile."""
         timeout = self.config.server.heartbeat_timeout_s
         while True:
             await anyio.sleep(min(timeout / 4, OWNER_CHECK_S))
@@ -247,6 +258,9 @@ class Sidecar:
                 silent_s = now - session.last_seen
                 if session.owner_exited():
                     log.warning("session.owner_exited", engine_id=session.engine_id)
+                elif session.memory_lost():
+                    log.warning("session.memory_lost", engine_id=session.engine_id,
+                                reason="its memory file shrank under the sidecar")
                 elif silent_s > timeout:
                     log.warning("session.reaped", engine_id=session.engine_id,
                                 silent_s=round(silent_s, 1))

@@ -25,13 +25,18 @@ from pipeline.core.outcomes import KeyOutcome
 from pipeline.core.runs import value_views
 from pipeline.core.store import Extents, KVStore, Pieces, ReadHere, Seal
 
-__all__ = ["Faults", "FaultyStore", "InjectedFault"]
+__all__ = ["Faults", "FaultyStore", "InjectedBug", "InjectedFault"]
 
 T = TypeVar("T")
 
 
 class InjectedFault(StoreError):
     """A failure injected at a fault point (a store error, so every layer handles it)."""
+
+
+class InjectedBug(Exception):
+    """A failure injected where only a bug could fail (``receive.accepted``: a save or
+    load once accepted): what the receiver's guard is there to catch."""
 
 
 class Faults:
@@ -54,6 +59,13 @@ class Faults:
         if point.error_rate and self._rng.random() < point.error_rate:
             self.fired[name] = self.fired.get(name, 0) + 1
             raise InjectedFault(f"injected fault at {name}")
+
+    def bug(self, name: str) -> None:
+        """Maybe raise ``InjectedBug`` at fault point ``name`` (its ``error_rate``)."""
+        point = self._points.get(name)
+        if point is not None and point.error_rate and self._rng.random() < point.error_rate:
+            self.fired[name] = self.fired.get(name, 0) + 1
+            raise InjectedBug(f"injected bug at {name}")
 
     def corrupt(self, name: str, buffers: Sequence[torch.Tensor]) -> None:
         point = self._points.get(name)

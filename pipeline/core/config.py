@@ -22,6 +22,7 @@ __all__ = [
     "EmbeddedStoreConfig",
     "FaultPointConfig",
     "FaultsConfig",
+    "LimitsConfig",
     "LoggingConfig",
     "MetricsConfig",
     "MooncakeStoreConfig",
@@ -33,6 +34,7 @@ __all__ = [
     "StoreConfig",
     "TransferStageConfig",
     "default_endpoint",
+    "host_memory_bytes",
     "load_config",
 ]
 
@@ -248,6 +250,7 @@ class StoreConfig(_Section, frozen=True):
 FAULT_POINTS = frozenset({
     "stage.group_filter", "stage.hashing", "stage.dedup", "stage.transfer", "stage.commit",
     "stage.fetch", "stage.scatter", "store.exists", "store.put", "store.get",
+    "receive.accepted",
 })
 Probability = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
@@ -316,8 +319,37 @@ class LoggingConfig(_Section, frozen=True):
     """One ``request.done`` line per completed request, at info level."""
 
 
+def host_memory_bytes() -> int:
+    """The host's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class LimitsConfig(_Section, frozen=True):
+    """What one peer may cost the sidecar. Every size a peer sends is bounded by the wire
+    schema; these caps are tighter, so that no legal request is huge. A request or
+    registration past one is refused with an error naming the limit."""
+
+    max_engines: Positive = 64
+    """Registered engine sessions at once (a scheduler and each worker count one each)."""
+    max_block_tokens: Annotated[int, msgspec.Meta(gt=0, le=1 << 16)] = 8192
+    """Tokens per block of any group, and so per hash block."""
+    max_request_tokens: Annotated[int, msgspec.Meta(gt=0, le=1 << 22)] = 1 << 20
+    """Tokens of one lookup, save, load or explanation."""
+    engine_mapped_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Memory one engine may have mapped into the sidecar (0: the host's memory)."""
+    total_mapped_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Memory all engines together may have mapped (0: twice the host's memory)."""
+
+    def engine_mapped(self) -> int:
+        return self.engine_mapped_bytes or host_memory_bytes()
+
+    def total_mapped(self) -> int:
+        return self.total_mapped_bytes or 2 * host_memory_bytes()
+
+
 class Config(_Section, frozen=True):
     server: ServerConfig = ServerConfig()
+    limits: LimitsConfig = LimitsConfig()
     stages: StagesConfig = StagesConfig()
     staging: StagingConfig = StagingConfig()
     store: StoreConfig = StoreConfig()

@@ -18,11 +18,22 @@ class LayoutError(KVSidecarError):
 
 
 class ProtocolError(KVSidecarError):
-    """A wire message is malformed, oversized, or violates the protocol."""
+    """A wire message is malformed, oversized, or violates the protocol; ``code`` is the
+    error code its sender is answered with (``messages.ErrorCode``)."""
+
+    code = "bad_frame"
 
 
 class FrameTooLarge(ProtocolError):
     """A frame larger than ``server.max_frame_bytes``."""
+
+    code = "too_large"
+
+
+class BadLayoutFrame(ProtocolError):
+    """A registration whose layout does not decode: a value out of its schema's range."""
+
+    code = "bad_layout"
 
 
 class TransportError(KVSidecarError):
@@ -39,6 +50,15 @@ class RequestRejected(KVSidecarError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+
+
+class LimitExceeded(RequestRejected):
+    """A request or registration past one of the config's limits; ``limit`` names it
+    (``limits.max_engines``), and so does the message its sender gets."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__("over_limit", f"{message} ({limit})")
+        self.limit = limit
 
 
 class StoreUnavailable(StoreError):

@@ -12,13 +12,14 @@ import functools
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from pipeline.core.errors import LayoutError
 
 __all__ = [
+    "MAX_BLOCK_TOKENS",
     "NULL_BLOCK_ID",
     "GroupKind",
     "KVCacheGroup",
@@ -29,6 +30,13 @@ __all__ = [
 
 NULL_BLOCK_ID = 0
 """The engine's null block: a placeholder that is never read, written or stored."""
+
+MAX_BLOCK_TOKENS = 1 << 16
+"""Tokens per block the protocol admits (the config caps it lower: ``limits``)."""
+
+_Name = Annotated[str, msgspec.Meta(max_length=256)]
+_Count = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+_Tokens = Annotated[int, msgspec.Meta(le=MAX_BLOCK_TOKENS)]
 
 
 class GroupKind(enum.StrEnum):
@@ -67,14 +75,14 @@ class KVCacheGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One kv-cache group: layers sharing one block table."""
 
     kind: GroupKind
-    block_size: int
+    block_size: _Tokens
     """Tokens per block; for ``circular_buffer`` the ring capacity."""
-    layers: tuple[str, ...] = ()
+    layers: Annotated[tuple[_Name, ...], msgspec.Meta(max_length=8192)] = ()
     enable_kv_transfer: bool = True
     mamba_cache_mode: MambaCacheMode | None = None
-    sliding_window: int | None = None
-    dtype: str = "bfloat16"
-    page_bytes: int = 0
+    sliding_window: _Count | None = None
+    dtype: _Name = "bfloat16"
+    page_bytes: Annotated[int, msgspec.Meta(le=1 << 40)] = 0
     """Bytes of one block of one layer (0: not declared; the registered tensors decide)."""
     mla: bool = False
     """Latent attention (MLA, sliding-window MLA): every TP rank holds the same KV."""
@@ -107,24 +115,24 @@ class KVCacheGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class KVCacheLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, dict=True):
     """A model's KV-cache groups in the engine's kv-cache group order, plus its ranks."""
 
-    groups: tuple[KVCacheGroup, ...]
-    model: str = "model"
-    tp_rank: int = 0
-    pcp_rank: int = 0
-    dcp_rank: int = 0
-    pp_rank: int = 0
-    pcp_world_size: int = 1
+    groups: Annotated[tuple[KVCacheGroup, ...], msgspec.Meta(max_length=64)]
+    model: _Name = "model"
+    tp_rank: _Count = 0
+    pcp_rank: _Count = 0
+    dcp_rank: _Count = 0
+    pp_rank: _Count = 0
+    pcp_world_size: _Count = 1
     """Prefill context-parallel size; stores refuse hybrid layouts when it exceeds 1."""
-    tp_size: int = 1
-    pp_size: int = 1
-    dcp_size: int = 1
-    num_kv_heads: int = 0
+    tp_size: _Count = 1
+    pp_size: _Count = 1
+    dcp_size: _Count = 1
+    num_kv_heads: _Count = 0
     """The model's KV heads over all TP ranks (0: unknown): ranks share a head's key."""
-    store_namespace: str = ""
+    store_namespace: _Name = ""
     """vLLM's ``store_namespace`` (``store.value_format: vllm`` keys only)."""
-    cache_prefix: str = ""
-    prefix_match_unit: int | None = None
-    block_size: int | None = None
+    cache_prefix: _Name = ""
+    prefix_match_unit: _Tokens | None = None
+    block_size: _Tokens | None = None
     """The engine-wide block size, informational only: group geometry is read per group."""
 
     def __post_init__(self) -> None:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
 import msgspec
 
-from pipeline.core.errors import FrameTooLarge, ProtocolError
+from pipeline.core.errors import BadLayoutFrame, FrameTooLarge, ProtocolError
+from pipeline.core.layout import MAX_BLOCK_TOKENS, KVCacheLayout
 from pipeline.core.outcomes import BlockStatus
 
 __all__ = [
@@ -62,7 +63,45 @@ PROTOCOL_VERSION = 2
 """2: a lookup with the engine's block hashes may carry only the prompt's first hash
 block (``Lookup.prompt_tokens``)."""
 
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+
+# Schema maxima: every peer-supplied size is bounded where it is decoded, so that no
+# frame costs the sidecar more than a small multiple of its own bytes. They are generous
+# bounds of the protocol; the config caps what an engine may actually ask for
+# (``limits``), within them.
+MAX_TOKENS = 1 << 22
+"""Token ids (and so block hashes) one request may carry."""
+MAX_BLOCK_IDS = 1 << 22
+"""Block ids of one kv-cache group in one request."""
+MAX_GROUPS = 64
+"""kv-cache groups of one layout (and so block-id lists of one request)."""
+MAX_TENSORS = 8192
+"""Tensor handles of one registration."""
+MAX_DIMS = 8
+"""Dimensions of one tensor."""
+MAX_EXTENT = 1 << 48
+"""A tensor dimension, stride or byte offset: far beyond any machine's memory, far below
+where int64 arithmetic on them could overflow."""
+MAX_NAME = 256
+"""An identifier: engine id, layer, model, namespace, dtype, device, multimodal id."""
+MAX_TEXT = 4096
+"""Free text a request carries: its id, a LoRA path, a cache salt."""
+MAX_HASH_BYTES = 64
+"""One block hash (vLLM's are 32 bytes, or 8-16 with xxhash)."""
+MAX_MM_ITEMS = 4096
+"""Multimodal items of one request."""
+
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+Extent = Annotated[int, msgspec.Meta(ge=0, le=MAX_EXTENT)]
+BlockHashes = Annotated[
+    tuple[Annotated[bytes, msgspec.Meta(max_length=MAX_HASH_BYTES)], ...],
+    msgspec.Meta(max_length=MAX_TOKENS),
+]
+BlockIds = Annotated[
+    tuple[Annotated[tuple[NonNegative, ...], msgspec.Meta(max_length=MAX_BLOCK_IDS)], ...],
+    msgspec.Meta(max_length=MAX_GROUPS),
+]
 
 # A request's token ids: ``array('I')``, on the wire as one binary field of little-endian
 # uint32s. A prompt travels as one copy each way instead of one msgpack integer per token,
@@ -102,6 +141,9 @@ def _dec_hook(kind: type, value: Any) -> Any:
     if kind is array.array:
         if not isinstance(value, bytes):
             raise TypeError(f"Expected `bytes` of uint32 token ids, got `{type(value).__name__}`")
+        if len(value) > MAX_TOKENS * TOKEN_BYTES:
+            raise ValueError(f"{len(value) // TOKEN_BYTES} token ids exceed the protocol's "
+                             f"{MAX_TOKENS}")
         if len(value) % TOKEN_BYTES:
             raise ValueError(f"{len(value)} bytes is not a whole number of uint32 token ids")
         tokens = array.array(TOKEN_TYPECODE)
@@ -133,9 +175,9 @@ class CudaIpc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     A handle's ``offset`` is then bytes from the allocation's base."""
 
     handle: IpcHandleBytes
-    allocation_bytes: Annotated[int, msgspec.Meta(gt=0)]
-    pid: Annotated[int, msgspec.Meta(gt=0)]
-    device_uuid: str = ""
+    allocation_bytes: Annotated[int, msgspec.Meta(gt=0, le=MAX_EXTENT)]
+    pid: Annotated[int, msgspec.Meta(gt=0, le=2**31 - 1)]
+    device_uuid: Name = ""
     """The GPU's UUID: processes number devices differently (``CUDA_VISIBLE_DEVICES``),
     so the sidecar finds its own index of the device by it; empty: the index is the same."""
 
@@ -143,9 +185,9 @@ class CudaIpc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class CudaIpcEvent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """An interprocess CUDA event on ``device`` (``torch.cuda.Event(interprocess=True)``)."""
 
-    device: NonNegative
+    device: Annotated[int, msgspec.Meta(ge=0, le=1024)]
     handle: IpcHandleBytes
-    device_uuid: str = ""
+    device_uuid: Name = ""
     """As ``CudaIpc.device_uuid``."""
 
 
@@ -156,15 +198,18 @@ class TensorHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     K/V-first tensors ``[2, num_blocks, ...]``. Offsets are bytes, strides elements.
     """
 
-    layer: str
-    shm_name: str
-    offset: NonNegative
-    shape: tuple[NonNegative, ...]
-    strides: tuple[int, ...]
-    dtype: str
+    layer: Name
+    shm_name: Annotated[str, msgspec.Meta(max_length=255)]
+    offset: Extent
+    shape: Annotated[tuple[Extent, ...], msgspec.Meta(max_length=MAX_DIMS)]
+    strides: Annotated[tuple[Extent, ...], msgspec.Meta(max_length=MAX_DIMS)]
+    dtype: Name
     block_dim: Annotated[int, msgspec.Meta(ge=0, le=1)] = 0
-    device: str = "cpu"
-    owner_fd: tuple[Annotated[int, msgspec.Meta(gt=0)], NonNegative] | None = None
+    device: Name = "cpu"
+    owner_fd: tuple[
+        Annotated[int, msgspec.Meta(gt=0, le=2**31 - 1)],
+        Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)],
+    ] | None = None
     """``(pid, fd)`` of CPU memory without a name: the sidecar opens it through
     ``/proc/PID/fd/FD``. ``shm_name`` is then empty."""
     cuda_ipc: CudaIpc | None = None
@@ -174,17 +219,26 @@ class TensorHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class HashSelfTest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The engine's own hashes of a fixed token sequence: proves both sides hash alike."""
 
-    token_ids: tuple[int, ...]
-    block_hashes: tuple[bytes, ...]
+    token_ids: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)], ...],
+        msgspec.Meta(max_length=2 * MAX_BLOCK_TOKENS),
+    ]
+    """Two hash blocks' worth of tokens (the sidecar refuses more than two)."""
+    block_hashes: Annotated[
+        tuple[Annotated[bytes, msgspec.Meta(max_length=MAX_HASH_BYTES)], ...],
+        msgspec.Meta(max_length=2 * MAX_BLOCK_TOKENS),
+    ]
 
 
 class RequestKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Per-request inputs to block hashing besides the tokens."""
 
-    lora_name: str | None = None
-    lora_path: str | None = None
-    cache_salt: str | None = None
-    mm_items: tuple[tuple[str, NonNegative, NonNegative], ...] = ()
+    lora_name: Name | None = None
+    lora_path: Text | None = None
+    cache_salt: Text | None = None
+    mm_items: Annotated[
+        tuple[tuple[Name, NonNegative, NonNegative], ...], msgspec.Meta(max_length=MAX_MM_ITEMS)
+    ] = ()
 
 
 SIDECAR_HASH_ALGO = "sha256_cbor"
@@ -194,13 +248,13 @@ HASH_ALGOS = (SIDECAR_HASH_ALGO, "sha256", "xxhash", "xxhash_cbor")
 
 
 class Register(_Wire, frozen=True, tag="register"):
-    engine_id: str
-    layout: dict[str, Any]
-    tensors: tuple[TensorHandle, ...]
+    engine_id: Name
+    layout: KVCacheLayout
+    tensors: Annotated[tuple[TensorHandle, ...], msgspec.Meta(max_length=MAX_TENSORS)]
     self_test: HashSelfTest
-    hash_seed: str | None = None
-    version: int = PROTOCOL_VERSION
-    hash_algo: str = "sha256_cbor"
+    hash_seed: Name | None = None
+    version: NonNegative = PROTOCOL_VERSION
+    hash_algo: Name = "sha256_cbor"
     """How the engine hashes blocks. With any algorithm but ``sha256_cbor`` the sidecar
     cannot check hashes itself: every lookup, save and load must carry the engine's."""
     lookup_only: bool = False
@@ -221,10 +275,10 @@ class Lookup(_Wire, frozen=True, tag="lookup"):
     token_ids: TokenIds
     """The prompt; with ``prompt_tokens``, only its first hash block."""
     keys: RequestKeys = RequestKeys()
-    block_hashes: tuple[bytes, ...] | None = None
+    block_hashes: BlockHashes | None = None
     """The engine's own fine block hashes (vLLM's ``request.block_hashes``): the sidecar
     then skips hashing and only checks the first one against the tokens."""
-    request_id: str | None = None
+    request_id: Text | None = None
     """The request this lookup is for: its hashes are kept for its next lookup, load
     and save (a request waiting to be scheduled is looked up again and again)."""
     explain: bool = False
@@ -241,36 +295,35 @@ class Explain(_Wire, frozen=True, tag="explain"):
     an operator's question, so the peer asking need not be registered itself."""
 
     seq: NonNegative
-    engine_id: str = ""
+    engine_id: Name = ""
     """The engine whose view is explained ("": the only engine registered)."""
     token_ids: TokenIds = msgspec.field(default_factory=lambda: array.array(TOKEN_TYPECODE))
     """The prompt (may be empty when ``block_hashes`` are given)."""
     keys: RequestKeys = RequestKeys()
-    block_hashes: tuple[bytes, ...] | None = None
-
+    block_hashes: BlockHashes | None = None
 
 
 class Save(_Wire, frozen=True, tag="save"):
     seq: NonNegative
-    request_id: str
+    request_id: Text
     token_ids: TokenIds
-    block_ids: tuple[tuple[NonNegative, ...], ...]
+    block_ids: BlockIds
     """One list per kv-cache group, block j of the request at index j (0 = null block)."""
     keys: RequestKeys = RequestKeys()
-    block_hashes: tuple[bytes, ...] | None = None
+    block_hashes: BlockHashes | None = None
     """The engine's own fine block hashes (vLLM's ``request.block_hashes``): the sidecar
     then skips hashing and only checks the first one against the tokens."""
 
 
 class Load(_Wire, frozen=True, tag="load"):
     seq: NonNegative
-    request_id: str
+    request_id: Text
     token_ids: TokenIds
-    block_ids: tuple[tuple[NonNegative, ...], ...]
+    block_ids: BlockIds
     num_tokens: NonNegative
     """Tokens to load from the start of the request (the lookup's hit)."""
     keys: RequestKeys = RequestKeys()
-    block_hashes: tuple[bytes, ...] | None = None
+    block_hashes: BlockHashes | None = None
     """The engine's own fine block hashes (vLLM's ``request.block_hashes``): the sidecar
     then skips hashing and only checks the first one against the tokens."""
     computed_tokens: NonNegative = 0
@@ -296,12 +349,12 @@ EngineMessage = Register | Heartbeat | Lookup | Save | Load | Unregister | Expla
 
 
 class Registered(_Wire, frozen=True, tag="registered"):
-    engine_id: str
+    engine_id: Name
     hash_block_size: int
     lookup_alignment: int
-    store_group_ids: tuple[int, ...]
+    store_group_ids: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_GROUPS)]
     """kv-cache group ids that are stored, in store-group order."""
-    layout_fingerprint: str
+    layout_fingerprint: Name
     save_capacity_blocks: int
     """Blocks the staging pool can hold at once: a hint for skipping saves early."""
     version: int = PROTOCOL_VERSION
@@ -317,10 +370,10 @@ class BlockWhy(msgspec.Struct, frozen=True, array_like=True):
     group_id: int
     """The kv-cache group id."""
     block_index: int
-    block_hash: bytes
-    verdict: str
+    block_hash: Annotated[bytes, msgspec.Meta(max_length=MAX_HASH_BYTES)]
+    verdict: Name
     """``pipeline.state.history.Verdict``: present, never_stored, skipped, evicted, ..."""
-    reason: str = ""
+    reason: Text = ""
     age_s: float = -1.0
     """How long ago what the verdict says happened (-1: unknown)."""
 
@@ -331,7 +384,9 @@ class LookupReply(_Wire, frozen=True, tag="lookup_reply"):
     save_credits: int = -1
     """Saves of this engine the sidecar would accept right now (0: skip saving, do not
     pin blocks for it; -1: not reported)."""
-    explain: tuple[BlockWhy, ...] | None = None
+    explain: Annotated[
+        tuple[BlockWhy, ...], msgspec.Meta(max_length=MAX_GROUPS * MAX_BLOCK_IDS)
+    ] | None = None
     """Asked for (``Lookup.explain``): every full block of every stored group."""
 
 
@@ -342,7 +397,7 @@ class BlockReport(msgspec.Struct, frozen=True, array_like=True):
     block_index: int
     block_id: int
     status: BlockStatus
-    reason: str = ""
+    reason: Text = ""
 
 
 def outcome_counts(blocks: Iterable[BlockReport]) -> collections.Counter[tuple[BlockStatus, str]]:
@@ -358,10 +413,13 @@ def outcome_counts(blocks: Iterable[BlockReport]) -> collections.Counter[tuple[B
 _STATUS_AND_REASON = operator.attrgetter("status", "reason")
 
 
+Reports = Annotated[tuple[BlockReport, ...], msgspec.Meta(max_length=MAX_GROUPS * MAX_BLOCK_IDS)]
+
+
 class SaveDone(_Wire, frozen=True, tag="save_done"):
     seq: int
-    request_id: str
-    blocks: tuple[BlockReport, ...]
+    request_id: Text
+    blocks: Reports
     save_credits: int = -1
     """Saves of this engine the sidecar would accept right now (0: skip saving, do not
     pin blocks for it; -1: not reported)."""
@@ -369,10 +427,10 @@ class SaveDone(_Wire, frozen=True, tag="save_done"):
 
 class LoadDone(_Wire, frozen=True, tag="load_done"):
     seq: int
-    request_id: str
+    request_id: Text
     loaded_tokens: int
-    invalid_block_ids: tuple[int, ...]
-    blocks: tuple[BlockReport, ...]
+    invalid_block_ids: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
+    blocks: Reports
 
 
 class Unregistered(_Wire, frozen=True, tag="unregistered"):
@@ -389,12 +447,15 @@ class ErrorCode:
     HASH_MISMATCH = "hash_mismatch"
     BAD_REQUEST = "bad_request"
     SHUTTING_DOWN = "shutting_down"
+    OVER_LIMIT = "over_limit"
+    """A request or registration past one of the sidecar's limits (the message names it)."""
     INTERNAL = "internal"
+    """The sidecar failed to handle a message: a bug of its own, never the sender's."""
 
 
 class ErrorReply(_Wire, frozen=True, tag="error"):
-    code: str
-    message: str
+    code: Name
+    message: Text
     seq: int = 0
 
 
@@ -417,6 +478,10 @@ def decode_engine_message(frame: bytes, *, max_bytes: int) -> EngineMessage:
         raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds the {max_bytes}-byte limit")
     try:
         return _engine_decoder.decode(frame)
+    except msgspec.ValidationError as exc:
+        if "at `$.layout" in str(exc):
+            raise BadLayoutFrame(f"invalid KV-cache layout: {exc}") from exc
+        raise ProtocolError(f"malformed engine message: {exc}") from exc
     except (msgspec.DecodeError, RecursionError) as exc:
         # A frame nested past the recursion limit (a ~1 KB one suffices) is malformed too.
         raise ProtocolError(f"malformed engine message: {exc}") from exc

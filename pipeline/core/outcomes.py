@@ -46,6 +46,9 @@ LOADED = KeyOutcome(BlockStatus.LOADED)
 MISSING = KeyOutcome(BlockStatus.MISSING, "missing")
 STORE_FULL = KeyOutcome(BlockStatus.SKIPPED, "store_full")
 STORE_UNAVAILABLE = KeyOutcome(BlockStatus.SKIPPED, "store_unavailable")
+MEMORY_LOST = KeyOutcome(BlockStatus.FAILED, "engine_memory_lost")
+"""The engine's memory file shrank under the sidecar during the copy: what was read is
+not its KV (never stored), what was written did not reach it."""
 OVERLOADED = KeyOutcome(BlockStatus.SKIPPED, "overloaded")
 """A save refused as the sidecar's save path is full, or shed by the engine's client
 that was told so (``SaveDone.save_credits``)."""

@@ -204,6 +204,10 @@ class StagedBatch:
         return self.tasks[0].geometry
 
     @property
+    def session(self) -> EngineSession:
+        return self.tasks[0].job.session
+
+    @property
     def block_ids(self) -> list[int]:
         return [task.block_id for task in self.tasks]
 
@@ -274,6 +278,10 @@ class JobTracker:
     @property
     def open_jobs(self) -> int:
         return len(self._open)
+
+    def is_open(self, job: Job) -> bool:
+        """Whether ``job`` was accepted and is not yet answered."""
+        return job in self._open
 
     def accept(self, job: Job) -> None:
         self._open.add(job)
@@ -364,17 +372,25 @@ class JobTracker:
 
     def abandon_open(self, reason: str) -> list[Job]:
         """Jobs not yet answered, their unsettled blocks failed with ``reason`` (on abort)."""
-        outcome = KeyOutcome(BlockStatus.FAILED, reason)
         jobs = list(self._open)
         for job in jobs:
-            job.reports.extend(
-                job.report(task, outcome) for task in job.planned if task.outcome is None
-            )
-            job.pending = 0
-            if job.is_load and not job.done:
-                self._load_finished()
-            job.done = True
+            self.abandon(job, reason)
         return jobs
+
+    def abandon(self, job: Job, reason: str) -> bool:
+        """Fail a job's unsettled blocks with ``reason`` and finish it here, whatever its
+        stages still hold (their settles no longer count); False if it had finished."""
+        if job.done:
+            return False
+        outcome = KeyOutcome(BlockStatus.FAILED, reason)
+        job.reports.extend(
+            job.report(task, outcome) for task in job.planned if task.outcome is None
+        )
+        job.pending = 0
+        if job.is_load:
+            self._load_finished()
+        job.done = True
+        return True
 
 
 def _end(task: BlockTask) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import collections
 import functools
 import threading
@@ -17,13 +18,16 @@ from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.hashing import RequestHasher, group_block_hashes, uint32_tokens
 from pipeline.core.keys import KeySpeller
 from pipeline.core.layout import NULL_BLOCK_ID, KVCacheLayout
-from pipeline.core.messages import TOKEN_BYTES, RequestKeys
+from pipeline.core.messages import TOKEN_BYTES, TOKEN_TYPECODE, RequestKeys
 
 __all__ = ["EngineSession", "TensorMapping"]
 
 HASHER_CACHE_SIZE = 4096
+HASHER_CACHE_BYTES = 16 << 20
+"""The most token bytes a session's kept hash chains hold, whatever their number."""
 FIRST_HASH_CACHE_SIZE = 1024
-"""First blocks whose hash a session remembers (``EngineSession.first_block_hash``)."""
+"""First blocks whose hash a session remembers (``EngineSession.first_block_hash``): at
+most a hash block of tokens each, as uint32 bytes."""
 
 
 class _KeptChain(msgspec.Struct, frozen=True, gc=False):
@@ -57,6 +61,14 @@ class TensorMapping(Protocol):
 
     def owner_exited(self) -> bool:
         """Whether the engine process that owns the memory is gone."""
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of the engine's memory mapped into this process."""
+
+    def lost(self) -> bool:
+        """Whether any of the memory was taken away under the sidecar (its file shrunk):
+        what was read from it since may be zeros, and what was written, gone."""
 
 
 class EngineSession:
@@ -92,11 +104,14 @@ class EngineSession:
         self._mapping = mapping
         self._hashers: collections.OrderedDict[str, _KeptChain] = collections.OrderedDict()
         """Request id -> its hash chain, the most recently kept last."""
+        self._kept_bytes = 0
+        """Token bytes the kept chains hold (``HASHER_CACHE_BYTES`` at most)."""
         self._hashers_lock = threading.Lock()
         self.speller = KeySpeller()
         """Spells this engine's keys, remembering them (the event loop's alone)."""
         self.first_block_hash = functools.lru_cache(FIRST_HASH_CACHE_SIZE)(self._first_block_hash)
-        """``(keys, the first block's tokens)`` -> its hash: how every request's engine
+        """``(keys, the first block's tokens as uint32 bytes)`` -> its hash: how every
+        request's engine
         hashes are checked, remembered since prompts tend to open with the same block
         (a system prompt), and an engine asks again for a waiting request every step."""
 
@@ -106,11 +121,22 @@ class EngineSession:
             self.closed = True
             with self._hashers_lock:
                 self._hashers.clear()
+                self._kept_bytes = 0
             self._release_if_idle()
 
     def owner_exited(self) -> bool:
         """Whether the engine process whose memory this session maps is gone."""
         return self._mapping is not None and self._mapping.owner_exited()
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of the engine's memory this session holds mapped."""
+        return 0 if self._mapping is None else self._mapping.mapped_bytes
+
+    def memory_lost(self) -> bool:
+        """Whether the engine's memory shrank under the sidecar: nothing read from it
+        since may be stored, and nothing written to it counts as loaded."""
+        return self._mapping is not None and self._mapping.lost()
 
     def job_started(self, *, save: bool) -> None:
         self.jobs_in_flight += 1
@@ -150,6 +176,8 @@ class EngineSession:
         extend the same chain; the second starts afresh)."""
         with self._hashers_lock:
             kept = self._hashers.pop(request_id, None)
+            if kept is not None:
+                self._kept_bytes -= len(kept.seen)
         hasher = self.new_hasher(keys)
         # Same id, other keys or tokens: never trust the old chain.
         if kept is not None and kept.keys == keys and _token_bytes(
@@ -167,10 +195,14 @@ class EngineSession:
             return  # hashed in Python, as CBOR spells a large integer: not kept
         hashes, mm_next = hasher.chain()
         with self._hashers_lock:
-            self._hashers.pop(request_id, None)
+            old = self._hashers.pop(request_id, None)
+            if old is not None:
+                self._kept_bytes -= len(old.seen)
             self._hashers[request_id] = _KeptChain(keys, hashes, mm_next, seen)
-            while len(self._hashers) > HASHER_CACHE_SIZE:
-                self._hashers.popitem(last=False)
+            self._kept_bytes += len(seen)
+            while (len(self._hashers) > HASHER_CACHE_SIZE
+                   or self._kept_bytes > HASHER_CACHE_BYTES):
+                self._kept_bytes -= len(self._hashers.popitem(last=False)[1].seen)
 
     def new_hasher(self, keys: RequestKeys) -> RequestHasher:
         return RequestHasher(
@@ -182,8 +214,10 @@ class EngineSession:
             seed=self.hash_seed,
         )
 
-    def _first_block_hash(self, keys: RequestKeys, tokens: tuple[int, ...]) -> bytes:
-        return self.new_hasher(keys).extend(tokens)[0]
+    def _first_block_hash(self, keys: RequestKeys, tokens: bytes) -> bytes:
+        ids = array.array(TOKEN_TYPECODE)
+        ids.frombytes(tokens)
+        return self.new_hasher(keys).extend(ids)[0]
 
     def group_hashes(self, store_group: int, fine: Sequence[bytes]) -> list[bytes]:
         """Block hashes of a store group's blocks 0..n-1 for the given fine hashes."""

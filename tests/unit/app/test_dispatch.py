@@ -48,11 +48,12 @@ class QueuedFrames:
         self.replied: list[int] = []
         self.drained = anyio.Event()
 
-    async def receive(self) -> tuple[bytes, bytes]:
+    async def receive(self) -> tuple[bytes, list[bytes]]:
         if not self._frames:
             self.drained.set()
             await anyio.sleep_forever()
-        return self._frames.popleft()
+        identity, frame = self._frames.popleft()
+        return identity, [frame]
 
     def waiting(self) -> bool:
         return bool(self._frames)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import typing
 from typing import Any
 
@@ -11,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.core.errors import ProtocolError
+from pipeline.core.layout import KVCacheLayout
 from pipeline.core.messages import (
+    MAX_TOKENS,
     BlockReport,
     BlockWhy,
     EngineMessage,
@@ -49,10 +52,10 @@ KEYS = RequestKeys(lora_name="l", lora_path="/p", cache_salt="s", mm_items=(("im
 ENGINE_MESSAGES: list[Any] = [
     Register(
         engine_id="engine-0",
-        layout={
+        layout=KVCacheLayout.from_dict({
             "groups": [{"kind": "full_attention", "block_size": 16, "layers": ["a"]}],
             "model": "m",
-        },
+        }),
         tensors=(
             TensorHandle(
                 "a", "/kv-0", 128, (2, 8, 16, 4), (512, 64, 4, 1), "bfloat16", block_dim=1
@@ -237,6 +240,8 @@ def test_deeply_nested_frame_is_a_protocol_error() -> None:
     """A small frame nested past the recursion limit is malformed, not a crash."""
     frame = register_frame(msgspec.Raw(b"\x91" * 5000 + b"\x00"))
     assert len(frame) < 10_000
+    assert "invalid KV-cache layout" in reject(frame)
+    frame = _raw.encode({"kind": "heartbeat", "seq": msgspec.Raw(b"\x91" * 5000 + b"\x00")})
     assert "malformed engine message" in reject(frame)
     with pytest.raises(ProtocolError):
         decode_sidecar_message(
@@ -314,3 +319,85 @@ def test_structured_garbage_only_ever_raises_protocol_error(
     frame = _raw.encode({"kind": kind, **fields})
     decode_or_protocol_error(frame)
     decode_or_protocol_error(frame[: len(frame) - cut])
+
+
+# -- bounds ------------------------------------------------------------------------------
+
+
+def _unbounded(annotation: Any, path: str, seen: set[type]) -> list[str]:
+    """Paths of ``str``, ``bytes``, tuple and dict fields without a schema maximum under
+    ``annotation``, walked through structs, unions and containers."""
+    info = msgspec.inspect.type_info(annotation)
+    return _walk(info, path, seen)
+
+
+def _walk(info: msgspec.inspect.Type, path: str, seen: set[type]) -> list[str]:
+    found: list[str] = []
+    if isinstance(info, msgspec.inspect.StructType):
+        if info.cls in seen:
+            return []
+        seen.add(info.cls)
+        for field in info.fields:
+            found += _walk(field.type, f"{info.cls.__name__}.{field.name}", seen)
+    elif isinstance(info, msgspec.inspect.UnionType):
+        for member in info.types:
+            found += _walk(member, path, seen)
+    elif isinstance(info, msgspec.inspect.StrType | msgspec.inspect.BytesType):
+        if info.max_length is None:
+            found.append(path)
+    elif isinstance(info, msgspec.inspect.VarTupleType | msgspec.inspect.ListType
+                    | msgspec.inspect.SetType | msgspec.inspect.FrozenSetType):
+        if info.max_length is None:
+            found.append(path)
+        found += _walk(info.item_type, f"{path}[]", seen)
+    elif isinstance(info, msgspec.inspect.TupleType):
+        for index, item in enumerate(info.item_types):
+            found += _walk(item, f"{path}[{index}]", seen)
+    elif isinstance(info, msgspec.inspect.DictType):
+        if info.max_length is None:
+            found.append(path)
+        found += _walk(info.key_type, f"{path}{{}}", seen)
+        found += _walk(info.value_type, f"{path}{{}}", seen)
+    elif isinstance(info, msgspec.inspect.AnyType):
+        found.append(f"{path} (Any)")
+    elif isinstance(info, msgspec.inspect.CustomType):
+        # Token ids: bounded by the decoder's hook (checked below).
+        if info.cls is not array.array:
+            found.append(f"{path} ({info.cls.__name__})")
+    return found
+
+
+@pytest.mark.parametrize("union", [EngineMessage, SidecarMessage],
+                         ids=["engine", "sidecar"])
+def test_every_field_on_the_wire_has_a_schema_maximum(union: Any) -> None:
+    """Every str, bytes, tuple and dict of every message type is bounded where it is
+    decoded, so no frame costs more than a small multiple of its bytes."""
+    assert _unbounded(union, "", set()) == []
+
+
+def test_the_walk_finds_an_unbounded_field() -> None:
+    """The bounds walk is not vacuous: it names a field without a maximum."""
+    class Loose(msgspec.Struct):
+        name: str
+        items: tuple[int, ...]
+        extra: dict[str, Any]
+
+    assert _unbounded(Loose, "", set()) == [
+        "Loose.name", "Loose.items", "Loose.extra", "Loose.extra{}", "Loose.extra{} (Any)"]
+
+
+def test_token_ids_past_the_protocol_maximum_are_refused() -> None:
+    """Token ids are decoded through a hook that refuses more than ``MAX_TOKENS``."""
+    frame = _raw.encode({"kind": "lookup", "seq": 1,
+                         "token_ids": b"\x00" * (4 * (MAX_TOKENS + 1))})
+    assert "exceed the protocol" in reject(frame, max_bytes=1 << 30)
+
+
+def test_strides_that_overflow_int64_do_not_decode() -> None:
+    """A handle whose stride would overflow int64 arithmetic is a bad frame."""
+    handle = {"layer": "a", "shm_name": "", "offset": 0, "shape": [16, 4096, 1],
+              "strides": [4096, 1, 2**64 - 1], "dtype": "bfloat16"}
+    frame = _raw.encode({"kind": "register", "engine_id": "e", "layout": {
+        "groups": [{"kind": "full_attention", "block_size": 16, "layers": ["a"]}]},
+        "tensors": [handle], "self_test": {"token_ids": [], "block_hashes": []}})
+    assert "strides" in reject(frame)

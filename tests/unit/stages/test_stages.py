@@ -227,7 +227,7 @@ async def run_save(h: Harness, message: Save) -> Job:
     job = h.job(message)
     pressure = StorePressure()
     transfer = TransferStage(h.memory, h.copy, h.tracker, pressure)
-    commit = CommitStage(h.memory, h.tracker, pressure, NO_EVENTS)
+    commit = CommitStage(h.memory, h.store, h.tracker, pressure, NO_EVENTS)
     if await GroupFilterStage(h.tracker).process(job) is None:
         return job
     named = await HashingStage(h.tracker, h.limiter).process(job)
@@ -801,7 +801,8 @@ async def test_commit_fails_blocks_and_frees_the_slot_when_the_store_is_down(
     with anyio.fail_after(TIMEOUT_S):
         job, staged = await staged_save(hybrid)
         await hybrid.store.aclose()
-        await CommitStage(hybrid.memory, hybrid.tracker, StorePressure(), NO_EVENTS).process(staged)
+        await CommitStage(hybrid.memory, hybrid.store, hybrid.tracker, StorePressure(),
+                          NO_EVENTS).process(staged)
     assert hybrid.pool.free_slots("save") == 6
     assert {s for s, _ in statuses(job).values()} == {BlockStatus.FAILED}
     assert hybrid.finished() == [job]
@@ -832,7 +833,7 @@ async def test_commit_withholds_the_slot_of_an_abandoned_put(hybrid: Harness) ->
     with anyio.fail_after(TIMEOUT_S):
         job, staged = await staged_save(hybrid)
         memory = StagingMemory(hybrid.pool, store, skip_when_full=False)
-        await CommitStage(memory, hybrid.tracker, StorePressure(), NO_EVENTS).process(staged)
+        await CommitStage(memory, store, hybrid.tracker, StorePressure(), NO_EVENTS).process(staged)
     assert hybrid.pool.free_slots("save") == 5
     assert hybrid.pool.withheld == 1
     assert {s for s, _ in statuses(job).values()} == {BlockStatus.FAILED}
