@@ -16,10 +16,10 @@ from typing import Any
 from pipeline.app import launcher
 from pipeline.app.launcher import SidecarProcess
 
-__all__ = ["INTERNAL_EVENT", "SidecarProcess", "run_sidecar_process"]
+__all__ = ["INTERNAL_EVENTS", "SidecarProcess", "run_sidecar_process"]
 
-INTERNAL_EVENT = "server.request.internal"
-"""The log event of a message the sidecar failed to handle."""
+INTERNAL_EVENTS = ("server.request.internal", "stage.item.internal")
+"""The log events of a message, or a part of one, the sidecar failed to handle."""
 
 
 @contextlib.contextmanager
@@ -34,7 +34,8 @@ def run_sidecar_process(
         yield sidecar
         if not allow_internal:
             log = sidecar.final_log()
-            failures = [line for line in log.splitlines() if INTERNAL_EVENT in line]
+            failures = [line for line in log.splitlines()
+                        if any(event in line for event in INTERNAL_EVENTS)]
             assert not failures, (
                 f"the sidecar failed to handle {len(failures)} message(s) (internal): "
                 + "\n".join(failures[:3]))

@@ -11,6 +11,11 @@ evicting every unpinned entry always yields one hole per run between pinned entr
 so the arena cannot fragment into uselessness: a value that fits the capacity left
 by in-flight copies is found room by evicting in LRU order.
 
+Keys are counted too: each entry's key and index bookkeeping is charged to an index
+budget beside the arena (``index_budget``), and least recently used entries are
+evicted when it is spent as when the arena is, so that short values under long keys
+cannot grow the index past its share of the store's memory.
+
 The index lives on the event loop thread and is only touched there, so it needs no
 lock. Copies run in worker threads (``anyio.to_thread.run_sync`` with a
 ``CapacityLimiter``) on entries *pinned* for the duration of the copy: a pinned entry
@@ -22,6 +27,7 @@ lock that a copy thread holds.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +48,20 @@ __all__ = ["EmbeddedStore", "EmbeddedStoreStats"]
 
 DEFAULT_COPY_THREADS = 2
 
+ENTRY_OVERHEAD_BYTES = 256
+"""An index entry's memory besides its key: the entry, its slots in two dictionaries."""
+
+
+def index_budget(capacity_bytes: int) -> int:
+    """The index's share beside an arena of ``capacity_bytes``: a sixteenth, at least
+    16 MiB (far more than keys of honest values take: ~0.5 KiB per value of tens)."""
+    return max(capacity_bytes // 16, 16 << 20)
+
+
+def index_charge(key: str) -> int:
+    """What an entry under ``key`` costs the index."""
+    return sys.getsizeof(key) + ENTRY_OVERHEAD_BYTES
+
 
 @dataclass(frozen=True, slots=True)
 class EmbeddedStoreStats:
@@ -58,6 +78,8 @@ class _Entry:
     size: int
     span: int
     """The arena bytes it occupies: its size, padded (``value_align``)."""
+    charge: int = 0
+    """What it costs the index (``index_charge``)."""
     pins: int = 0
     removed: bool = False
     """Out of the index; the extent is freed when the last pin goes."""
@@ -129,6 +151,8 @@ class EmbeddedStore(AsyncResource):
         """The size of every readable entry, by key (an entry whose value is still being
         copied in is not yet here): what ``exists`` asks, in C loops."""
         self._pinned_bytes = 0
+        self._index_bytes = 0
+        self._index_budget = index_budget(config.capacity_bytes)
         self._evictions = 0
         self._limiter = copy_limiter or anyio.CapacityLimiter(DEFAULT_COPY_THREADS)
         self._on_evicted = on_evicted
@@ -246,6 +270,10 @@ class EmbeddedStore(AsyncResource):
                 self._entries.move_to_end(key)
                 lent.append((None, PRESENT))
                 continue
+            charge = index_charge(key)
+            if not self._index_room(charge):
+                lent.append((None, STORE_FULL))
+                continue
             if next_offset is not None:
                 offset: int | None = next_offset
                 next_offset += span
@@ -254,9 +282,8 @@ class EmbeddedStore(AsyncResource):
             if offset is None:
                 lent.append((None, STORE_FULL))
                 continue
-            entry = _Entry(key, offset, size, span)
-            self._pin(entry)
-            self._entries[key] = entry
+            entry = _Entry(key, offset, size, span, charge)
+            self._add(entry)
             lent.append((entry, STORED))
         if run is not None and next_offset is not None and next_offset < run + fresh * span:
             self._allocator.free(next_offset, run + fresh * span - next_offset)
@@ -370,13 +397,38 @@ class EmbeddedStore(AsyncResource):
             return failed(f"bad_value: {problem}")
         size = value.numel()
         span = value_span(size, self._align)
+        charge = index_charge(key)
+        if not self._index_room(charge):
+            return STORE_FULL
         offset = self._make_room(span)
         if offset is None:
             return STORE_FULL
-        entry = _Entry(key, offset, size, span)
-        self._pin(entry)
-        self._entries[key] = entry
+        entry = _Entry(key, offset, size, span, charge)
+        self._add(entry)
         return entry
+
+    def _add(self, entry: _Entry) -> None:
+        """Index a new entry, pinned."""
+        self._pin(entry)
+        self._entries[entry.key] = entry
+        self._index_bytes += entry.charge
+
+    def _index_room(self, charge: int) -> bool:
+        """Make the index able to take an entry costing ``charge``, evicting unpinned
+        entries oldest first as needed; False if the pinned ones leave no room."""
+        if self._index_bytes + charge <= self._index_budget:
+            return True
+        evicted = []
+        for entry in list(self._entries.values()):
+            if self._index_bytes + charge <= self._index_budget:
+                break
+            if entry.pins == 0:
+                self._drop(entry)
+                evicted.append(entry.key)
+        if evicted:
+            self._evictions += len(evicted)
+            self._on_evicted(evicted)
+        return self._index_bytes + charge <= self._index_budget
 
     def _make_room(self, size: int) -> int | None:
         """Allocate ``size`` bytes (whole spans), evicting unpinned entries oldest first
@@ -437,6 +489,7 @@ class EmbeddedStore(AsyncResource):
         """Take an entry out of the index; its extent is freed once nothing copies it."""
         del self._entries[entry.key]
         self._ready_sizes.pop(entry.key, None)
+        self._index_bytes -= entry.charge
         entry.removed = True
         if entry.pins == 0:
             self._allocator.free(entry.offset, entry.span)

@@ -28,7 +28,7 @@ from pipeline.backends.cpu_copy import copy_features
 from pipeline.backends.cuda_copy import KernelForms, compile_kernels, kernel_forms
 from pipeline.backends.faults import Faults
 from pipeline.core.config import Config
-from pipeline.core.errors import StoreError, TransportError
+from pipeline.core.errors import InternalFailure, StoreError, TransportError
 from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.keys import ValueFormat
 from pipeline.core.messages import CudaIpcEvent, TensorHandle
@@ -238,8 +238,13 @@ class Sidecar:
         )
 
     async def _fail_item(self, item: Failable, error: StoreError) -> Reply | None:
-        """An item that met a store error (or an injected fault) answers for itself."""
-        log.info("stage.item.failed", error=str(error), item=type(item).__name__)
+        """An item that met a store error (or an injected fault, or a bug: counted as
+        internal) answers for itself."""
+        if isinstance(error, InternalFailure):
+            self.metrics.internal.inc()
+            log.error("stage.item.internal", item=type(item).__name__, exc_info=error.__cause__)
+        else:
+            log.info("stage.item.failed", error=str(error), item=type(item).__name__)
         return await item.fail(error, self.tracker)
 
     def _fault_point(self, point: str) -> Callable[[], Awaitable[None]] | None:

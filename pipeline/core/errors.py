@@ -61,6 +61,11 @@ class LimitExceeded(RequestRejected):
         self.limit = limit
 
 
+class InternalFailure(StoreError):
+    """A stage failed on an item for a reason of its own (a bug, ``__cause__``): the item
+    answers for itself as a store error would, every block failed as ``internal``."""
+
+
 class StoreUnavailable(StoreError):
     """The store is known to be down (circuit open): fail fast, retry later."""
 

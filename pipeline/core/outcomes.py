@@ -9,7 +9,7 @@ import enum
 
 import msgspec
 
-from pipeline.core.errors import StoreError, StoreUnavailable
+from pipeline.core.errors import InternalFailure, StoreError, StoreUnavailable
 
 __all__ = [
     "LOADED",
@@ -65,4 +65,6 @@ def store_error_outcome(exc: StoreError, *, saving: bool) -> KeyOutcome:
     """
     if saving and isinstance(exc, StoreUnavailable):
         return STORE_UNAVAILABLE
+    if isinstance(exc, InternalFailure):
+        return failed("internal")
     return failed(f"store: {exc}")

@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 import anyio
 from anyio.abc import TaskGroup
 
-from pipeline.core.errors import StoreError
+from pipeline.core.errors import InternalFailure, StoreError
 from pipeline.runner.edges import EdgeReceiveStream, EdgeSendStream
 
 __all__ = [
@@ -66,9 +66,10 @@ is passed on): how requests are traced through the stages."""
 
 def _guarded(process: Process, on_failure: OnFailure | None,
              before: Callable[[], Awaitable[None]] | None) -> Process:
-    """``process`` with the error policy: an expected per-item failure (a store error,
-    an injected fault) is handed to ``on_failure`` and the stage goes on; anything else
-    propagates and ends the service."""
+    """``process`` with the error policy: a per-item failure (a store error, an injected
+    fault) is handed to ``on_failure`` and the stage goes on; so is any other exception,
+    as an ``InternalFailure`` (a bug, answered rather than ending every engine's
+    service). Without ``on_failure`` it propagates and ends the service."""
     if on_failure is None and before is None:
         return process
 
@@ -81,6 +82,12 @@ def _guarded(process: Process, on_failure: OnFailure | None,
             if on_failure is None:
                 raise
             return await on_failure(item, exc)
+        except Exception as exc:
+            if on_failure is None:
+                raise
+            failure = InternalFailure(f"{type(exc).__name__}: {exc}")
+            failure.__cause__ = exc
+            return await on_failure(item, failure)
 
     return guarded
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.core.config import BatchingStageConfig, StageConfig, StagesConfig
-from pipeline.core.errors import StoreError
+from pipeline.core.errors import InternalFailure, StoreError
 from pipeline.runner import (
     BatchSpec,
     Graph,
@@ -287,6 +287,8 @@ class Add:
     async def process(self, item: int) -> list[int]:
         if item < 0:
             raise StoreError("negative")
+        if item == 0:
+            raise ZeroDivisionError("a bug")
         return [item + self.amount]
 
 
@@ -357,6 +359,34 @@ async def test_a_graph_runs_its_paths_into_the_sink_and_fails_items_through_the_
             entrance.close()
     # 11 + 13 (odd), 12 + 1000 (even; -5 failed and was answered 1000)
     assert sorted(replies) == [24, 1012]
+
+
+async def test_a_stage_failing_on_an_item_for_its_own_reason_answers_it_as_internal(
+) -> None:
+    """An item a stage fails on with an exception of its own (a bug) goes to the failure
+    policy as an ``InternalFailure`` caused by it; the stage goes on with the next."""
+    graph = add_batch_total(StagesConfig())
+    replies: list[int] = []
+    failures: list[StoreError] = []
+
+    async def sink(reply: int) -> None:
+        replies.append(reply)
+
+    async def on_failure(item: int, error: StoreError) -> list[int]:
+        failures.append(error)
+        return [1000]
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: graph.run(10, sink=sink, on_failure=on_failure))
+            entrance = graph.entrance("p")
+            for item in (0, 2):
+                await entrance.send(item)
+            entrance.close()
+    [failure] = failures
+    assert isinstance(failure, InternalFailure)
+    assert isinstance(failure.__cause__, ZeroDivisionError)
+    assert sorted(replies) == [1012]
 
 
 class Double:

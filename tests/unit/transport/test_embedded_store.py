@@ -20,7 +20,7 @@ from pipeline.core.runs import VALUE_ALIGN, value_span
 from pipeline.core.store import KVStore, Presence
 from tests.kit import views_at
 from transport.arena import ArenaAllocator
-from transport.embedded_store import EmbeddedStore
+from transport.embedded_store import EmbeddedStore, index_budget, index_charge
 
 WAIT_S = 10.0
 
@@ -590,3 +590,26 @@ async def test_a_lease_of_the_wrong_size_fails_naming_both_sizes() -> None:
     await store.put(["a"], [value(100, 0)])
     [outcome] = (await store.lease(["a"], 64)).outcomes
     assert outcome.status is BlockStatus.FAILED and "100" in outcome.reason
+
+
+# -- keys count -----------------------------------------------------------------------
+
+
+async def test_long_keys_of_short_values_are_bounded_by_the_index_budget() -> None:
+    """Keys are charged with the values they name: tiny values under long keys fill the
+    index's budget, not memory, and the oldest are evicted to make room, as for values."""
+    capacity = 1 << 28
+    evicted: list[str] = []
+    store = EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=capacity),
+                          on_evicted=evicted.extend)
+    keys = [f"{index:06d}" + "k" * 900 for index in range(20_000)]
+    async with store:
+        for batch in range(0, len(keys), 1000):
+            outcomes = await store.put(keys[batch:batch + 1000],
+                                       [value(8, i) for i in range(1000)])
+            assert set(outcomes) == {STORED}
+        most = index_budget(capacity) // index_charge(keys[0])
+        assert 0 < store.stats().keys <= most < len(keys)
+        assert evicted == keys[: len(keys) - store.stats().keys]
+        assert await stored(store, keys[-1:]) == [True]
+        assert await stored(store, keys[:1]) == [False]
