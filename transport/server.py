@@ -4,9 +4,11 @@ High-water marks are set explicitly (never 0 = unbounded) so a sidecar that stop
 reading pushes back on engines; ROUTER_MANDATORY makes a reply to a vanished engine an
 error we can log instead of a silent drop. ipc:// sockets are owner-only by default.
 
-With ``server.curve_secret_key_file`` set, the socket is a CURVE server and pyzmq's ZAP
-authenticator admits only the engine public keys listed in ``curve_allowed_keys_file``;
-a refused engine's handshake fails, so none of its messages reach the sidecar.
+Every connection's handshake passes a ZAP handler (pyzmq's authenticator, in its own
+thread), which refuses one past ``server.max_peers`` live connections. With
+``server.curve_secret_key_file`` set, the socket is a CURVE server and the handler also
+admits only the engine public keys listed in ``curve_allowed_keys_file``. A refused
+peer's handshake fails, so none of its messages reach the sidecar.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import parse_monitor_message
 
 from pipeline.core.config import ServerConfig
 from pipeline.core.errors import ConfigError, TransportError
@@ -37,6 +40,10 @@ __all__ = [
 ]
 
 log = structlog.get_logger("kvsidecar.server")
+
+ZAP_DOMAIN = "kvsidecar"
+"""Every connection's handshake asks the ZAP handler, under this domain (without one,
+libzmq asks it for CURVE connections only)."""
 
 FRAME_SLACK_BYTES = 4096
 """How far past ``server.max_frame_bytes`` a frame is still read (and refused with an
@@ -103,6 +110,59 @@ class _AllowedKeys:
         return allowed
 
 
+class _Gatekeeper(ThreadAuthenticator):
+    """The ZAP handler: refuses a connection while ``max_peers`` are live, then leaves the
+    rest (CURVE keys, where configured) to pyzmq's authenticator.
+
+    Live connections are counted from the socket's monitor events (accepted, closed:
+    each names the connection's descriptor), read in the handler's own thread as each
+    handshake asks: every connection asks once, after its own acceptance, so the events
+    never pile up past two a connection, and the count includes the one asking."""
+
+    def __init__(self, context: zmq.asyncio.Context, max_peers: int) -> None:
+        super().__init__(context)
+        self._max_peers = max_peers
+        self._live: set[int] = set()
+        """The descriptors of the connections open."""
+        self._events: zmq.Socket[bytes] | None = None
+
+    def watch(self, socket: zmq.asyncio.Socket) -> None:
+        """Count ``socket``'s connections (before it binds)."""
+        endpoint = f"inproc://kvsidecar-peers-{id(self)}"
+        socket.monitor(endpoint, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._events = self.context.socket(zmq.PAIR, socket_class=zmq.Socket)
+        self._events.setsockopt(zmq.RCVHWM, 1 << 20)
+        self._events.setsockopt(zmq.LINGER, 0)
+        self._events.connect(endpoint)
+
+    def _live_peers(self) -> int:
+        events = self._events
+        while events is not None:
+            try:
+                event = parse_monitor_message(events.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._live.add(event["value"])
+            else:
+                self._live.discard(event["value"])
+        return len(self._live)
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        if len(msg) >= 2 and self._live_peers() > self._max_peers:
+            log.warning("server.peer.refused", reason="too many peers",
+                        max_peers=self._max_peers)
+            self._send_zap_reply(msg[1], b"400", b"too many peers")
+            return
+        await super().handle_zap_message(msg)
+
+    def stop(self) -> None:
+        super().stop()
+        if self._events is not None:
+            self._events.close(0)
+            self._events = None
+
+
 def _check_endpoint(config: ServerConfig) -> None:
     endpoint = config.endpoint
     scheme = endpoint.split("://", 1)[0]
@@ -148,16 +208,18 @@ class SidecarSocket:
         _check_endpoint(config)
         curve_keys = _curve_keys(config)  # read before anything needs closing
         self._context = zmq.asyncio.Context()
-        self._authenticator: ThreadAuthenticator | None = None
         self._socket = self._context.socket(zmq.ROUTER)
         self._frames = FastSocket(self._socket, fair=True)
+        # The ZAP handler runs in its own thread, off the event loop, and is in place
+        # before the socket can accept a handshake.
+        self._authenticator = _Gatekeeper(self._context, config.max_peers)
+        self._authenticator.start()
+        self._authenticator.watch(self._socket)
+        self._socket.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
         if curve_keys is not None:
             secret_key, allowed_keys = curve_keys
-            # The ZAP handler runs in its own thread, off the event loop, and is in place
-            # before the socket can accept a handshake.
-            self._authenticator = ThreadAuthenticator(self._context)
-            self._authenticator.start()
             self._authenticator.configure_curve_callback(
+                domain=ZAP_DOMAIN,
                 credentials_provider=_AllowedKeys(allowed_keys)
             )
             self._socket.setsockopt(zmq.CURVE_SERVER, 1)
@@ -219,9 +281,9 @@ class SidecarSocket:
 
     def _close_zmq(self) -> None:
         self._frames.close()
+        self._socket.disable_monitor()
         self._socket.close(0)
-        if self._authenticator is not None:
-            self._authenticator.stop()
+        self._authenticator.stop()
         self._context.term()
 
     def close(self) -> None:

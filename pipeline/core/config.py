@@ -57,6 +57,9 @@ class ServerConfig(_Section, frozen=True):
     """Messages queued per engine before ZMQ pushes back on it."""
     sndhwm: Positive = 1000
     max_frame_bytes: Positive = 16 * 1024 * 1024
+    max_peers: Positive = 128
+    """Connections at once (engines, their schedulers, tools); one more is refused at its
+    handshake. What peers can queue is at most max_peers x rcvhwm frames."""
     ipc_permissions: int = 0o600
     allow_insecure_tcp: bool = False
     """Allow tcp:// on a non-loopback address without CURVE authentication."""

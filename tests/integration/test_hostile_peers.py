@@ -545,6 +545,25 @@ async def test_a_failure_inside_the_sidecar_costs_only_its_request() -> None:
         assert "server.request.internal" in sidecar.log()
 
 
+async def test_peers_past_the_cap_are_refused_at_their_handshake() -> None:
+    """With ``server.max_peers`` connections live, one more is refused at its handshake
+    (nothing it sends is read); once one of them goes, a new one is let in."""
+    with run_sidecar_process({"server": {"max_peers": 2}}) as sidecar:
+        with anyio.fail_after(TIMEOUT):
+            async with honest_engine(sidecar) as (client, tokens):
+                with peer(sidecar, "second") as second:
+                    assert isinstance(second.call(Heartbeat(1), timeout_s=5), ErrorReply)
+                    with peer(sidecar, "third") as third:
+                        assert third.call(Heartbeat(2), timeout_s=2) is None
+                    assert await client.lookup(tokens) == 64
+                with peer(sidecar, "fourth") as fourth:
+                    # The second's disconnect reaches the count as the next one asks.
+                    reply = fourth.call(Heartbeat(3), timeout_s=5)
+                assert isinstance(reply, ErrorReply) and reply.code == "not_registered"
+        assert sidecar.process.poll() is None
+        assert "too many peers" in sidecar.log()
+
+
 # -- random frames -----------------------------------------------------------------------
 
 EXTREME_INTS = [0, -1, 1, 2**31, 2**32, 2**63 - 1, 2**64 - 1, -(2**63)]
