@@ -34,7 +34,7 @@ import structlog
 from pipeline.app.logs import log_request
 from pipeline.app.metrics import Metrics
 from pipeline.backends.faults import Faults
-from pipeline.core.config import Config
+from pipeline.core.config import Config, LimitsConfig
 from pipeline.core.errors import LimitExceeded, ProtocolError, RequestRejected
 from pipeline.core.hashing import INLINE_TOKENS
 from pipeline.core.hitrule import blocks_to_load
@@ -316,22 +316,28 @@ class Receiver:
         elif not self.accepting:
             raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
         elif isinstance(message, Lookup):
-            self._check_tokens(prompt_length(message))
+            self._check_tokens(prompt_length(message), session)
             _check_prompt_head(session, message)
             _check_engine_hashes(session, message)
             await self._lookup(LookupRequest(session, message, received_at))
         else:
-            self._check_tokens(len(message.token_ids))
-            _check_request(session, message, self._config.limits.max_request_tokens)
+            self._check_tokens(len(message.token_ids), session)
+            _check_request(session, message, self._config.limits)
             await self._serve_job(Job(session, message, received_at=received_at))
 
-    def _check_tokens(self, tokens: int) -> None:
-        """Refuse a request past ``limits.max_request_tokens``."""
-        limit = self._config.limits.max_request_tokens
-        if tokens > limit:
+    def _check_tokens(self, tokens: int, session: EngineSession | None) -> None:
+        """Refuse a request past ``limits.max_request_tokens``, or past
+        ``limits.max_request_blocks`` hash blocks of ``session``'s layout."""
+        limits = self._config.limits
+        if tokens > limits.max_request_tokens:
             raise LimitExceeded("limits.max_request_tokens",
                                 f"a request of {tokens} tokens is longer than this sidecar "
-                                f"takes ({limit})")
+                                f"takes ({limits.max_request_tokens})")
+        hbs = 1 if session is None else session.layout.hash_block_size
+        if tokens // hbs > limits.max_request_blocks:
+            raise LimitExceeded("limits.max_request_blocks",
+                                f"a request of {tokens // hbs} hash blocks is more than this "
+                                f"sidecar takes ({limits.max_request_blocks})")
 
     async def _lookup(self, request: LookupRequest) -> None:
         """Answer a lookup here when it has little or nothing to hash (the engine sent its
@@ -363,8 +369,8 @@ class Receiver:
         """Explain a prompt as a registered engine sees it, for whoever asks."""
         if not self.accepting:
             raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
-        self._check_tokens(len(message.token_ids))
         session = self._registry.find(message.engine_id)
+        self._check_tokens(len(message.token_ids), session)
         lookup = Lookup(message.seq, message.token_ids, message.keys, message.block_hashes,
                         explain=True)
         if message.block_hashes is None or len(message.token_ids):
@@ -506,11 +512,13 @@ def _check_prompt_head(session: EngineSession, message: Lookup) -> None:
 
 
 def _check_block_counts(session: EngineSession, message: Save | Load,
-                        max_request_tokens: int) -> None:
+                        limits: LimitsConfig) -> None:
     """Refuse block-id lists longer than a request can use, before anything walks them:
     a save names no more blocks than its tokens reach; a load's lists are bounded by the
     blocks the engine registered (the connector sends every block of its request) and by
     the longest request."""
+    longest = min(limits.max_request_tokens,
+                  limits.max_request_blocks * session.layout.hash_block_size)
     if len(message.block_ids) != len(session.layout.groups):
         return  # refused by check_block_ids
     stored = {geometry.kv_group_id: geometry for geometry in session.store_groups}
@@ -520,7 +528,7 @@ def _check_block_counts(session: EngineSession, message: Save | Load,
             most = -(-len(message.token_ids) // group.block_size)
             what = f"a save of {len(message.token_ids)} tokens reaches {most}"
         else:
-            most = -(-max_request_tokens // group.block_size)
+            most = -(-longest // group.block_size)
             what = f"a request reaches at most {most}"
             if group_id in stored:
                 most = min(most, stored[group_id].num_blocks)
@@ -533,13 +541,13 @@ def _check_block_counts(session: EngineSession, message: Save | Load,
 
 
 def _check_request(session: EngineSession, message: Save | Load,
-                   max_request_tokens: int) -> None:
+                   limits: LimitsConfig) -> None:
     """Reject a save or load that cannot be served, before it is accepted."""
     if session.lookup_only:
         raise RequestRejected(
             ErrorCode.BAD_REQUEST, "this engine registered for lookups only: it cannot save or load"
         )
-    _check_block_counts(session, message, max_request_tokens)
+    _check_block_counts(session, message, limits)
     _check_engine_hashes(session, message)
     try:
         projected = session.check_block_ids(message.block_ids)

@@ -338,6 +338,9 @@ class LimitsConfig(_Section, frozen=True):
     """Tokens per block of any group, and so per hash block."""
     max_request_tokens: Annotated[int, msgspec.Meta(gt=0, le=1 << 22)] = 1 << 20
     """Tokens of one lookup, save, load or explanation."""
+    max_request_blocks: Annotated[int, msgspec.Meta(gt=0, le=1 << 22)] = 1 << 16
+    """Hash blocks of one request (its tokens over the hash block size): what bounds the
+    blocks it can name in every group, and so the work it costs the sidecar."""
     engine_mapped_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Memory one engine may have mapped into the sidecar (0: the host's memory)."""
     total_mapped_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0

@@ -417,6 +417,30 @@ async def test_a_save_naming_millions_of_blocks_is_refused_cheaply(
     assert watch.growth("RssAnon") < 256 * MiB, figures
 
 
+async def test_a_legal_looking_save_of_a_million_one_token_blocks_is_refused_by_name(
+    fresh_sidecar: SidecarProcess,
+) -> None:
+    """An engine of one-token blocks hashing for itself saves a million tokens, every
+    block named: within the token limit, but a million blocks of work; refused at once
+    as over ``limits.max_request_blocks``, without holding anyone's lookups."""
+    layout = single_layout(page_bytes=64, block_size=1)
+    engine = KVEngine(layout, num_blocks=8)
+    register = msgspec.structs.replace(registration(engine, "tiny-blocks"), hash_algo="xxhash")
+    count = 1_000_000
+    frame = encode(Save(1, "million", pack_tokens([7] * count), ((1,) * count,),
+                        block_hashes=tuple(i.to_bytes(8, "little") for i in range(count))))
+    with anyio.fail_after(TIMEOUT):
+        async with honest_engine(fresh_sidecar) as (client, tokens):
+            with peer(fresh_sidecar) as attacker:
+                assert isinstance(attacker.call(register), Registered)
+                reply, watch = await under_attack(
+                    fresh_sidecar, client, tokens, in_thread(lambda: attacker.call(frame)))
+        after = await serves_byte_exact(fresh_sidecar)
+    figures = assert_contained(fresh_sidecar, watch, reply, after)
+    assert isinstance(reply, ErrorReply) and reply.code == "over_limit", figures
+    assert "limits.max_request_blocks" in reply.message, figures
+
+
 async def test_a_sparse_memory_file_is_not_populated_at_the_sidecars_expense(
     fresh_sidecar: SidecarProcess,
 ) -> None:
