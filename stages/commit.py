@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 
 from pipeline.core.errors import StoreError
-from pipeline.core.outcomes import MEMORY_LOST, BlockStatus, KeyOutcome
+from pipeline.core.outcomes import INTERNAL, MEMORY_LOST, BlockStatus, KeyOutcome
 from pipeline.core.seams import BatchMemory, Count, count_nothing
 from pipeline.core.store import KVStore
 from pipeline.state.events import KVEventLog
@@ -30,6 +30,10 @@ class CommitStage:
         self._stored = stored
 
     async def process(self, batch: StagedBatch) -> None:
+        if batch.abandoned():  # blocks the engine may have reused meanwhile
+            batch.values.release()
+            await self._tracker.settle_all(batch.tasks, INTERNAL)
+            return
         outcomes = await self._memory.store(batch.values)
         if batch.session.memory_lost():
             # Values moved in place were read from the engine by the store call itself.

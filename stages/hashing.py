@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import anyio
 
-from pipeline.core.hashing import INLINE_TOKENS
+from pipeline.core.hashing import hashed_inline
 from pipeline.core.outcomes import BlockStatus, KeyOutcome
 from pipeline.state.jobs import Job, JobTracker, TaskBatch
 
@@ -26,7 +26,7 @@ class HashingStage:
         session = job.session
         if message.block_hashes is not None:
             fine = list(message.block_hashes)  # checked against the tokens at receive
-        elif len(message.token_ids) <= INLINE_TOKENS:
+        elif hashed_inline(len(message.token_ids), message.keys):
             fine = session.fine_hashes(message.token_ids, message.keys, message.request_id)
         else:
             fine = await anyio.to_thread.run_sync(

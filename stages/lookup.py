@@ -3,8 +3,8 @@
 The prompt is hashed and checked in growing chunks: a miss in a full-attention group
 bounds every possible hit, so a miss costs one small chunk, not the whole prompt.
 Hashing runs inline (no thread hop), yielding to the event loop before a chunk that
-would take the tokens hashed since it last did past ``INLINE_TOKENS``. When the engine
-sends its own block hashes there is nothing to hash: a store answering in-process is
+would take the tokens hashed since it last did past what is hashed inline
+(``hashed_inline``). When the engine sends its own block hashes there is nothing to hash: a store answering in-process is
 asked about a first small chunk of a long prompt, then about the rest in one query (a
 miss spells and checks a chunk's keys, not the prompt's); a remote store, in one query.
 
@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 import anyio.lowlevel
 
 from pipeline.core.errors import StoreError
-from pipeline.core.hashing import INLINE_TOKENS, RequestHasher, group_block_hashes
+from pipeline.core.hashing import RequestHasher, group_block_hashes, hashed_inline
 from pipeline.core.hitrule import longest_hit, max_hit_tokens
 from pipeline.core.keys import keys_for
 from pipeline.core.layout import GroupKind
@@ -102,7 +102,7 @@ class LookupStage:
             end = min(bound // hbs, done + chunk)
             if hasher is not None:
                 fresh = max(0, end - len(hasher.hashes))  # blocks this chunk hashes
-                if unyielded and (unyielded + fresh) * hbs > INLINE_TOKENS:
+                if unyielded and not hashed_inline((unyielded + fresh) * hbs, message.keys):
                     await anyio.lowlevel.checkpoint()  # let others run between chunks
                     unyielded = 0
                 unyielded += fresh

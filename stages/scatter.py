@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 
 from pipeline.core.errors import StoreError
-from pipeline.core.outcomes import LOADED, MEMORY_LOST, BlockStatus, KeyOutcome
+from pipeline.core.outcomes import INTERNAL, LOADED, MEMORY_LOST, BlockStatus, KeyOutcome
 from pipeline.core.seams import CopyEngine, Count, count_nothing
 from pipeline.core.store import KVStore
 from pipeline.state.events import KVEventLog
@@ -34,6 +34,10 @@ class ScatterStage:
         self._copied = copied
 
     async def process(self, batch: StagedBatch) -> None:
+        if batch.abandoned():  # blocks the engine may have reused meanwhile
+            batch.values.release()
+            await self._tracker.settle_all(batch.tasks, INTERNAL)
+            return
         try:
             intact = await self._copy.scatter(batch.geometry, batch.block_ids, batch.runs)
         finally:

@@ -6,7 +6,7 @@ flight (for at most ``yield_to_loads_ms``), so loads get the cores first.
 
 from __future__ import annotations
 
-from pipeline.core.outcomes import MEMORY_LOST, STORE_FULL, BlockStatus
+from pipeline.core.outcomes import INTERNAL, MEMORY_LOST, STORE_FULL, BlockStatus
 from pipeline.core.seams import BatchMemory, CopyEngine, Count, count_nothing
 from pipeline.state.jobs import BlockTask, JobTracker, StagedBatch, StorePressure
 
@@ -53,9 +53,10 @@ class TransferStage:
         except BaseException:
             values.release()
             raise
-        if batch.session.memory_lost():
+        if batch.session.memory_lost() or batch.abandoned():
             values.release()
-            await self._tracker.settle_all(batch.tasks, MEMORY_LOST)
+            await self._tracker.settle_all(
+                batch.tasks, MEMORY_LOST if batch.session.memory_lost() else INTERNAL)
             return None
         self._copied(len(batch.tasks) * batch.geometry.stored_bytes)
         return batch

@@ -418,13 +418,17 @@ class EmbeddedStore(AsyncResource):
         entries oldest first as needed; False if the pinned ones leave no room."""
         if self._index_bytes + charge <= self._index_budget:
             return True
-        evicted = []
-        for entry in list(self._entries.values()):
-            if self._index_bytes + charge <= self._index_budget:
+        short = self._index_bytes + charge - self._index_budget
+        victims: list[_Entry] = []
+        for entry in self._entries.values():  # oldest first, up to what is short
+            if short <= 0:
                 break
             if entry.pins == 0:
-                self._drop(entry)
-                evicted.append(entry.key)
+                victims.append(entry)
+                short -= entry.charge
+        for victim in victims:
+            self._drop(victim)
+        evicted = [victim.key for victim in victims]
         if evicted:
             self._evictions += len(evicted)
             self._on_evicted(evicted)

@@ -62,6 +62,8 @@ __all__ = [
 
 SHM_DIR = Path("/dev/shm")
 _SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+MAX_SEGMENTS = 1024
+"""Memory files one engine may have mapped: each holds a descriptor of the sidecar's."""
 _MEMFD_NAME = "kvsidecar"
 """What ``/proc/PID/maps`` shows for an engine's shared KV memory: ``/memfd:kvsidecar``."""
 _NAME_MAX = 255
@@ -314,9 +316,10 @@ class MappedTensors:
         self._max_bytes = max_bytes
         self._limit = limit
         self._bytes = 0
+        self._lost = False
+        """Whether a mapping was lost before its guard ended."""
         self._guards: dict[str, int] = {}
-        """Segment -> the ``_memguard`` token of its mapping, where a shrink could fault
-        it."""
+        """Segment -> the ``_memguard`` token of its mapping."""
         self._allocations: dict[str, torch.Tensor] = {}
         self._cuda = allocations
         self._pidfds: dict[int, int] = {}
@@ -345,7 +348,7 @@ class MappedTensors:
     def lost(self) -> bool:
         """Whether a mapped file shrank under this process: its mapping now reads zeros
         (``_memguard``), so nothing read from it since is the engine's."""
-        return any(map(_memguard.lost, self._guards.values()))
+        return self._lost or any(map(_memguard.lost, self._guards.values()))
 
     def map_tensor(self, handle: TensorHandle) -> torch.Tensor:
         """The tensor a handle describes, sharing memory with its owner (no copy)."""
@@ -373,8 +376,7 @@ class MappedTensors:
         readable): nobody will write that memory again or ask for it back."""
         if not self._pidfds:
             return False
-        readable, _, _ = select.select(list(self._pidfds.values()), [], [], 0)
-        return bool(readable)
+        return not all(map(self._running, self._pidfds.values()))
 
     def close(self) -> None:
         """Unmap every segment and let go of every allocation; idempotent."""
@@ -384,16 +386,14 @@ class MappedTensors:
         for name, mapping in mappings.items():
             # A guard ends before its mapping does: a later mapping at the same address
             # must not be taken for it.
-            guarded = name in guards
-            if guarded:
-                _memguard.unwatch(guards[name])
+            self._lost = self._lost or _memguard.lost(guards[name])
+            _memguard.unwatch(guards[name])
             try:
                 mapping.close()
             except BufferError:
-                # Live tensors hold an export: the mapping then goes with the last of
-                # them, guarded until then.
-                if guarded:
-                    _guard(mapping)
+                # Live tensors hold an export (a copy still in flight): the mapping then
+                # goes with the last of them, guarded, and heard from, until then.
+                self._guards[name] = _guard(mapping)
         # Likewise an allocation is closed once no tensor built on it is alive.
         self._allocations = {}
         pidfds, self._pidfds = self._pidfds, {}
@@ -424,6 +424,10 @@ class MappedTensors:
             size = status.st_size
             if size == 0:
                 raise _fail(handle, f"shared memory segment {name!r} is empty")
+            if len(self._mappings) >= MAX_SEGMENTS:
+                raise LimitExceeded(
+                    "segments_per_engine", f"layer {handle.layer!r}: an engine maps at most "
+                    f"{MAX_SEGMENTS} memory files")
             if self._max_bytes is not None and self._bytes + size > self._max_bytes:
                 raise LimitExceeded(
                     self._limit, f"layer {handle.layer!r}: mapping its segment of {size} "
@@ -432,7 +436,6 @@ class MappedTensors:
                 # Mapping it would allocate the rest at the sidecar's expense.
                 raise _fail(handle, f"segment {name!r} is sparse: allocate its memory "
                                     "before sharing it (posix_fallocate)")
-            sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
             # Populate the page tables now: a first touch per page at copy time would run
             # the first transfers of every block several times slower.
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
@@ -440,8 +443,9 @@ class MappedTensors:
             raise _fail(handle, f"cannot map shared memory segment {name!r}: {exc}") from exc
         finally:
             os.close(fd)
-        if not sealed:
-            self._guards[name] = _guard(mapping)
+        # Watched even when sealed against shrinking: a hole punched in a hugetlb file
+        # faults too.
+        self._guards[name] = _guard(mapping)
         return mapping
 
     def _open_allocation(self, handle: TensorHandle, geometry: _Geometry) -> torch.Tensor:
@@ -475,7 +479,11 @@ class MappedTensors:
 
     @staticmethod
     def _running(pidfd: int) -> bool:
-        return not select.select([pidfd], [], [], 0)[0]
+        # poll, not select: a process holding many descriptors has them past select's
+        # FD_SETSIZE.
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        return not poller.poll(0)
 
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere faults on use

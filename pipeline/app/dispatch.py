@@ -36,7 +36,7 @@ from pipeline.app.metrics import Metrics
 from pipeline.backends.faults import Faults
 from pipeline.core.config import Config, LimitsConfig
 from pipeline.core.errors import LimitExceeded, ProtocolError, RequestRejected
-from pipeline.core.hashing import INLINE_TOKENS
+from pipeline.core.hashing import hashed_inline
 from pipeline.core.hitrule import blocks_to_load
 from pipeline.core.layout import NULL_BLOCK_ID
 from pipeline.core.messages import (
@@ -62,7 +62,7 @@ from pipeline.core.messages import (
     outcome_counts,
     prompt_length,
 )
-from pipeline.core.outcomes import OVERLOADED, BlockStatus, KeyOutcome
+from pipeline.core.outcomes import INTERNAL, OVERLOADED
 from pipeline.runner import EdgeSendStream
 from pipeline.state.jobs import (
     Job,
@@ -83,8 +83,6 @@ log = structlog.get_logger("kvsidecar.service")
 
 INTERNAL_LOG_INTERVAL_S = 1.0
 """A peer's internal failures are logged once a second at most (the rest are counted)."""
-
-OUTCOME_INTERNAL = KeyOutcome(BlockStatus.FAILED, "internal")
 
 MAX_DEFERRED_SAVES = 16
 """Saves (and the messages behind them) held back while loads and lookups are read past
@@ -281,8 +279,10 @@ class Receiver:
             raise
         except Exception as exc:
             if not self._tracker.is_open(job):
+                if job.done:  # answered already: its sender needs nothing more
+                    raise _Answered from exc
                 raise
-            if self._tracker.abandon(job, "internal"):
+            if self._tracker.abandon(job, INTERNAL.reason):
                 await self.send_reply(Reply(job.session, _failed_completion(job), job))
             self._tracker.answered(job)
             raise _Answered from exc
@@ -371,6 +371,11 @@ class Receiver:
             raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
         session = self._registry.find(message.engine_id)
         self._check_tokens(len(message.token_ids), session)
+        hashes = len(message.block_hashes or ())
+        if hashes > self._config.limits.max_request_blocks:
+            raise LimitExceeded("limits.max_request_blocks",
+                                f"an explanation of {hashes} block hashes is more than this "
+                                f"sidecar takes ({self._config.limits.max_request_blocks})")
         lookup = Lookup(message.seq, message.token_ids, message.keys, message.block_hashes,
                         explain=True)
         if message.block_hashes is None or len(message.token_ids):
@@ -426,7 +431,8 @@ class RunInline(Protocol):
 def _hashed_on_the_loop(message: Lookup | Save | Load) -> bool:
     """Whether the request's blocks are hashed on the event loop, not in a thread: the
     engine sent its hashes, or the prompt is short (``HashingStage``, ``LookupStage``)."""
-    return message.block_hashes is not None or len(message.token_ids) <= INLINE_TOKENS
+    return message.block_hashes is not None or hashed_inline(len(message.token_ids),
+                                                             message.keys)
 
 
 def _seq(message: object) -> int:
@@ -449,7 +455,7 @@ def _failed_completion(job: Job) -> SaveDone | LoadDone:
         reports = tuple(job.reports)
     else:
         tasks = job.planned or planned_blocks(job)
-        reports = tuple(job.report(task, OUTCOME_INTERNAL) for task in tasks)
+        reports = tuple(job.report(task, INTERNAL) for task in tasks)
     message = job.message
     if isinstance(message, Save):
         return SaveDone(message.seq, message.request_id, reports)

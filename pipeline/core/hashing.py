@@ -21,15 +21,17 @@ from typing import Any
 import cbor2
 
 from pipeline.core._blockhash import chain as _chain
-from pipeline.core.messages import TOKEN_TYPECODE, pack_tokens
+from pipeline.core.messages import TOKEN_TYPECODE, RequestKeys, pack_tokens
 
 __all__ = [
     "DEFAULT_SEED",
+    "INLINE_KEYED_TOKENS",
     "INLINE_TOKENS",
     "MMItem",
     "RequestHasher",
     "block_hashes",
     "group_block_hashes",
+    "hashed_inline",
     "none_hash",
     "sha256_cbor",
     "uint32_tokens",
@@ -42,6 +44,15 @@ takes some 15 ns a token (16-token blocks; less per token in larger ones), so 81
 about 0.12 ms, less than a hop to a worker thread or stage (measured at 1024 tokens: a
 thread cost 0.35 ms more of a save's time, 0.15 ms more of the event loop's). Longer
 prompts are hashed where the loop does not stall on them."""
+INLINE_KEYED_TOKENS = 512
+"""The same for a request with keys (a LoRA, a salt, multimodal items): its blocks are
+hashed in Python, some 10 us a block, one-token blocks at worst."""
+
+
+def hashed_inline(tokens: int, keys: RequestKeys) -> bool:
+    """Whether a request of ``tokens`` tokens with ``keys`` is hashed on the event loop."""
+    simple = keys.lora_name is None and keys.cache_salt is None and not keys.mm_items
+    return tokens <= (INLINE_TOKENS if simple else INLINE_KEYED_TOKENS)
 
 MMItem = tuple[str, int, int]
 """A multimodal item: (identifier, offset of its first placeholder token, length)."""

@@ -59,16 +59,26 @@ def longest_hit(
     align = layout.lookup_alignment
     groups: Sequence[KVCacheGroup] = layout.store_groups
     # Full-attention groups need an unbroken prefix: compute it once instead of per P.
+    # Sliding-window groups need an unbroken run of a window's blocks before P: the run
+    # ending at each block, computed once, answers that for any P in one step (walking
+    # each window anew would cost windows x prompts, a window being up to the prompt).
     prefix_end: dict[int, int] = {}
+    runs: dict[int, list[int]] = {}
     for index, group in enumerate(groups):
-        if group.kind not in (GroupKind.MAMBA, GroupKind.SLIDING_WINDOW):
-            limit = max_tokens // group.block_size
+        limit = max_tokens // group.block_size
+        if group.kind is GroupKind.SLIDING_WINDOW:
+            run, length = [], 0
+            for block in range(limit):
+                length = length + 1 if available(index, block) else 0
+                run.append(length)
+            runs[index] = run
+        elif group.kind is not GroupKind.MAMBA:
             end = 0
             while end < limit and available(index, end):
                 end += 1
             prefix_end[index] = end
     for tokens in range(max_tokens // align * align, 0, -align):
-        if _resumable(groups, prefix_end, tokens, available):
+        if _resumable(groups, prefix_end, runs, tokens, available):
             return tokens
     return 0
 
@@ -76,6 +86,7 @@ def longest_hit(
 def _resumable(
     groups: Sequence[KVCacheGroup],
     prefix_end: dict[int, int],
+    runs: dict[int, list[int]],
     tokens: int,
     available: Callable[[int, int], bool],
 ) -> bool:
@@ -85,6 +96,10 @@ def _resumable(
             return False
         if index in prefix_end:
             if needed.stop > prefix_end[index]:
+                return False
+        elif index in runs:
+            run = runs[index]
+            if needed and (needed.stop > len(run) or run[needed.stop - 1] < len(needed)):
                 return False
         elif not all(available(index, block) for block in needed):
             return False

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import collections
+import hashlib
 import operator
 import sys
 from collections.abc import Iterable
@@ -51,9 +52,11 @@ __all__ = [
     "TokenIds",
     "Unregister",
     "Unregistered",
+    "compact_keys",
     "decode_engine_message",
     "decode_sidecar_message",
     "encode",
+    "keys_size",
     "outcome_counts",
     "pack_tokens",
     "prompt_length",
@@ -239,6 +242,31 @@ class RequestKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_
     mm_items: Annotated[
         tuple[tuple[Name, NonNegative, NonNegative], ...], msgspec.Meta(max_length=MAX_MM_ITEMS)
     ] = ()
+
+
+KEPT_KEYS_BYTES = 1024
+"""Request keys larger than this are remembered by digest (``compact_keys``)."""
+
+
+def keys_size(keys: RequestKeys) -> int:
+    """About how many bytes ``keys`` hold."""
+    size = sum(len(text) for text in (keys.lora_name, keys.lora_path, keys.cache_salt) if text)
+    return size + sum(len(item[0]) + 16 for item in keys.mm_items)
+
+
+def compact_keys(keys: RequestKeys) -> RequestKeys:
+    """``keys`` to remember: themselves when small, else each field that is set replaced
+    by a digest of it, which tells keys apart as the fields would (not for hashing)."""
+    if keys_size(keys) <= KEPT_KEYS_BYTES:
+        return keys
+    def digest(*parts: object) -> str:
+        return hashlib.blake2b(_encoder.encode(parts), digest_size=16).hexdigest()
+    return RequestKeys(
+        lora_name=None if keys.lora_name is None else digest(keys.lora_name),
+        lora_path=None if keys.lora_path is None else digest(keys.lora_path),
+        cache_salt=None if keys.cache_salt is None else digest(keys.cache_salt),
+        mm_items=((digest(keys.mm_items), 0, 0),) if keys.mm_items else (),
+    )
 
 
 SIDECAR_HASH_ALGO = "sha256_cbor"

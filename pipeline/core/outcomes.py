@@ -46,6 +46,8 @@ LOADED = KeyOutcome(BlockStatus.LOADED)
 MISSING = KeyOutcome(BlockStatus.MISSING, "missing")
 STORE_FULL = KeyOutcome(BlockStatus.SKIPPED, "store_full")
 STORE_UNAVAILABLE = KeyOutcome(BlockStatus.SKIPPED, "store_unavailable")
+INTERNAL = KeyOutcome(BlockStatus.FAILED, "internal")
+"""The sidecar failed on the block's request (a bug, answered rather than crashing)."""
 MEMORY_LOST = KeyOutcome(BlockStatus.FAILED, "engine_memory_lost")
 """The engine's memory file shrank under the sidecar during the copy: what was read is
 not its KV (never stored), what was written did not reach it."""

@@ -25,7 +25,7 @@ from typing import Generic, TypeVar
 import msgspec
 import xxhash
 
-from pipeline.core.messages import RequestKeys, TokenIds
+from pipeline.core.messages import RequestKeys, TokenIds, compact_keys
 from pipeline.core.outcomes import BlockStatus, KeyOutcome
 from pipeline.core.store import Presence
 
@@ -156,6 +156,7 @@ class BlockHistory:
         records: list[tuple[str, _Record]] = []
         prefixes: list[tuple[bytes, str]] = []
         contents: list[tuple[int, RequestKeys]] = []
+        kept = compact_keys(keys)  # a request's keys may be large: remembered by digest
         for key, prefix, block, outcome, content in blocks:
             status = outcome.status
             stored = status is BlockStatus.STORED
@@ -165,7 +166,7 @@ class BlockHistory:
                     records.append((key, present))
                 prefixes.append((_block_key(block), prefix))
                 if content is not None:
-                    contents.append((content, keys))
+                    contents.append((content, kept))
             elif known is None or known.verdict is not Verdict.PRESENT:
                 # (one stored before: a later skip says nothing about where it went)
                 verdict = Verdict.SKIPPED if status is BlockStatus.SKIPPED else Verdict.FAILED
@@ -180,7 +181,7 @@ class BlockHistory:
         of its tokens up to its first block's end."""
         if len(tokens) > REFUSED_TOKENS:
             tokens = tokens[:REFUSED_TOKENS]
-        record = (tokens, keys, outcome.reason, time.monotonic())
+        record = (tokens, compact_keys(keys), outcome.reason, time.monotonic())
         self._refused.put(first, (record, *self._refused.get(first, ())[:REQUESTS_PER_PRINT - 1]))
 
     def load_failed(self, key: str, outcome: KeyOutcome) -> None:
@@ -214,6 +215,7 @@ class BlockHistory:
             return Verdict.OTHER_NAMESPACE, f"stored under {other}", -1.0
         if prompt is None:
             return self._never()
+        keys = compact_keys(keys)  # as remembered
         saved_keys = self._contents.get(prompt.prints[end])
         if saved_keys is not None and saved_keys != keys:
             return (Verdict.OTHER_KEYS, f"the same tokens were saved with another "

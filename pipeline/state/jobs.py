@@ -207,6 +207,11 @@ class StagedBatch:
     def session(self) -> EngineSession:
         return self.tasks[0].job.session
 
+    def abandoned(self) -> bool:
+        """Whether a job of the batch was answered before its blocks were settled
+        (``JobTracker.abandon``): the engine may be reusing them already."""
+        return any(task.job.done for task in self.tasks)
+
     @property
     def block_ids(self) -> list[int]:
         return [task.block_id for task in self.tasks]

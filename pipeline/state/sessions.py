@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import array
 import collections
-import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -18,16 +17,24 @@ from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.hashing import RequestHasher, group_block_hashes, uint32_tokens
 from pipeline.core.keys import KeySpeller
 from pipeline.core.layout import NULL_BLOCK_ID, KVCacheLayout
-from pipeline.core.messages import TOKEN_BYTES, TOKEN_TYPECODE, RequestKeys
+from pipeline.core.messages import (
+    TOKEN_BYTES,
+    TOKEN_TYPECODE,
+    RequestKeys,
+    compact_keys,
+    keys_size,
+)
 
 __all__ = ["EngineSession", "TensorMapping"]
 
 HASHER_CACHE_SIZE = 4096
 HASHER_CACHE_BYTES = 16 << 20
-"""The most token bytes a session's kept hash chains hold, whatever their number."""
+"""The most bytes a session's kept hash chains hold (tokens, hashes, request keys
+kept by digest when large), whatever their number."""
 FIRST_HASH_CACHE_SIZE = 1024
 """First blocks whose hash a session remembers (``EngineSession.first_block_hash``): at
-most a hash block of tokens each, as uint32 bytes."""
+most a hash block of tokens each, as uint32 bytes, with request keys kept by digest when
+large."""
 
 
 class _KeptChain(msgspec.Struct, frozen=True, gc=False):
@@ -45,6 +52,8 @@ class _KeptChain(msgspec.Struct, frozen=True, gc=False):
     mm_next: int
     seen: bytes
     """The tokens hashed, as uint32s: the request's next call must begin with them."""
+    cost: int
+    """What it counts against ``HASHER_CACHE_BYTES``."""
 
 
 def _token_bytes(token_ids: Sequence[int], count: int) -> bytes | None:
@@ -102,18 +111,18 @@ class EngineSession:
         self.jobs_in_flight = 0
         self.saves_in_flight = 0
         self._mapping = mapping
+        self._memory_lost = None if mapping is None else mapping.lost
         self._hashers: collections.OrderedDict[str, _KeptChain] = collections.OrderedDict()
         """Request id -> its hash chain, the most recently kept last."""
         self._kept_bytes = 0
-        """Token bytes the kept chains hold (``HASHER_CACHE_BYTES`` at most)."""
+        """Bytes the kept chains hold (``HASHER_CACHE_BYTES`` at most)."""
         self._hashers_lock = threading.Lock()
         self.speller = KeySpeller()
         """Spells this engine's keys, remembering them (the event loop's alone)."""
-        self.first_block_hash = functools.lru_cache(FIRST_HASH_CACHE_SIZE)(self._first_block_hash)
-        """``(keys, the first block's tokens as uint32 bytes)`` -> its hash: how every
-        request's engine
-        hashes are checked, remembered since prompts tend to open with the same block
-        (a system prompt), and an engine asks again for a waiting request every step."""
+        self._first_hashes: collections.OrderedDict[tuple[RequestKeys, bytes], bytes] = (
+            collections.OrderedDict())
+        """``(compact keys, the first block's tokens as uint32 bytes)`` -> its hash, the
+        most recently used last (``first_block_hash``)."""
 
     def close(self) -> None:
         """Stop serving this engine; its mappings go once no job of it is in flight."""
@@ -135,8 +144,9 @@ class EngineSession:
 
     def memory_lost(self) -> bool:
         """Whether the engine's memory shrank under the sidecar: nothing read from it
-        since may be stored, and nothing written to it counts as loaded."""
-        return self._mapping is not None and self._mapping.lost()
+        since may be stored, and nothing written to it counts as loaded. Still heard
+        once the session let go of its mapping, while a copy may be in flight."""
+        return self._memory_lost is not None and self._memory_lost()
 
     def job_started(self, *, save: bool) -> None:
         self.jobs_in_flight += 1
@@ -177,10 +187,10 @@ class EngineSession:
         with self._hashers_lock:
             kept = self._hashers.pop(request_id, None)
             if kept is not None:
-                self._kept_bytes -= len(kept.seen)
+                self._kept_bytes -= kept.cost
         hasher = self.new_hasher(keys)
         # Same id, other keys or tokens: never trust the old chain.
-        if kept is not None and kept.keys == keys and _token_bytes(
+        if kept is not None and kept.keys == compact_keys(keys) and _token_bytes(
                 token_ids, len(kept.seen) // TOKEN_BYTES) == kept.seen:
             hasher.resume(kept.hashes, kept.mm_next)
         return hasher
@@ -197,12 +207,14 @@ class EngineSession:
         with self._hashers_lock:
             old = self._hashers.pop(request_id, None)
             if old is not None:
-                self._kept_bytes -= len(old.seen)
-            self._hashers[request_id] = _KeptChain(keys, hashes, mm_next, seen)
-            self._kept_bytes += len(seen)
+                self._kept_bytes -= old.cost
+            kept_keys = compact_keys(keys)
+            cost = len(seen) + len(hashes) + keys_size(kept_keys)
+            self._hashers[request_id] = _KeptChain(kept_keys, hashes, mm_next, seen, cost)
+            self._kept_bytes += cost
             while (len(self._hashers) > HASHER_CACHE_SIZE
                    or self._kept_bytes > HASHER_CACHE_BYTES):
-                self._kept_bytes -= len(self._hashers.popitem(last=False)[1].seen)
+                self._kept_bytes -= self._hashers.popitem(last=False)[1].cost
 
     def new_hasher(self, keys: RequestKeys) -> RequestHasher:
         return RequestHasher(
@@ -213,6 +225,22 @@ class EngineSession:
             mm_items=keys.mm_items,
             seed=self.hash_seed,
         )
+
+    def first_block_hash(self, keys: RequestKeys, tokens: bytes) -> bytes:
+        """The hash of a request's first block (its tokens as uint32 bytes): how every
+        request's engine hashes are checked, remembered since prompts tend to open with
+        the same block (a system prompt), and an engine asks again for a waiting request
+        every step."""
+        remembered = self._first_hashes
+        key = (compact_keys(keys), tokens)
+        found = remembered.get(key)
+        if found is not None:
+            remembered.move_to_end(key)
+            return found
+        found = remembered[key] = self._first_block_hash(keys, tokens)
+        if len(remembered) > FIRST_HASH_CACHE_SIZE:
+            remembered.popitem(last=False)
+        return found
 
     def _first_block_hash(self, keys: RequestKeys, tokens: bytes) -> bytes:
         ids = array.array(TOKEN_TYPECODE)

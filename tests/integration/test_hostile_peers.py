@@ -91,7 +91,7 @@ def registration(engine: KVEngine, engine_id: str, *,
     part may be replaced."""
     # The layout's projections, from the parts that decode (a hostile one may not).
     parsed = engine.layout if layout is None else KVCacheLayout.from_dict(
-        {**layout, "model": "m", "cache_prefix": ""})
+        {"groups": layout["groups"]})
     payload = {layer for layers in parsed.payload_layers for layer in layers}
     if handles is None:
         handles = tuple(tensor_handle(layer, tensor) for layer, tensor
@@ -487,6 +487,111 @@ async def test_a_long_model_name_cannot_grow_memory(
                     attacker.call(Unregister(1), timeout_s=5)
         after = await serves_byte_exact(sidecar)
     assert_contained(sidecar, watch, reply, after)
+
+
+async def test_an_explanation_of_a_million_hashes_is_refused(sidecar: SidecarProcess) -> None:
+    """An unregistered peer asking to explain a million block hashes (no tokens) is
+    refused at once, without holding up anyone's lookups."""
+    frame = encode(Explain(1, block_hashes=(b"\x01",) * 1_000_000))
+    with anyio.fail_after(TIMEOUT):
+        async with honest_engine(sidecar) as (client, tokens):
+            with peer(sidecar) as attacker:
+                reply, watch = await under_attack(
+                    sidecar, client, tokens, in_thread(lambda: attacker.call(frame)))
+        after = await serves_byte_exact(sidecar)
+    figures = assert_contained(sidecar, watch, reply, after)
+    assert watch.growth("RssAnon") < 256 * MiB, figures
+
+
+async def test_a_layout_of_millions_of_ranks_is_refused(sidecar: SidecarProcess) -> None:
+    """A lookup-only registration claiming two million tensor-parallel ranks (each
+    lookup would spell a key per rank and block) is refused as a bad layout."""
+    engine = KVEngine(HONEST_LAYOUT)
+    frame = msgspec.structs.replace(
+        registration(engine, "ranks", handles=(),
+                     layout={**HONEST_LAYOUT, "tp_size": 2_000_000}), lookup_only=True)
+    with anyio.fail_after(TIMEOUT):
+        async with honest_engine(sidecar) as (client, tokens):
+            with peer(sidecar) as attacker:
+                reply, watch = await under_attack(
+                    sidecar, client, tokens, in_thread(lambda: attacker.call(frame)))
+        after = await serves_byte_exact(sidecar)
+    figures = assert_contained(sidecar, watch, reply, after)
+    assert isinstance(reply, ErrorReply) and reply.code == "bad_layout", figures
+
+
+async def test_a_sliding_window_lookup_costs_time_linear_in_its_prompt(
+    fresh_sidecar: SidecarProcess,
+) -> None:
+    """An engine of one-token sliding-window blocks with a window as long as any prompt
+    stores a thousand blocks, then looks up the longest prompt it may: answered without
+    walking the window anew for every candidate hit."""
+    layout = {"model": "window", "groups": [{
+        "kind": "sliding_window", "block_size": 1, "sliding_window": 1 << 30,
+        "layers": ["attn.0"], "page_bytes": 64}]}
+    engine = KVEngine(layout, num_blocks=1024)
+    count = 65_536
+    hashes = tuple(i.to_bytes(8, "little") for i in range(count))
+    with anyio.fail_after(TIMEOUT):
+        async with honest_engine(fresh_sidecar) as (client, tokens), \
+                await EngineClient.connect(fresh_sidecar.endpoint, layout=engine.layout,
+                                           kv_caches=engine.kv_caches, hash_algo="xxhash",
+                                           block_hasher=lambda t, size: [bytes(8)] * len(t),
+                                           timeout_s=20) as attacker:
+            await attacker.save("seed", [7] * 1000, [list(range(1, 1001))],
+                                block_hashes=hashes[:1000])
+
+            async def attack() -> object:
+                return await attacker.lookup([7] * count, block_hashes=hashes)
+
+            reply, watch = await under_attack(fresh_sidecar, client, tokens, attack)
+        after = await serves_byte_exact(fresh_sidecar)
+    assert_contained(fresh_sidecar, watch, reply, after, error_reply=False)
+
+
+async def test_large_request_keys_are_remembered_by_digest(sidecar: SidecarProcess) -> None:
+    """Lookups carrying the largest request keys the wire takes (4096 multimodal items of
+    long ids), three hundred times over, leave the sidecar's memory where it was."""
+    engine = KVEngine(HONEST_LAYOUT)
+    items = tuple((f"{index:04d}" + "m" * 250, 0, 1) for index in range(4096))
+    prompt = random_tokens(64, seed=next(SEEDS))
+    with anyio.fail_after(TIMEOUT):
+        async with honest_engine(sidecar) as (client, tokens), \
+                await engine.connect(sidecar.endpoint, timeout_s=20) as attacker:
+            async def attack() -> object:
+                for round_ in range(300):
+                    await attacker.lookup(prompt, request_id=f"keys-{round_}",
+                                          mm_items=items)
+                return "done"
+
+            reply, watch = await under_attack(sidecar, client, tokens, attack)
+        after = await serves_byte_exact(sidecar)
+    figures = assert_contained(sidecar, watch, reply, after, error_reply=False)
+    assert watch.growth("RssAnon") < 128 * MiB, figures
+
+
+async def test_an_engine_of_a_thousand_memory_files_does_not_lock_others_out(
+    fresh_sidecar: SidecarProcess,
+) -> None:
+    """An engine registering a thousand memory files (the sidecar then holds descriptors
+    past select's limit) leaves the next engines able to register, save and load; one of
+    more files than an engine may map is refused by name."""
+    many = {"model": "many", "groups": [{
+        "kind": "full_attention", "block_size": 16, "page_bytes": 4096,
+        "layers": [f"l.{index}" for index in range(1000)]}]}
+    too_many = {**many, "groups": [{**many["groups"][0],
+                                    "layers": [f"l.{index}" for index in range(1100)]}]}
+    with anyio.fail_after(TIMEOUT):
+        wide = KVEngine(many, num_blocks=1)
+        async with await wide.connect(fresh_sidecar.endpoint, timeout_s=20):
+            wider = KVEngine(too_many, num_blocks=1)
+            with peer(fresh_sidecar) as attacker:
+                refused = attacker.call(registration(wider, "wider"))
+            del wider
+            after = await serves_byte_exact(fresh_sidecar)
+    assert isinstance(refused, ErrorReply) and refused.code == "over_limit", describe(refused)
+    assert "memory files" in refused.message
+    assert after == "ok", after
 
 
 async def test_frames_over_the_limit_are_dropped_at_the_socket() -> None:

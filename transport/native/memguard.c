@@ -103,13 +103,15 @@ static void on_sigbus(int sig, siginfo_t *info, void *uctx)
                 continue;
             /* Every faulting thread replaces the mapping again: a later fault can only
              * come from a thread that faulted before the first replacement (anonymous
-             * pages do not fault), and the contents are forfeit once lost. */
+             * pages do not fault), and the contents are forfeit once lost. Marked lost
+             * first: another thread may read the zeros as soon as they are mapped, and
+             * must then find the mapping lost when it checks. */
+            atomic_store(&slots[i].lost, 1);
             if (mmap((void *)base, atomic_load_explicit(&slots[i].len, memory_order_relaxed),
                      atomic_load_explicit(&slots[i].prot, memory_order_relaxed),
                      MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
                 == MAP_FAILED)
                 break; /* no memory to replace it with: die as before */
-            atomic_store(&slots[i].lost, 1);
             errno = saved_errno;
             return;
         }
