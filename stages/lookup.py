@@ -4,9 +4,10 @@ The prompt is hashed and checked in growing chunks: a miss in a full-attention g
 bounds every possible hit, so a miss costs one small chunk, not the whole prompt.
 Hashing runs inline (no thread hop), yielding to the event loop before a chunk that
 would take the tokens hashed since it last did past what is hashed inline
-(``hashed_inline``). When the engine sends its own block hashes there is nothing to hash: a store answering in-process is
-asked about a first small chunk of a long prompt, then about the rest in one query (a
-miss spells and checks a chunk's keys, not the prompt's); a remote store, in one query.
+(``hashed_inline``). When the engine sends its own block hashes there is nothing to
+hash: a store answering in-process is asked about a first small chunk of a long
+prompt, then about the rest in one query (a miss spells and checks a chunk's keys, not
+the prompt's); a remote store, in one query.
 
 Asked to explain, the stage also checks every full block of every stored group and asks
 the block history why each one absent is absent.
