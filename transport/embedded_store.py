@@ -27,6 +27,7 @@ lock that a copy thread holds.
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -83,6 +84,10 @@ class _Entry:
     pins: int = 0
     removed: bool = False
     """Out of the index; the extent is freed when the last pin goes."""
+
+
+_SPAN: Callable[[_Entry], int] = operator.attrgetter("span")
+_CHARGE: Callable[[_Entry], int] = operator.attrgetter("charge")
 
 
 def _check_bytes(tensor: object) -> str | None:
@@ -418,21 +423,25 @@ class EmbeddedStore(AsyncResource):
         entries oldest first as needed; False if the pinned ones leave no room."""
         if self._index_bytes + charge <= self._index_budget:
             return True
-        short = self._index_bytes + charge - self._index_budget
-        victims: list[_Entry] = []
-        for entry in self._entries.values():  # oldest first, up to what is short
-            if short <= 0:
-                break
-            if entry.pins == 0:
-                victims.append(entry)
-                short -= entry.charge
-        for victim in victims:
-            self._drop(victim)
-        evicted = [victim.key for victim in victims]
+        evicted = self._drop_oldest(self._index_bytes + charge - self._index_budget, _CHARGE)
         if evicted:
             self._evictions += len(evicted)
             self._on_evicted(evicted)
         return self._index_bytes + charge <= self._index_budget
+
+    def _drop_oldest(self, short: int, cost: Callable[[_Entry], int]) -> list[str]:
+        """Drop unpinned entries, oldest first, until their ``cost`` makes up ``short``,
+        in one walk of the index; their keys."""
+        victims: list[_Entry] = []
+        for entry in self._entries.values():
+            if short <= 0:
+                break
+            if entry.pins == 0:
+                victims.append(entry)
+                short -= cost(entry)
+        for victim in victims:
+            self._drop(victim)
+        return [victim.key for victim in victims]
 
     def _make_room(self, size: int) -> int | None:
         """Allocate ``size`` bytes (whole spans), evicting unpinned entries oldest first
@@ -443,17 +452,7 @@ class EmbeddedStore(AsyncResource):
         # No hole fits while fewer bytes are free than asked: the oldest entries that
         # make up the difference go in one walk of the index, not one walk and one
         # allocation attempt each (a full store evicts on every save).
-        short = size - allocator.free_bytes
-        victims: list[_Entry] = []
-        for entry in self._entries.values():
-            if short <= 0:
-                break
-            if entry.pins == 0:
-                victims.append(entry)
-                short -= entry.span
-        for victim in victims:
-            self._drop(victim)
-        evicted = [victim.key for victim in victims]
+        evicted = self._drop_oldest(size - allocator.free_bytes, _SPAN)
         while (offset := allocator.allocate(size)) is None:
             oldest = next((entry for entry in self._entries.values() if entry.pins == 0), None)
             if oldest is None:

@@ -254,6 +254,23 @@ async def serves_byte_exact(sidecar: SidecarProcess) -> str:
     return "ok"
 
 
+async def frame_attack(sidecar: SidecarProcess, frame: bytes | EngineMessage, *,
+                       registered_first: Register | None = None,
+                       ) -> tuple[object, Watch, str]:
+    """``frame`` from a raw peer (registered first with ``registered_first``) while an
+    honest engine looks up; the reply, the watch, and whether engines still save and
+    load byte-exact afterwards."""
+    with anyio.fail_after(TIMEOUT):
+        async with honest_engine(sidecar) as (client, tokens):
+            with peer(sidecar) as attacker:
+                if registered_first is not None:
+                    assert isinstance(attacker.call(registered_first), Registered)
+                reply, watch = await under_attack(
+                    sidecar, client, tokens, in_thread(lambda: attacker.call(frame)))
+        after = await serves_byte_exact(sidecar)
+    return reply, watch, after
+
+
 def describe(reply: object) -> str:
     if reply is None:
         return "no reply"
@@ -318,12 +335,7 @@ async def test_a_register_with_an_overflowing_stride_costs_an_error_reply(
     hostile = msgspec.structs.replace(genuine, shape=(16, 4096, 1),
                                       strides=(4096, 1, 2**64 - 1))
     frame = registration(engine, "strides", handles=(hostile,))
-    with anyio.fail_after(TIMEOUT):
-        async with honest_engine(fresh_sidecar) as (client, tokens):
-            with peer(fresh_sidecar) as attacker:
-                reply, watch = await under_attack(
-                    fresh_sidecar, client, tokens, in_thread(lambda: attacker.call(frame)))
-        after = await serves_byte_exact(fresh_sidecar)
+    reply, watch, after = await frame_attack(fresh_sidecar, frame)
     assert_contained(fresh_sidecar, watch, reply, after)
 
 
@@ -388,12 +400,7 @@ async def test_a_huge_self_test_does_not_stall_other_engines(sidecar: SidecarPro
     engine = KVEngine(layout, num_blocks=16)
     frame = encode(registration(engine, "self-test", self_test=HashSelfTest(
         (-1,) * 2_000_000, (b"\0" * 32,))))
-    with anyio.fail_after(TIMEOUT):
-        async with honest_engine(sidecar) as (client, tokens):
-            with peer(sidecar) as attacker:
-                reply, watch = await under_attack(
-                    sidecar, client, tokens, in_thread(lambda: attacker.call(frame)))
-        after = await serves_byte_exact(sidecar)
+    reply, watch, after = await frame_attack(sidecar, frame)
     assert_contained(sidecar, watch, reply, after)
 
 
@@ -404,13 +411,8 @@ async def test_a_save_naming_millions_of_blocks_is_refused_cheaply(
     the sidecar neither its loop nor its memory: refused, or a few blocks answered."""
     engine = KVEngine(HONEST_LAYOUT)
     frame = encode(Save(1, "millions", pack_tokens([]), ((1,) * 3_000_000, (), ())))
-    with anyio.fail_after(TIMEOUT):
-        async with honest_engine(fresh_sidecar) as (client, tokens):
-            with peer(fresh_sidecar) as attacker:
-                assert isinstance(attacker.call(registration(engine, "millions")), Registered)
-                reply, watch = await under_attack(
-                    fresh_sidecar, client, tokens, in_thread(lambda: attacker.call(frame)))
-        after = await serves_byte_exact(fresh_sidecar)
+    reply, watch, after = await frame_attack(
+        fresh_sidecar, frame, registered_first=registration(engine, "millions"))
     figures = assert_contained(fresh_sidecar, watch, reply, after, error_reply=False)
     assert isinstance(reply, ErrorReply | SaveDone), figures
     assert not isinstance(reply, SaveDone) or len(reply.blocks) <= 64, figures
@@ -429,13 +431,8 @@ async def test_a_legal_looking_save_of_a_million_one_token_blocks_is_refused_by_
     count = 1_000_000
     frame = encode(Save(1, "million", pack_tokens([7] * count), ((1,) * count,),
                         block_hashes=tuple(i.to_bytes(8, "little") for i in range(count))))
-    with anyio.fail_after(TIMEOUT):
-        async with honest_engine(fresh_sidecar) as (client, tokens):
-            with peer(fresh_sidecar) as attacker:
-                assert isinstance(attacker.call(register), Registered)
-                reply, watch = await under_attack(
-                    fresh_sidecar, client, tokens, in_thread(lambda: attacker.call(frame)))
-        after = await serves_byte_exact(fresh_sidecar)
+    reply, watch, after = await frame_attack(
+        fresh_sidecar, frame, registered_first=register)
     figures = assert_contained(fresh_sidecar, watch, reply, after)
     assert isinstance(reply, ErrorReply) and reply.code == "over_limit", figures
     assert "limits.max_request_blocks" in reply.message, figures
@@ -493,12 +490,7 @@ async def test_an_explanation_of_a_million_hashes_is_refused(sidecar: SidecarPro
     """An unregistered peer asking to explain a million block hashes (no tokens) is
     refused at once, without holding up anyone's lookups."""
     frame = encode(Explain(1, block_hashes=(b"\x01",) * 1_000_000))
-    with anyio.fail_after(TIMEOUT):
-        async with honest_engine(sidecar) as (client, tokens):
-            with peer(sidecar) as attacker:
-                reply, watch = await under_attack(
-                    sidecar, client, tokens, in_thread(lambda: attacker.call(frame)))
-        after = await serves_byte_exact(sidecar)
+    reply, watch, after = await frame_attack(sidecar, frame)
     figures = assert_contained(sidecar, watch, reply, after)
     assert watch.growth("RssAnon") < 256 * MiB, figures
 
@@ -510,12 +502,7 @@ async def test_a_layout_of_millions_of_ranks_is_refused(sidecar: SidecarProcess)
     frame = msgspec.structs.replace(
         registration(engine, "ranks", handles=(),
                      layout={**HONEST_LAYOUT, "tp_size": 2_000_000}), lookup_only=True)
-    with anyio.fail_after(TIMEOUT):
-        async with honest_engine(sidecar) as (client, tokens):
-            with peer(sidecar) as attacker:
-                reply, watch = await under_attack(
-                    sidecar, client, tokens, in_thread(lambda: attacker.call(frame)))
-        after = await serves_byte_exact(sidecar)
+    reply, watch, after = await frame_attack(sidecar, frame)
     figures = assert_contained(sidecar, watch, reply, after)
     assert isinstance(reply, ErrorReply) and reply.code == "bad_layout", figures
 
