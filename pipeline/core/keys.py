@@ -102,7 +102,8 @@ class KeySpeller:
     or a prompt looked up at every scheduler step while it waits, is spelled once. A
     remembered key also carries its string hash, so a store's index finds it without
     hashing it again. Past ``capacity`` keys (about 250 bytes each) it forgets them all
-    and starts over. Not thread-safe: one event loop spells.
+    and starts over; a call for more keys than that spells them without remembering.
+    Not thread-safe: one event loop spells.
 
     ``run_keys`` also remembers a run of ``RUN_BLOCKS`` hashes or more whole, by its last
     hash, for a lookup: asked for again (the same prompt at every step, its hashes
@@ -143,6 +144,8 @@ class KeySpeller:
         found = list(map(spelled.get, block_hashes))  # C loops throughout
         if all(found):  # every one remembered (a key is never empty)
             return cast(list[str], found)
+        if len(block_hashes) > self.capacity:  # more than it remembers: none kept
+            return keys_for(prefix, block_hashes)
         if self._count + len(block_hashes) > self.capacity:
             for remembered in self._spelled.values():
                 remembered.clear()

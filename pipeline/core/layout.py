@@ -34,8 +34,10 @@ NULL_BLOCK_ID = 0
 MAX_BLOCK_TOKENS = 1 << 16
 """Tokens per block the protocol admits (the config caps it lower: ``limits``)."""
 
-MAX_RANKS = 4096
-"""Ranks of one model (tp x pp x pcp x dcp), and its KV heads."""
+MAX_RANKS = 256
+"""Ranks of one model (tp x pp x pcp x dcp): a lookup spells a key per rank namespace
+and block."""
+MAX_KV_HEADS = 1 << 16
 
 _Name = Annotated[str, msgspec.Meta(max_length=256)]
 _Count = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
@@ -160,8 +162,9 @@ class KVCacheLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, dic
             # A lookup's keys fan out over the ranks: their number is work per block.
             raise ValueError(f"tp_size x pp_size x pcp_world_size x dcp_size is {ranks}, "
                              f"more than {MAX_RANKS}")
-        if not 0 <= self.num_kv_heads <= MAX_RANKS:
-            raise ValueError(f"num_kv_heads must be in [0, {MAX_RANKS}], got {self.num_kv_heads}")
+        if not 0 <= self.num_kv_heads <= MAX_KV_HEADS:
+            raise ValueError(
+                f"num_kv_heads must be in [0, {MAX_KV_HEADS}], got {self.num_kv_heads}")
         if self.prefix_match_unit is not None and self.prefix_match_unit <= 0:
             raise ValueError(f"prefix_match_unit must be positive, got {self.prefix_match_unit}")
         owners: dict[str, int] = {}
