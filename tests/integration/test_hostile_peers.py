@@ -298,8 +298,10 @@ def summary(sidecar: SidecarProcess, watch: Watch, reply: object, after: str) ->
 
 def assert_contained(sidecar: SidecarProcess, watch: Watch, reply: object, after: str,
                      *, error_reply: bool = True) -> str:
-    """The contract every attack is held to; returns the figures for further checks."""
+    """The contract every attack is held to; returns the figures for further checks
+    (printed too: ``pytest -rP`` shows each attack's)."""
     figures = summary(sidecar, watch, reply, after)
+    print(figures)
     assert sidecar.process.poll() is None, figures
     if error_reply:
         assert isinstance(reply, ErrorReply), figures
