@@ -254,21 +254,29 @@ async def serves_byte_exact(sidecar: SidecarProcess) -> str:
     return "ok"
 
 
-async def frame_attack(sidecar: SidecarProcess, frame: bytes | EngineMessage, *,
-                       registered_first: Register | None = None,
-                       ) -> tuple[object, Watch, str]:
-    """``frame`` from a raw peer (registered first with ``registered_first``) while an
-    honest engine looks up; the reply, the watch, and whether engines still save and
-    load byte-exact afterwards."""
+async def peer_attack(sidecar: SidecarProcess, attack: Callable[[Peer], T], *,
+                      registered_first: Register | None = None,
+                      ) -> tuple[T | str, Watch, str]:
+    """``attack(peer)`` from a raw peer (registered first with ``registered_first``), in a
+    thread, while an honest engine looks up; what it returned, the watch, and whether
+    engines still save and load byte-exact afterwards."""
     with anyio.fail_after(TIMEOUT):
         async with honest_engine(sidecar) as (client, tokens):
             with peer(sidecar) as attacker:
                 if registered_first is not None:
                     assert isinstance(attacker.call(registered_first), Registered)
                 reply, watch = await under_attack(
-                    sidecar, client, tokens, in_thread(lambda: attacker.call(frame)))
+                    sidecar, client, tokens, in_thread(lambda: attack(attacker)))
         after = await serves_byte_exact(sidecar)
     return reply, watch, after
+
+
+async def frame_attack(sidecar: SidecarProcess, frame: bytes | EngineMessage, *,
+                       registered_first: Register | None = None,
+                       ) -> tuple[object, Watch, str]:
+    """``peer_attack`` of one frame: the reply to it."""
+    return await peer_attack(sidecar, lambda attacker: attacker.call(frame),
+                             registered_first=registered_first)
 
 
 def describe(reply: object) -> str:
@@ -589,18 +597,13 @@ async def test_frames_over_the_limit_are_dropped_at_the_socket() -> None:
     with run_sidecar_process({"server": {"max_frame_bytes": 64 * 1024}}) as sidecar:
         frames = [b"\xc4" + os.urandom(MiB), b"\xc4" + os.urandom(250 * 1024)]
 
-        def attack() -> None:
+        def attack(attacker: Peer) -> None:
             for frame in frames:
                 for _ in range(50):
                     attacker.send(frame)
             time.sleep(1.0)  # what gets through is taken in meanwhile
 
-        with anyio.fail_after(TIMEOUT):
-            async with honest_engine(sidecar) as (client, tokens):
-                with peer(sidecar) as attacker:
-                    reply, watch = await under_attack(sidecar, client, tokens,
-                                                      in_thread(attack))
-            after = await serves_byte_exact(sidecar)
+        reply, watch, after = await peer_attack(sidecar, attack)
         figures = assert_contained(sidecar, watch, reply, after, error_reply=False)
         assert watch.growth("RssAnon") < 32 * MiB, figures
 
@@ -611,19 +614,14 @@ async def test_messages_of_many_parts_are_refused_not_joined() -> None:
     with run_sidecar_process({"server": {"max_frame_bytes": 64 * 1024}}) as sidecar:
         part = b"\xc4" + os.urandom(60 * 1024)
 
-        def attack() -> list[SidecarMessage | None]:
+        def attack(attacker: Peer) -> list[SidecarMessage | None]:
             replies = []
             for _ in range(5):
                 attacker.socket.send_multipart([part] * 400)
                 replies.append(attacker.recv(timeout_s=10))
             return replies
 
-        with anyio.fail_after(TIMEOUT):
-            async with honest_engine(sidecar) as (client, tokens):
-                with peer(sidecar) as attacker:
-                    replies, watch = await under_attack(sidecar, client, tokens,
-                                                        in_thread(attack))
-            after = await serves_byte_exact(sidecar)
+        replies, watch, after = await peer_attack(sidecar, attack)
         figures = assert_contained(sidecar, watch, replies, after, error_reply=False)
         assert isinstance(replies, list), figures
         assert all(isinstance(r, ErrorReply) and r.code == "bad_frame" for r in replies), (
