@@ -45,8 +45,9 @@ from pipeline.core.messages import (
     encode,
     pack_tokens,
 )
+from pipeline.testing import handed_over
 from transport.client import EngineClient
-from transport.tensors import shared_kv_caches, tensor_handle
+from transport.tensors import Segments, shared_kv_caches, tensor_handle
 
 LAYOUT = KVCacheLayout.from_dict({"model": "bench", "groups": [
     {"kind": "full_attention", "block_size": 16, "layers": ["attn.0", "attn.1"],
@@ -78,15 +79,31 @@ def attack(endpoint: str, frames: list[bytes], stop: threading.Event,
     """Send the frames in turn, each after the last one's reply (or a quarter second
     without one: a frame dropped at the socket gets none)."""
     context = zmq.Context()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
     kv = shared_kv_caches(LAYOUT, 4096)
+    segments = Segments()
     register = Register("attacker", LAYOUT, tuple(
-        tensor_handle(layer, tensor) for layer, tensor in kv.items()),
+        tensor_handle(layer, tensor, segments) for layer, tensor in kv.items()),
         HashSelfTest(tuple(range(1, 33)), tuple(block_hashes(tuple(range(1, 33)), 16))))
+
+    def registered() -> zmq.Socket[bytes]:
+        """A new connection, registered as an engine registers: its memory handed over
+        first (a ticket is good on its own connection only)."""
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        try:
+            socket.connect(endpoint)
+            socket.send(encode(handed_over(socket, register, segments.fds)))
+            if socket.poll(2000):
+                socket.recv()
+        except BaseException:
+            socket.close(0)
+            raise
+        return socket
+
+    socket: zmq.Socket[bytes] | None = None
     try:
-        socket.connect(endpoint)
-        for frame in itertools.chain([encode(register)], itertools.cycle(frames)):
+        socket = registered()
+        for frame in itertools.cycle(frames):
             if stop.is_set():
                 return
             socket.send(frame)
@@ -95,14 +112,11 @@ def attack(endpoint: str, frames: list[bytes], stop: threading.Event,
                 socket.recv()
             else:  # dropped at the socket (too large): reconnect, as an engine would
                 socket.close(0)
-                socket = context.socket(zmq.DEALER)
-                socket.setsockopt(zmq.LINGER, 0)
-                socket.connect(endpoint)
-                socket.send(encode(register))
-                if socket.poll(2000):
-                    socket.recv()
+                socket = None
+                socket = registered()
     finally:
-        socket.close(0)
+        if socket is not None:
+            socket.close(0)
         context.term()
 
 

@@ -50,13 +50,17 @@ def _leading_present(presence: Sequence[Presence]) -> int:
     return next(b for b, p in enumerate(presence) if p is not Presence.PRESENT)
 
 
+_NONE: Mapping[str, int] = {}
+
+
 class LookupStage:
     def __init__(
-        self, store: KVStore, value_sizes: Mapping[str, int],
+        self, store: KVStore, value_sizes: Mapping[str, Mapping[str, int]],
         history: BlockHistory | None = None, *, probe_first: bool = False,
     ) -> None:
-        """``value_sizes``: the stored bytes of a value under each key prefix, as the
-        engines registered them; a key under a prefix of unknown size is a miss.
+        """``value_sizes``: per tenant, the stored bytes of a value under each key
+        prefix, as its engines registered them; a key under a prefix of unknown size is
+        a miss.
         ``history`` explains absent blocks (without it every absent block is
         never_stored). ``probe_first``: the store answers in-process, so a query costs
         its keys, not a round trip: a long prompt's known hashes are probed first."""
@@ -87,6 +91,7 @@ class LookupStage:
         layout = session.layout
         hbs = layout.hash_block_size
         groups = session.store_groups
+        value_sizes = self._value_sizes.get(session.tenant, _NONE)
         # When every group needs an unbroken prefix (dense models), the first misses bound
         # the hit and nothing else matters: no per-block presence is kept.
         prefix_only = all(geometry.group.kind in _NEEDS_PREFIX for geometry in groups)
@@ -121,7 +126,7 @@ class LookupStage:
                 new = group_block_hashes(fine[done // k * k : end // k * k], hbs, size)
                 for prefix in geometry.keys.lookup:
                     spelled.append(session.speller.run_keys(prefix, new))
-                    sizes.extend([self._value_sizes.get(prefix, 0)] * len(new))
+                    sizes.extend([value_sizes.get(prefix, 0)] * len(new))
                 counts.append(len(new))
             # One group in one rank namespace (the usual case) is the whole query: its
             # keys as spelled, and the answer taken unsliced.
@@ -163,6 +168,7 @@ class LookupStage:
     async def explain(self, session: EngineSession, message: Lookup) -> tuple[BlockWhy, ...]:
         """Every full block of every stored group: present, or why not. (Rarely asked:
         the prompt is hashed at once, not chunk by chunk as a lookup does.)"""
+        value_sizes = self._value_sizes.get(session.tenant, _NONE)
         hbs = session.layout.hash_block_size
         tokens = message.token_ids
         fine = (message.block_hashes if message.block_hashes is not None
@@ -177,7 +183,7 @@ class LookupStage:
                 blocks.append((g, j, block_hash, len(keys)))
                 for prefix in geometry.keys.lookup:
                     keys.extend(keys_for(prefix, (block_hash,)))
-                    sizes.append(self._value_sizes.get(prefix, 0))
+                    sizes.append(value_sizes.get(prefix, 0))
         try:
             presence = await self._store.exists(keys, sizes)
         except StoreError as exc:
@@ -194,7 +200,7 @@ class LookupStage:
                           if presence[at + s] is not Presence.PRESENT), 0)
             verdict, reason, age_s = self._history.why(
                 keys[at + shard], geometry.keys.lookup[shard], (g, block_hash),
-                presence[at + shard], message.keys, prompt, end)
+                presence[at + shard], message.keys, prompt, end, tenant=session.tenant)
             explained.append(BlockWhy(geometry.kv_group_id, j, block_hash, verdict, reason,
                                       round(age_s, 3)))
         return tuple(explained)

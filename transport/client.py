@@ -22,6 +22,7 @@ from typing import Any, Literal, TypeVar, overload
 
 import anyio
 import anyio.from_thread
+import msgspec
 import torch
 import zmq
 import zmq.asyncio
@@ -39,6 +40,8 @@ from pipeline.core.messages import (
     ErrorCode,
     ErrorReply,
     Explain,
+    Handover,
+    HandoverTicket,
     HashSelfTest,
     Heartbeat,
     Load,
@@ -57,8 +60,9 @@ from pipeline.core.messages import (
     pack_tokens,
 )
 from pipeline.core.outcomes import OVERLOADED, BlockStatus
+from transport.handover import hand_over
 from transport.sockets import FastSocket
-from transport.tensors import tensor_handle
+from transport.tensors import Segments, tensor_handle
 
 __all__ = [
     "BlockingEngineClient", "EngineClient", "Explanation", "InlineLookupClient", "LoadResult",
@@ -170,6 +174,8 @@ class EngineClient(AsyncResource):
         self._waiting: set[int] = set()
         self._closed = False
         self._registration: Register | None = None
+        self._segments = Segments()
+        """The memory files the registration hands over."""
         self._step: torch.cuda.Event | None = None
         self.registered: Registered | None = None
         self.save_credits = -1
@@ -219,8 +225,10 @@ class EngineClient(AsyncResource):
         if not isinstance(layout, KVCacheLayout):
             layout = KVCacheLayout.from_dict(layout)
         payload = {layer for layers in layout.payload_layers for layer in layers}
+        segments = Segments()
         handles = tuple(
-            tensor_handle(layer, tensor, block_dim=_block_dim(tensor, kv_cache_shape),
+            tensor_handle(layer, tensor, segments,
+                          block_dim=_block_dim(tensor, kv_cache_shape),
                           share_in_place=share_in_place)
             for layer, tensor in kv_caches.items()
             if layer in payload
@@ -230,26 +238,44 @@ class EngineClient(AsyncResource):
         hasher = block_hasher or (lambda t, size: block_hashes(t, size, seed=hash_seed))
         self_test = HashSelfTest(tokens, tuple(hasher(tokens, layout.hash_block_size)))
         engine_id = engine_id or f"engine-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        client = cls._connect(endpoint, engine_id, timeout_s, curve_server_key, curve_key_pair)
+        client = cls._connect(endpoint, timeout_s, curve_server_key, curve_key_pair)
         client.lookup_spin_s = lookup_spin_s
         client._step = step
-        registration = Register(engine_id, layout, handles, self_test, hash_seed,
-                                hash_algo=hash_algo, lookup_only=lookup_only,
-                                step_event=step_handle)
+        client._segments = segments
+        client._registration = Register(engine_id, layout, handles, self_test, hash_seed,
+                                        hash_algo=hash_algo, lookup_only=lookup_only,
+                                        step_event=step_handle)
         try:
-            reply = await client._call(0, registration)
+            reply = await client._register()
+            if isinstance(reply, ErrorReply):
+                raise RequestRejected(reply.code, reply.message)
         except BaseException:
             await client.aclose()
             raise
         assert isinstance(reply, Registered)
         client.registered = reply
-        client._registration = registration
         client._kv_groups = len(layout.groups)
         return client
 
+    async def _register(self) -> SidecarMessage:
+        """Hand the engine's memory files over on a fresh ticket, if it shares any, then
+        register: the sidecar's reply."""
+        registration = self._registration
+        assert registration is not None
+        if self._segments.fds:
+            seq = next(self._seq)
+            ticket = await self._exchange(seq, Handover(seq))
+            if not isinstance(ticket, HandoverTicket):
+                return ticket
+            await anyio.to_thread.run_sync(functools.partial(
+                hand_over, ticket.path, ticket.token, self._segments.fds,
+                timeout_s=self._timeout_s))
+            registration = msgspec.structs.replace(registration, handover=ticket.token)
+        return await self._exchange(0, registration)
+
     @classmethod
     def _connect(
-        cls, endpoint: str, identity: str, timeout_s: float,
+        cls, endpoint: str, timeout_s: float,
         curve_server_key: str | bytes | None,
         curve_key_pair: tuple[str | bytes, str | bytes] | None,
     ) -> EngineClient:
@@ -261,7 +287,6 @@ class EngineClient(AsyncResource):
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, 1000)
         socket.setsockopt(zmq.RCVHWM, 1000)
-        socket.setsockopt(zmq.IDENTITY, identity.encode())
         if curve_server_key is not None and curve_key_pair is not None:
             try:
                 socket.setsockopt(zmq.CURVE_SERVERKEY, _key_bytes(curve_server_key))
@@ -290,8 +315,7 @@ class EngineClient(AsyncResource):
         """Why a prompt (its tokens, or only its block hashes) hits or misses, as the
         registered engine ``engine_id`` ("": the only one) sees it. Needs no registration
         of its own: an operator's tool."""
-        identity = f"explain-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        async with cls._connect(endpoint, identity, timeout_s, curve_server_key,
+        async with cls._connect(endpoint, timeout_s, curve_server_key,
                                 curve_key_pair) as client:
             reply = await client._call(1, Explain(
                 1, engine_id, pack_tokens(list(token_ids)), _request_keys(**request_keys),
@@ -463,7 +487,7 @@ class EngineClient(AsyncResource):
             # calls found out at the same time), then retry once.
             async with self._register_lock:
                 if self.registered is known:
-                    registered = await self._exchange(0, self._registration)
+                    registered = await self._register()
                     if not isinstance(registered, Registered):
                         reply = registered
                     else:

@@ -11,6 +11,12 @@ exits (watched through a pidfd): the sidecar then closes the engine's allocation
 the driver frees them. A handle names no file, so a SIGKILL leaves nothing behind; the
 sidecar's own mappings go with its process.
 
+The engine is a peer the sidecar does not trust: the size it sends is a claim, checked
+before anything is built on the mapping. Once opened, the mapping's own base and size are
+read from the driver (``cuMemGetAddressRange``); an allocation whose size is not exactly
+the claim (an honest engine sends what that call told it) is closed and refused, so no
+kernel is ever given more bytes than the driver mapped.
+
 The driver API (``libcuda.so.1``, installed with the driver) is used through ctypes.
 torch's own sharing (``torch.multiprocessing``) keeps a reference-count file per
 allocation in /dev/shm, which a SIGKILLed engine would leave behind.
@@ -272,7 +278,13 @@ class IpcAllocations:
 
     def open(self, index: int, ipc: CudaIpc) -> IpcAllocation:
         """The allocation ``ipc`` names, on the engine's device ``index`` (this process's
-        index of that GPU, found by its UUID), mapped here while anyone holds it."""
+        index of that GPU, found by its UUID), mapped here while anyone holds it.
+
+        The allocation's ``nbytes`` is the size the driver reports for the mapping once
+        opened, never ``ipc.allocation_bytes``. A claim that is not exactly that size, or
+        a mapping that does not start at the allocation's base, is refused with
+        ``TransportError`` and what was opened for it is closed; an allocation already
+        open is refused the same way for a claim other than its size."""
         driver = self._driver or _driver()
         device = local_device(ipc.device_uuid, index, driver)
         key = (device, ipc.handle)
@@ -280,19 +292,37 @@ class IpcAllocations:
             allocation = self._open.get(key)
             if allocation is None:
                 pointer = driver.open(device, ipc.handle)
-                allocation = IpcAllocation(device, pointer, ipc.allocation_bytes)
+                try:
+                    nbytes = _mapped_size(driver, device, pointer, ipc.allocation_bytes)
+                except BaseException:
+                    driver.close(device, pointer)
+                    raise
+                allocation = IpcAllocation(device, pointer, nbytes)
                 weakref.finalize(allocation, driver.close, device, pointer)
                 self._open[key] = allocation
             elif allocation.nbytes != ipc.allocation_bytes:
-                raise TransportError(
-                    f"allocation on cuda:{device} is already open with "
-                    f"{allocation.nbytes} bytes, not {ipc.allocation_bytes}"
-                )
+                raise TransportError(_size_refusal(ipc.allocation_bytes))
         return allocation
 
     @property
     def open_count(self) -> int:
         return len(self._open)
+
+
+def _mapped_size(driver: IpcDriver, device: int, pointer: int, claimed: int) -> int:
+    """The size of the allocation mapped at ``pointer``, as the driver reports it, when
+    the mapping starts at its base and the size is exactly ``claimed``."""
+    base, size = driver.address_range(device, pointer)
+    if base != pointer:
+        raise TransportError("the CUDA IPC handle did not map the start of an allocation")
+    if size != claimed:
+        raise TransportError(_size_refusal(claimed))
+    return size
+
+
+def _size_refusal(claimed: int) -> str:
+    # Only the peer's own claim is named: the real size is of memory it may not own.
+    return f"the CUDA allocation is not the {claimed} bytes its handle claims"
 
 
 ALLOCATIONS = IpcAllocations()

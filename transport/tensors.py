@@ -2,18 +2,20 @@
 maps. CPU memory here; GPU memory by CUDA IPC handle (``transport.cuda_ipc``).
 
 Nothing has a name. ``shared_kv_tensor`` allocates an anonymous memory file
-(``memfd_create``) and keeps its descriptor open as long as the tensor's storage (and
-so every view of it) lives; memory the engine allocated itself (vLLM's KV cache) is
-moved into an unlinked shared-memory file by torch, in place. Either way a handle names
-the engine's descriptor, ``(pid, fd)``, and the sidecar reopens it through
-``/proc/PID/fd/FD`` (same host, same user). There is nothing in ``/dev/shm`` to leave
-behind: when the engine dies, even by SIGKILL, its memory lives only as long as the
-sidecar's mappings of it, and the sidecar watches the engine's pid (``pidfd``) to drop
-those as soon as it is gone (``MappedTensors.owner_exited``). A restarted sidecar
-reopens the same descriptors when the engine registers again.
+(``memfd_create``), sealed at its size, and keeps its descriptor open as long as the
+tensor's storage (and so every view of it) lives; memory the engine allocated itself
+(vLLM's KV cache) is moved into an unlinked shared-memory file by torch, in place. The
+engine hands the sidecar its descriptors (``transport.handover``): a handle names its
+file by index in what was handed over (``Segments``), never by pid, descriptor or path.
+There is nothing in ``/dev/shm`` to leave behind: when the engine dies, even by SIGKILL,
+its memory lives only as long as the sidecar's mappings of it, and the sidecar watches
+the engine's process (a pidfd opened as it handed its memory over) to drop those as soon
+as it is gone (``MappedTensors.owner_exited``).
 
-Segments named in ``/dev/shm`` (``shm_name``), for engines that create their own, are
-still mapped; their names are theirs to unlink.
+A file sealed against shrinking (``F_SEAL_SHRINK``) cannot fault under the sidecar. One
+that is not (torch's in-place sharing gives such files) could be truncated by its
+owner, so every mapping is made under a SIGBUS guard (``transport._memguard``): a fault
+reads zeros and marks the mapping lost, and nothing read from it since is stored.
 
 ``multiprocessing.shared_memory`` is not used: on Python 3.11 every process that
 attaches a ``SharedMemory`` registers it with its resource tracker, which then unlinks
@@ -32,12 +34,10 @@ import math
 import mmap
 import os
 import select
-import stat
 import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -45,28 +45,25 @@ import torch
 
 from pipeline.core.errors import LimitExceeded, TransportError
 from pipeline.core.layout import KVCacheLayout
-from pipeline.core.messages import TensorHandle
+from pipeline.core.messages import MAX_SEGMENTS, TensorHandle
 from transport import _memguard
 
 if TYPE_CHECKING:
     from transport.cuda_ipc import IpcAllocations
+    from transport.handover import Handed
 
 __all__ = [
-    "SHM_DIR",
     "MappedTensors",
+    "Segments",
     "block_pieces",
     "shared_kv_caches",
     "shared_kv_tensor",
     "tensor_handle",
 ]
 
-SHM_DIR = Path("/dev/shm")
 _SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-MAX_SEGMENTS = 1024
-"""Memory files one engine may have mapped: each holds a descriptor of the sidecar's."""
 _MEMFD_NAME = "kvsidecar"
 """What ``/proc/PID/maps`` shows for an engine's shared KV memory: ``/memfd:kvsidecar``."""
-_NAME_MAX = 255
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -150,11 +147,32 @@ def shared_kv_caches(
     }
 
 
+class Segments:
+    """The memory files one registration hands over, in order: a CPU handle names its
+    file by index here. The descriptors stay this process's (owned by the tensors)."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        self._index: dict[int, int] = {}
+
+    def index(self, fd: int) -> int:
+        """The index of ``fd``, added if new."""
+        index = self._index.get(fd)
+        if index is None:
+            if len(self.fds) >= MAX_SEGMENTS:
+                raise TransportError(f"an engine hands over at most {MAX_SEGMENTS} memory files")
+            index = self._index[fd] = len(self.fds)
+            self.fds.append(fd)
+        return index
+
+
 def tensor_handle(
-    layer: str, tensor: torch.Tensor, *, block_dim: int = 0, share_in_place: bool = False
+    layer: str, tensor: torch.Tensor, segments: Segments | None = None, *,
+    block_dim: int = 0, share_in_place: bool = False
 ) -> TensorHandle:
-    """Describe ``tensor`` (or a view of one) for another process, by this process's
-    descriptor of its memory.
+    """Describe ``tensor`` (or a view of one) for another process: a CPU tensor by the
+    index of its memory file in ``segments`` (required for CPU tensors), whose
+    descriptors are then handed over (``transport.handover``).
 
     A tensor from ``shared_kv_tensor`` is described as it is. Any other CPU tensor is
     refused unless ``share_in_place``: its storage is then moved into shared memory in
@@ -182,15 +200,17 @@ def tensor_handle(
             f"layer {layer!r}: tensor is not in shared memory (allocate it with "
             "shared_kv_tensor, or share it in place)"
         )
+    if segments is None:
+        raise TransportError(f"layer {layer!r}: a CPU tensor is described with the "
+                             "Segments its memory file is handed over with")
     handle = TensorHandle(
         layer=layer,
-        shm_name="",
         offset=int(tensor.storage_offset()) * tensor.element_size(),
         shape=tuple(tensor.shape),
         strides=tuple(tensor.stride()),
         dtype=dtype_name,
         block_dim=block_dim,
-        owner_fd=(os.getpid(), fd),
+        segment=segments.index(fd),
     )
     _check_fits(handle, _check_geometry(handle), segment_bytes)
     return handle
@@ -206,7 +226,7 @@ def _cuda_tensor_handle(
     except TransportError as exc:
         raise TransportError(f"layer {layer!r}: {exc}") from exc
     handle = TensorHandle(
-        layer=layer, shm_name="", offset=offset, shape=tuple(tensor.shape),
+        layer=layer, offset=offset, shape=tuple(tensor.shape),
         strides=tuple(tensor.stride()), dtype=dtype_name, block_dim=block_dim,
         device=f"cuda:{tensor.device.index or 0}", cuda_ipc=ipc,
     )
@@ -241,10 +261,11 @@ def _fail(handle: TensorHandle, problem: str) -> TransportError:
 def _check_geometry(handle: TensorHandle) -> _Geometry:
     """Validate everything about a handle that does not need its segment."""
     if handle.device == "cpu":
-        if handle.cuda_ipc is not None:
-            raise _fail(handle, "a CPU tensor has no CUDA IPC handle")
+        if handle.cuda_ipc is not None or handle.segment < 0:
+            raise _fail(handle, "a CPU tensor is named by the index of a memory file "
+                                "handed over, and no CUDA IPC handle")
     elif handle.device.startswith("cuda:") and handle.device[5:].isdigit():
-        if handle.cuda_ipc is None or handle.shm_name or handle.owner_fd is not None:
+        if handle.cuda_ipc is None or handle.segment >= 0:
             raise _fail(handle, f"a tensor on {handle.device} is named by its CUDA IPC "
                                 "handle alone")
     else:
@@ -277,14 +298,10 @@ def _check_geometry(handle: TensorHandle) -> _Geometry:
 
 
 def _segment(handle: TensorHandle) -> str:
-    """The segment a handle names: its shm name, the owner's descriptor as a path, or
-    its CUDA allocation."""
+    """The segment a handle names: a memory file handed over, or its CUDA allocation."""
     if handle.cuda_ipc is not None:
         return f"{handle.device}/ipc/{handle.cuda_ipc.handle.hex()}"
-    if handle.owner_fd is None:
-        return handle.shm_name
-    pid, fd = handle.owner_fd
-    return f"/proc/{pid}/fd/{fd}"
+    return f"memory file {handle.segment}"
 
 
 def _check_fits(handle: TensorHandle, geometry: _Geometry, segment_bytes: int) -> None:
@@ -292,7 +309,7 @@ def _check_fits(handle: TensorHandle, geometry: _Geometry, segment_bytes: int) -
     if end > segment_bytes:
         raise _fail(
             handle,
-            f"tensor spans bytes [{handle.offset}, {end}) but segment {_segment(handle)!r} "
+            f"tensor spans bytes [{handle.offset}, {end}) but its {_segment(handle)} "
             f"has {segment_bytes} bytes",
         )
 
@@ -302,17 +319,23 @@ class MappedTensors:
 
     One registry per engine session: ``close()`` unmaps every segment. A tensor still
     alive at ``close()`` stays valid; its segment is unmapped when the tensor is freed.
-    Each process whose descriptors are mapped is watched through a pidfd, so the owner
-    of the session can tell at once when that engine is gone (``owner_exited``).
+    The engine's process is watched through a pidfd, so the owner of the session can
+    tell at once when that engine is gone (``owner_exited``).
     """
 
     def __init__(self, allocations: IpcAllocations | None = None, *,
+                 handed: Handed | None = None, owner_pid: int | None = None,
                  max_bytes: int | None = None, limit: str = "") -> None:
         """``allocations``: where CUDA allocations are opened (one per process).
-        ``max_bytes``: the most host memory the segments may span together (None: no
-        bound); a segment past it is refused before it is mapped (``LimitExceeded``
-        naming ``limit``)."""
+        ``handed``: the memory files the engine handed over (closed with this registry;
+        each descriptor as soon as its file is mapped, the rest by ``done_mapping``).
+        ``owner_pid``: the engine's pid as the transport proved it, where it did: a CUDA
+        handle of another process is refused. ``max_bytes``: the most host memory the
+        segments may span together (None: no bound); a segment past it is refused
+        before it is mapped (``LimitExceeded`` naming ``limit``)."""
         self._mappings: dict[str, mmap.mmap] = {}
+        self._handed = handed
+        self._owner_pid = owner_pid
         self._max_bytes = max_bytes
         self._limit = limit
         self._bytes = 0
@@ -320,6 +343,8 @@ class MappedTensors:
         """Whether a mapping was lost before its guard ended."""
         self._guards: dict[str, int] = {}
         """Segment -> the ``_memguard`` token of its mapping."""
+        self.unsealed = 0
+        """Memory files mapped that their owner could still shrink (guarded)."""
         self._allocations: dict[str, torch.Tensor] = {}
         self._cuda = allocations
         self._pidfds: dict[int, int] = {}
@@ -363,7 +388,8 @@ class MappedTensors:
         else:
             mapping = self._mappings.get(segment)
             if mapping is None:
-                mapping = self._mappings[segment] = self._attach(handle)
+                mapping = self._mappings[segment] = self._map(handle, segment)
+                self._bytes += len(mapping)
             flat = torch.frombuffer(memoryview(mapping), dtype=torch.uint8)
         nbytes = flat.numel()
         _check_fits(handle, geometry, nbytes)
@@ -371,12 +397,21 @@ class MappedTensors:
         typed = flat[: nbytes - nbytes % itemsize].view(geometry.dtype)
         return typed.as_strided(handle.shape, handle.strides, handle.offset // itemsize)
 
+    def done_mapping(self) -> None:
+        """Close the descriptors of memory files handed over but not mapped."""
+        if self._handed is not None:
+            for index in range(len(self._handed.fds)):
+                fd = self._handed.take(index)
+                if fd >= 0:
+                    os.close(fd)
+
     def owner_exited(self) -> bool:
         """Whether a process whose memory is mapped here has exited (its pidfd is
         readable): nobody will write that memory again or ask for it back."""
-        if not self._pidfds:
-            return False
-        return not all(map(self._running, self._pidfds.values()))
+        pidfds = list(self._pidfds.values())
+        if self._handed is not None and self._handed.pidfd >= 0 and self._mappings:
+            pidfds.append(self._handed.pidfd)
+        return not all(map(self._running, pidfds))
 
     def close(self) -> None:
         """Unmap every segment and let go of every allocation; idempotent."""
@@ -399,48 +434,40 @@ class MappedTensors:
         pidfds, self._pidfds = self._pidfds, {}
         for pidfd in pidfds.values():
             os.close(pidfd)
+        if self._handed is not None:
+            self._handed.close()
 
-    def _attach(self, handle: TensorHandle) -> mmap.mmap:
-        if handle.owner_fd is None:
-            mapping = self._map(handle)
-        else:
-            pid = handle.owner_fd[0]
-            pidfd = self._watch(handle, pid)
-            mapping = self._map(handle)
-            if not self._running(pidfd):
-                mapping.close()
-                raise _fail(handle, f"engine process {pid} exited while being mapped")
-        self._bytes += len(mapping)
-        return mapping
-
-    def _map(self, handle: TensorHandle) -> mmap.mmap:
-        """Map a handle's segment whole, within the budget, guarded against a shrink."""
-        name = _segment(handle)
-        fd = _open_segment(handle)
+    def _map(self, handle: TensorHandle, name: str) -> mmap.mmap:
+        """Map a handed-over memory file whole, within the budget, guarded against a
+        shrink; its descriptor is closed once mapped."""
+        fd = -1 if self._handed is None else self._handed.take(handle.segment)
+        if fd < 0:
+            raise _fail(handle, f"{name} was not handed over with this registration "
+                                "(or another handle of it was refused)")
         try:
             status = os.fstat(fd)
-            if not stat.S_ISREG(status.st_mode):
-                raise _fail(handle, f"{name!r} is not a shared memory segment")
             size = status.st_size
             if size == 0:
-                raise _fail(handle, f"shared memory segment {name!r} is empty")
+                raise _fail(handle, f"{name} is empty")
             if len(self._mappings) >= MAX_SEGMENTS:
                 raise LimitExceeded(
                     "segments_per_engine", f"layer {handle.layer!r}: an engine maps at most "
                     f"{MAX_SEGMENTS} memory files")
             if self._max_bytes is not None and self._bytes + size > self._max_bytes:
                 raise LimitExceeded(
-                    self._limit, f"layer {handle.layer!r}: mapping its segment of {size} "
+                    self._limit, f"layer {handle.layer!r}: mapping its {name} of {size} "
                     f"bytes would take the engine's mapped memory past {self._max_bytes} bytes")
             if status.st_blocks * 512 < size:
                 # Mapping it would allocate the rest at the sidecar's expense.
-                raise _fail(handle, f"segment {name!r} is sparse: allocate its memory "
-                                    "before sharing it (posix_fallocate)")
+                raise _fail(handle, f"{name} is sparse: allocate its memory before sharing "
+                                    "it (posix_fallocate)")
+            if not _sealed(fd):
+                self.unsealed += 1
             # Populate the page tables now: a first touch per page at copy time would run
             # the first transfers of every block several times slower.
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
         except OSError as exc:
-            raise _fail(handle, f"cannot map shared memory segment {name!r}: {exc}") from exc
+            raise _fail(handle, f"cannot map its {name}: {exc.strerror}") from exc
         finally:
             os.close(fd)
         # Watched even when sealed against shrinking: a hole punched in a hugetlb file
@@ -453,7 +480,11 @@ class MappedTensors:
 
         ipc = handle.cuda_ipc
         assert ipc is not None
-        # Before opening anything: the allocation's size is known from the handle.
+        if self._owner_pid is not None and ipc.pid != self._owner_pid:
+            raise _fail(handle, "a CUDA allocation is shared by the process that owns it, "
+                                "on its own connection")
+        # Before opening anything: what the handle claims must hold the tensor (the
+        # driver's own size is checked once it is open).
         _check_fits(handle, geometry, ipc.allocation_bytes)
         pidfd = self._watch(handle, ipc.pid)
         try:
@@ -462,7 +493,7 @@ class MappedTensors:
         except TransportError as exc:
             raise _fail(handle, str(exc)) from exc
         if not self._running(pidfd):
-            raise _fail(handle, f"engine process {ipc.pid} exited while being mapped")
+            raise _fail(handle, "the engine process exited while being mapped")
         return allocation.tensor()
 
     def _watch(self, handle: TensorHandle, pid: int) -> int:
@@ -474,7 +505,7 @@ class MappedTensors:
             try:
                 pidfd = self._pidfds[pid] = os.pidfd_open(pid)
             except OSError as exc:
-                raise _fail(handle, f"engine process {pid} is not running: {exc}") from exc
+                raise _fail(handle, "the engine process is not running") from exc
         return pidfd
 
     @staticmethod
@@ -489,25 +520,14 @@ class MappedTensors:
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere faults on use
 
 
-def _open_segment(handle: TensorHandle) -> int:
-    if handle.owner_fd is not None:
-        if handle.shm_name:
-            raise _fail(handle, "a handle names its segment by shm_name or owner_fd, not both")
-        # A descriptor of the engine's, reopened through procfs: a magic link, so no
-        # O_NOFOLLOW. It works on the engine's host, for its user (or root).
-        path = _segment(handle)
-        flags = os.O_RDWR
-    else:
-        name = handle.shm_name
-        if not name or "/" in name or name in (".", "..") or len(name) > _NAME_MAX:
-            raise _fail(handle, f"{name!r} is not a shared memory segment name")
-        path, flags = str(SHM_DIR / name), os.O_RDWR | os.O_NOFOLLOW
+def _sealed(fd: int) -> bool:
+    """Whether a file is sealed against shrinking. Any tmpfs file answers F_GET_SEALS
+    (an unsealable one with F_SEAL_SEAL alone): the seals are checked, not the answer."""
     try:
-        return os.open(path, flags)
-    except FileNotFoundError as exc:
-        raise _fail(handle, f"shared memory segment {path!r} does not exist") from exc
-    except OSError as exc:
-        raise _fail(handle, f"cannot open shared memory segment {path!r}: {exc}") from exc
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return False
+    return bool(seals & fcntl.F_SEAL_SHRINK)
 
 
 def _guard(mapping: mmap.mmap) -> int:

@@ -45,6 +45,8 @@ from pipeline.core.messages import (
     ErrorCode,
     ErrorReply,
     Explain,
+    Handover,
+    HandoverTicket,
     Heartbeat,
     HeartbeatAck,
     Load,
@@ -63,6 +65,7 @@ from pipeline.core.messages import (
     prompt_length,
 )
 from pipeline.core.outcomes import INTERNAL, OVERLOADED
+from pipeline.core.tenancy import Peer
 from pipeline.runner import EdgeSendStream
 from pipeline.state.jobs import (
     Job,
@@ -75,6 +78,7 @@ from pipeline.state.jobs import (
 from pipeline.state.registry import SessionRegistry
 from pipeline.state.sessions import EngineSession
 from stages.completion import completion_message
+from transport.handover import HandoverDesk
 from transport.server import SidecarSocket
 
 __all__ = ["Receiver"]
@@ -104,14 +108,17 @@ class Receiver:
         run_inline: RunInline | None = None,
         load_copy_waits: Callable[[int], bool] = lambda nbytes: True,
         faults: Faults | None = None,
+        desk: HandoverDesk | None = None,
     ) -> None:
         """``run_inline(path, item, whole=...)`` runs an item through its path in this
         task, if the path can take it now (``Graph.run_inline``): given for a store whose
         queries wait on nothing, requests that wait on nothing else either are run that
         way, saves and loads up to a copy that waits on other threads.
         ``load_copy_waits(nbytes)``: whether a load's copy of that many bytes is done by
-        other threads (``CopyEngine.waits``)."""
+        other threads (``CopyEngine.waits``). ``desk``: where engines hand CPU memory
+        over (None: nowhere)."""
         self._config = config
+        self._desk = desk
         self._socket = socket
         self._registry = registry
         self._tracker = tracker
@@ -126,7 +133,7 @@ class Receiver:
         self.last_receive = 0.0
         self._refused: collections.Counter[str] = collections.Counter()
         """Saves refused as overloaded since the last summary, by engine id."""
-        self._deferred: collections.deque[tuple[bytes, EngineMessage, float]] = (
+        self._deferred: collections.deque[tuple[bytes, Peer, EngineMessage, float]] = (
             collections.deque())
         """Messages held back behind a save, in order, with when each was received."""
         self._internal_logged: dict[bytes, tuple[float, int]] = {}
@@ -192,7 +199,7 @@ class Receiver:
                              or not self._socket.waiting()):
                 await self._answer(*deferred.popleft())
                 continue
-            identity, frames = await self._socket.receive()
+            identity, peer, frames = await self._socket.receive()
             received_at = time.monotonic()
             self.last_receive = anyio.current_time()
             try:
@@ -207,9 +214,9 @@ class Receiver:
                 self._send_error(identity, exc.code, str(exc))
                 continue
             if self._goes_now(message):
-                await self._answer(identity, message, received_at)
+                await self._answer(identity, peer, message, received_at)
             else:
-                deferred.append((identity, message, received_at))
+                deferred.append((identity, peer, message, received_at))
 
     def _goes_now(self, message: EngineMessage) -> bool:
         """Whether a message is dispatched as it is received: a load or a lookup always,
@@ -220,12 +227,12 @@ class Receiver:
             return False
         return not (isinstance(message, Save) and self._socket.waiting())
 
-    async def _answer(self, identity: bytes, message: EngineMessage,
+    async def _answer(self, identity: bytes, peer: Peer, message: EngineMessage,
                       received_at: float) -> None:
         """Dispatch a message; a request that cannot be served gets an error reply, and
         one whose handling failed is answered as ``internal`` (the guard)."""
         try:
-            await self._dispatch(identity, message, received_at)
+            await self._dispatch(identity, peer, message, received_at)
         except RequestRejected as exc:
             self._metrics.rejected.labels(exc.code).inc()
             if isinstance(exc, LimitExceeded):
@@ -253,7 +260,7 @@ class Receiver:
         if len(logged) >= 1024:
             logged.clear()
         logged[identity] = (now, 0)
-        session = self._registry.get(identity)
+        session = self._registry.sessions.get(identity)
         log.error("server.request.internal", kind=_kind(message), seq=_seq(message),
                   engine_id=None if session is None else session.engine_id,
                   request_id=getattr(message, "request_id", None), unlogged_before=since,
@@ -287,23 +294,24 @@ class Receiver:
             self._tracker.answered(job)
             raise _Answered from exc
 
-    async def _dispatch(self, identity: bytes, message: EngineMessage,
+    async def _dispatch(self, identity: bytes, peer: Peer, message: EngineMessage,
                         received_at: float) -> None:
         self._metrics.received(str(message.__struct_config__.tag))
         if isinstance(message, Register):
-            registered_session, registered = await self._registry.register(identity, message)
-            log.info(
-                "session.registered",
-                engine_id=registered_session.engine_id,
-                store_groups=registered.store_group_ids,
-                fingerprint=registered.layout_fingerprint,
-            )
-            self._send(identity, registered)
+            await self._register(identity, peer, message)
+            return
+        if isinstance(message, Handover):
+            if self._desk is None:
+                raise RequestRejected(
+                    ErrorCode.BAD_TENSORS, "this sidecar serves no CPU memory: its endpoint "
+                    "is not ipc://")
+            token = self._desk.issue(identity, peer)
+            self._send(identity, HandoverTicket(message.seq, token, str(self._desk.path)))
             return
         if isinstance(message, Explain):
-            await self._explain(identity, message)
+            await self._explain(identity, peer, message)
             return
-        session = self._registry.get(identity)
+        session = self._registry.get(identity, peer)
         if session is None:
             raise RequestRejected(ErrorCode.NOT_REGISTERED, "register before sending requests")
         session.last_seen = time.monotonic()
@@ -365,11 +373,30 @@ class Receiver:
             return await self._run_inline("load", job, whole=whole)
         return not self._socket.waiting() and await self._run_inline("save", job, whole=False)
 
-    async def _explain(self, identity: bytes, message: Explain) -> None:
-        """Explain a prompt as a registered engine sees it, for whoever asks."""
+    async def _register(self, identity: bytes, peer: Peer, message: Register) -> None:
+        handed = None
+        if message.handover:
+            if self._desk is None:
+                raise RequestRejected(ErrorCode.BAD_TENSORS,
+                                      "this sidecar takes no CPU memory handovers")
+            handed = self._desk.claim(message.handover, identity, peer)
+        session, registered = await self._registry.register(identity, peer, message, handed)
+        log.info(
+            "session.registered",
+            engine_id=session.engine_id,
+            identity=peer.principal,
+            tenant=session.tenant,
+            store_groups=registered.store_group_ids,
+            fingerprint=registered.layout_fingerprint,
+        )
+        self._send(identity, registered)
+
+    async def _explain(self, identity: bytes, peer: Peer, message: Explain) -> None:
+        """Explain a prompt as a registered engine of the caller's tenant sees it (any
+        engine's, for an operator)."""
         if not self.accepting:
             raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
-        session = self._registry.find(message.engine_id)
+        session = self._registry.find(message.engine_id, peer)
         self._check_tokens(len(message.token_ids), session)
         hashes = len(message.block_hashes or ())
         if hashes > self._config.limits.max_request_blocks:

@@ -57,7 +57,7 @@ class Resources:
     hash_limiter: anyio.CapacityLimiter
     slot_bytes: int
     events: KVEventLog
-    value_sizes: Mapping[str, int]
+    value_sizes: Mapping[str, Mapping[str, int]]
     """Bytes of a stored value under each key prefix of the engines registered."""
     moved: Callable[[str, str], Count]
     """What counts the bytes moved on a path (save, load) via copies or store calls."""

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import anyio
 import structlog
@@ -27,22 +27,39 @@ from pipeline.app.metrics import BackendGauges, Metrics
 from pipeline.backends.cpu_copy import copy_features
 from pipeline.backends.cuda_copy import KernelForms, compile_kernels, kernel_forms
 from pipeline.backends.faults import Faults
-from pipeline.core.config import Config
+from pipeline.core.config import Config, ServerConfig
 from pipeline.core.errors import InternalFailure, StoreError, TransportError
 from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.keys import ValueFormat
 from pipeline.core.messages import CudaIpcEvent, TensorHandle
 from pipeline.core.store import PiecewiseKVStore
+from pipeline.core.tenancy import Peer, Tenancy
 from pipeline.state.events import KVEventLog
 from pipeline.state.history import BlockHistory
 from pipeline.state.jobs import Failable, JobTracker, Reply, StorePressure, mark_done
+from pipeline.state.registry import Handed as RegistryHanded
 from pipeline.state.registry import LayerTensors, MappingBudget, SessionRegistry
 from stages.completion import CompletionStage
 from transport.events import EventPublisher
+from transport.handover import Handed, HandoverDesk
 from transport.server import SidecarSocket, open_server_socket
 from transport.tensors import MappedTensors
 
 __all__ = ["Sidecar", "run_sidecar"]
+
+
+@contextlib.contextmanager
+def open_handover_desk(
+    socket: SidecarSocket, config: ServerConfig
+) -> Iterator[HandoverDesk | None]:
+    """The handover socket beside an ``ipc://`` endpoint, with its permissions; None
+    for tcp, whose peers hand no CPU memory over."""
+    if socket.ipc_path is None:
+        yield None
+        return
+    path = socket.ipc_path.with_name(socket.ipc_path.name + ".handover")
+    with HandoverDesk(path, permissions=config.ipc_permissions) as desk:
+        yield desk
 
 log = structlog.get_logger("kvsidecar.service")
 
@@ -57,13 +74,19 @@ copies compile its kernels (most engines share theirs: one compile serves them a
 
 
 def map_shared_tensors(
-    handles: Sequence[TensorHandle], budget: MappingBudget
+    handles: Sequence[TensorHandle], budget: MappingBudget, peer: Peer,
+    handed: RegistryHanded | None,
 ) -> tuple[LayerTensors, MappedTensors]:
-    mapper = MappedTensors(max_bytes=budget.max_bytes, limit=budget.limit)
+    """The tensors ``handles`` describe, in the memory files ``handed`` (which the
+    mapping then owns) or in CUDA allocations of ``peer``'s own process."""
+    assert handed is None or isinstance(handed, Handed)
+    mapper = MappedTensors(handed=handed, owner_pid=peer.pid,
+                           max_bytes=budget.max_bytes, limit=budget.limit)
     try:
         tensors = {
             handle.layer: (mapper.map_tensor(handle), handle.block_dim) for handle in handles
         }
+        mapper.done_mapping()
     except BaseException:
         mapper.close()
         raise
@@ -103,11 +126,12 @@ class RegisteredMapping:
 
 
 def map_registered_tensors(
-    store: PiecewiseKVStore, handles: Sequence[TensorHandle], budget: MappingBudget
+    store: PiecewiseKVStore, handles: Sequence[TensorHandle], budget: MappingBudget,
+    peer: Peer, handed: RegistryHanded | None,
 ) -> tuple[LayerTensors, RegisteredMapping]:
     """``map_shared_tensors``, and the memory under the tensors registered with ``store``
     (each mapping once, whole)."""
-    tensors, mapper = map_shared_tensors(handles, budget)
+    tensors, mapper = map_shared_tensors(handles, budget, peer, handed)
     storages: dict[int, torch.UntypedStorage] = {}
     for tensor, _ in tensors.values():
         storage = tensor.untyped_storage()
@@ -139,9 +163,13 @@ class Sidecar:
 
     def __init__(
         self, config: Config, backends: Backends, socket: SidecarSocket, faults: Faults,
-        events: KVEventLog, history: BlockHistory,
+        events: KVEventLog, history: BlockHistory, tenancy: Tenancy,
+        desk: HandoverDesk | None,
     ) -> None:
+        """``desk``: where engines hand their CPU memory over (None: no ipc:// endpoint,
+        so no CPU memory is served)."""
         self.config = config
+        self.desk = desk
         self._gpu_copies = config.stages.transfer.device == "cuda"
         """The copies run on GPUs: their kernels are compiled as engines register."""
         self._kernels_to_compile, self._kernels_inbox = anyio.create_memory_object_stream[
@@ -164,6 +192,7 @@ class Sidecar:
             open_step_event=_step_events(config),
             prepare_copies=self._queue_kernels if self._gpu_copies else None,
             limits=config.limits,
+            tenancy=tenancy,
         )
         self.graph = build_graph(config)
         self.tracker = JobTracker(self.graph.inline_first(SAVE_COMPLETION),
@@ -174,6 +203,7 @@ class Sidecar:
             run_inline=self.graph.run_inline if backends.answers_at_once else None,
             load_copy_waits=backends.load_copy.waits,
             faults=faults,
+            desk=desk,
         )
         self.socket = socket
 
@@ -293,6 +323,8 @@ class Sidecar:
                 if self.config.store.backend == "embedded":
                     self.events.cleared()  # the store starts empty
             root.start_soon(receiver.run, name="receive")
+            if self.desk is not None:
+                root.start_soon(self.desk.run, name="handover")
             root.start_soon(self._reap_loop, name="reap")
             if self._gpu_copies:
                 root.start_soon(self._compile_kernels, name="kernels")
@@ -365,7 +397,10 @@ async def run_sidecar(
     def alone() -> bool:
         return sidecar is not None and sidecar.alone()
 
+    tenancy = Tenancy(config.tenants, config.server.operators,
+                      insecure=config.server.allow_insecure_tcp)
     async with open_backends(config, faults, on_evicted=evicted, alone=alone) as backends:
-        with open_server_socket(config.server) as socket:
-            sidecar = Sidecar(config, backends, socket, faults, events, history)
+        with open_server_socket(config.server, tenancy) as socket, open_handover_desk(
+                socket, config.server) as desk:
+            sidecar = Sidecar(config, backends, socket, faults, events, history, tenancy, desk)
             await sidecar.run(stop, task_status=task_status)

@@ -32,6 +32,7 @@ __all__ = [
     "StagesConfig",
     "StagingConfig",
     "StoreConfig",
+    "TenantConfig",
     "TransferStageConfig",
     "default_endpoint",
     "host_memory_bytes",
@@ -46,9 +47,35 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     pass
 
 
+def runtime_dir() -> Path:
+    """The sidecar's private directory: ``$XDG_RUNTIME_DIR/kvsidecar``, else
+    ``/tmp/kvsidecar-$UID`` (created mode 0700 and checked at start)."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base:
+        return Path(base) / "kvsidecar"
+    return Path(f"/tmp/kvsidecar-{os.getuid()}")
+
+
 def default_endpoint() -> str:
-    runtime_dir = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return f"ipc://{runtime_dir}/kvsidecar-{os.getuid()}.sock"
+    return f"ipc://{runtime_dir()}/sidecar.sock"
+
+
+def own_identity() -> str:
+    """The sidecar's own unix user as an identity: the default operator."""
+    return f"uid:{os.getuid()}"
+
+
+_IDENTITY_HELP = "'uid:<n>', 'curve:<Z85 public key>' or 'insecure'"
+
+
+def check_identity(identity: str) -> None:
+    """Raise ``ValueError`` unless ``identity`` is an identity a transport can prove."""
+    kind, _, value = identity.partition(":")
+    if identity == "insecure" or (kind == "uid" and value.isdigit()):
+        return
+    if kind == "curve" and len(value) == 40:
+        return
+    raise ValueError(f"identity {identity!r} is not one of {_IDENTITY_HELP}")
 
 
 class ServerConfig(_Section, frozen=True):
@@ -67,6 +94,9 @@ class ServerConfig(_Section, frozen=True):
     """The sidecar's Z85 CURVE secret key (``kvsidecar keygen``); empty: CURVE off."""
     curve_allowed_keys_file: str = ""
     """Engine public keys admitted when CURVE is on: Z85, one per line, ``#`` comments."""
+    operators: tuple[str, ...] = msgspec.field(default_factory=lambda: (own_identity(),))
+    """Identities that may see every tenant (explain, status): the CLI's. Default: the
+    sidecar's own unix user."""
     heartbeat_timeout_s: PositiveFloat = 30.0
     """An engine silent for this long is reaped and its mappings released."""
     drain_timeout_s: PositiveFloat = 10.0
@@ -77,6 +107,25 @@ class ServerConfig(_Section, frozen=True):
             raise ValueError(
                 "curve_secret_key_file and curve_allowed_keys_file must be set together"
             )
+        for identity in self.operators:
+            check_identity(identity)
+
+
+class TenantConfig(_Section, frozen=True):
+    """One tenant: the identities that belong to it and the key prefix forced on every
+    key its engines store or look up."""
+
+    identities: tuple[str, ...]
+    key_prefix: str = ""
+    """Default: the tenant's name."""
+
+    def __post_init__(self) -> None:
+        if not self.identities:
+            raise ValueError("a tenant needs at least one identity")
+        for identity in self.identities:
+            check_identity(identity)
+        if "@" in self.key_prefix:
+            raise ValueError(f"key_prefix must contain no '@', got {self.key_prefix!r}")
 
 
 class StageConfig(_Section, frozen=True):
@@ -301,6 +350,18 @@ class EventsConfig(_Section, frozen=True):
     """The tier named in every event (vLLM's Mooncake store connector says "cpu")."""
     max_pending: Annotated[int, msgspec.Meta(ge=1)] = 100000
     """Events waiting to be published; past it events are dropped (and counted)."""
+    allow_insecure: bool = False
+    """Bind the event sockets on tcp://. They are the operator's: a PUB socket cannot
+    tell its subscribers apart, and the replay socket hands its whole buffer to whoever
+    asks, so on tcp anyone who can reach the port reads every block hash."""
+
+    def __post_init__(self) -> None:
+        for name in ("endpoint", "replay_endpoint"):
+            if getattr(self, name).startswith("tcp://") and not self.allow_insecure:
+                raise ValueError(
+                    f"{name} {getattr(self, name)!r} is tcp: every local user (and beyond "
+                    "loopback, every host) could read every event; use ipc://, or set "
+                    "events.allow_insecure: true")
 
 
 class MetricsConfig(_Section, frozen=True):
@@ -364,6 +425,26 @@ class Config(_Section, frozen=True):
     metrics: MetricsConfig = MetricsConfig()
     explain: ExplainConfig = ExplainConfig()
     logging: LoggingConfig = LoggingConfig()
+    tenants: dict[str, TenantConfig] = msgspec.field(default_factory=dict)
+    """Identities to tenants, each with its own key namespace; empty: one tenant, which
+    admits the operators (and CURVE's allowed keys, or plain tcp where allowed)."""
+
+    def __post_init__(self) -> None:
+        seen: dict[str, str] = {}
+        prefixes: dict[str, str] = {}
+        for name, tenant in self.tenants.items():
+            if not name or "@" in name:
+                raise ValueError(f"tenant name {name!r} must be non-empty and contain no '@'")
+            prefix = tenant.key_prefix or name
+            if prefix in prefixes:
+                raise ValueError(f"tenants {prefixes[prefix]!r} and {name!r} share the key "
+                                 f"prefix {prefix!r}")
+            prefixes[prefix] = name
+            for identity in tenant.identities:
+                if identity in seen:
+                    raise ValueError(f"identity {identity!r} is in tenants {seen[identity]!r} "
+                                     f"and {name!r}")
+                seen[identity] = name
 
 
 def load_config(path: str | Path | None = None, *, endpoint: str | None = None) -> Config:

@@ -36,6 +36,12 @@ class BadLayoutFrame(ProtocolError):
     code = "bad_layout"
 
 
+class BadVersion(ProtocolError):
+    """A registration of a protocol version this sidecar does not speak."""
+
+    code = "bad_version"
+
+
 class TransportError(KVSidecarError):
     """A socket, shared-memory mapping or peer process failed."""
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
 import msgspec
 
-from pipeline.core.errors import BadLayoutFrame, FrameTooLarge, ProtocolError
+from pipeline.core.errors import BadLayoutFrame, BadVersion, FrameTooLarge, ProtocolError
 from pipeline.core.layout import MAX_BLOCK_TOKENS, KVCacheLayout
 from pipeline.core.outcomes import BlockStatus
 
@@ -25,6 +25,7 @@ __all__ = [
     "HASH_ALGOS",
     "PROTOCOL_VERSION",
     "SIDECAR_HASH_ALGO",
+    "TICKET_BYTES",
     "TOKEN_BYTES",
     "TOKEN_TYPECODE",
     "BlockReport",
@@ -35,6 +36,8 @@ __all__ = [
     "ErrorCode",
     "ErrorReply",
     "Explain",
+    "Handover",
+    "HandoverTicket",
     "HashSelfTest",
     "Heartbeat",
     "HeartbeatAck",
@@ -62,9 +65,14 @@ __all__ = [
     "prompt_length",
 ]
 
-PROTOCOL_VERSION = 2
-"""2: a lookup with the engine's block hashes may carry only the prompt's first hash
+PROTOCOL_VERSION = 3
+"""3: CPU memory is handed over (``Handover``, ``Register.handover``,
+``TensorHandle.segment``), never named by pid, descriptor or path.
+2: a lookup with the engine's block hashes may carry only the prompt's first hash
 block (``Lookup.prompt_tokens``)."""
+
+TICKET_BYTES = 32
+"""A handover ticket's token."""
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
@@ -80,6 +88,8 @@ MAX_GROUPS = 64
 """kv-cache groups of one layout (and so block-id lists of one request)."""
 MAX_TENSORS = 8192
 """Tensor handles of one registration."""
+MAX_SEGMENTS = 1024
+"""Memory files one engine may hand over."""
 MAX_DIMS = 8
 """Dimensions of one tensor."""
 MAX_EXTENT = 1 << 48
@@ -202,19 +212,15 @@ class TensorHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """
 
     layer: Name
-    shm_name: Annotated[str, msgspec.Meta(max_length=255)]
     offset: Extent
     shape: Annotated[tuple[Extent, ...], msgspec.Meta(max_length=MAX_DIMS)]
     strides: Annotated[tuple[Extent, ...], msgspec.Meta(max_length=MAX_DIMS)]
     dtype: Name
     block_dim: Annotated[int, msgspec.Meta(ge=0, le=1)] = 0
     device: Name = "cpu"
-    owner_fd: tuple[
-        Annotated[int, msgspec.Meta(gt=0, le=2**31 - 1)],
-        Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)],
-    ] | None = None
-    """``(pid, fd)`` of CPU memory without a name: the sidecar opens it through
-    ``/proc/PID/fd/FD``. ``shm_name`` is then empty."""
+    segment: Annotated[int, msgspec.Meta(ge=-1, le=MAX_SEGMENTS - 1)] = -1
+    """CPU memory: which of the memory files the engine handed over with its
+    registration's token (``Register.handover``) the tensor lies in, by index; -1 on a GPU."""
     cuda_ipc: CudaIpc | None = None
     """GPU memory (``device`` ``cuda:N``): the allocation it lies in, by IPC handle."""
 
@@ -288,10 +294,19 @@ class Register(_Wire, frozen=True, tag="register"):
     lookup_only: bool = False
     """A session that only looks up (vLLM's scheduler process): no tensors, no saves or
     loads."""
+    handover: Annotated[bytes, msgspec.Meta(max_length=TICKET_BYTES)] = b""
+    """The token of the ticket the engine's memory files were handed over with (CPU
+    tensors only; ``Handover``)."""
     step_event: CudaIpcEvent | None = None
     """An event the engine records on its compute stream after each forward, before it
     asks for saves: the sidecar's copies of GPU blocks wait on it, so that they never
     read KV the engine is still writing."""
+
+
+class Handover(_Wire, frozen=True, tag="handover"):
+    """Ask for a ticket to hand CPU memory over with (``transport.handover``)."""
+
+    seq: NonNegative = 0
 
 
 class Heartbeat(_Wire, frozen=True, tag="heartbeat"):
@@ -370,7 +385,7 @@ class Unregister(_Wire, frozen=True, tag="unregister"):
     seq: NonNegative = 0
 
 
-EngineMessage = Register | Heartbeat | Lookup | Save | Load | Unregister | Explain
+EngineMessage = Register | Handover | Heartbeat | Lookup | Save | Load | Unregister | Explain
 
 
 # -- sidecar -> engine -------------------------------------------------------------------
@@ -386,6 +401,15 @@ class Registered(_Wire, frozen=True, tag="registered"):
     save_capacity_blocks: int
     """Blocks the staging pool can hold at once: a hint for skipping saves early."""
     version: int = PROTOCOL_VERSION
+
+
+class HandoverTicket(_Wire, frozen=True, tag="handover_ticket"):
+    """A one-time token, good on the connection that asked, and the unix socket to pass
+    memory files to with it."""
+
+    seq: int
+    token: Annotated[bytes, msgspec.Meta(max_length=TICKET_BYTES)]
+    path: Text
 
 
 class HeartbeatAck(_Wire, frozen=True, tag="heartbeat_ack"):
@@ -488,7 +512,8 @@ class ErrorReply(_Wire, frozen=True, tag="error"):
 
 
 SidecarMessage = (
-    Registered | HeartbeatAck | LookupReply | SaveDone | LoadDone | Unregistered | ErrorReply
+    Registered | HandoverTicket | HeartbeatAck | LookupReply | SaveDone | LoadDone
+    | Unregistered | ErrorReply
 )
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
@@ -507,12 +532,33 @@ def decode_engine_message(frame: bytes, *, max_bytes: int) -> EngineMessage:
     try:
         return _engine_decoder.decode(frame)
     except msgspec.ValidationError as exc:
+        _check_version(frame)
         if "at `$.layout" in str(exc):
             raise BadLayoutFrame(f"invalid KV-cache layout: {exc}") from exc
         raise ProtocolError(f"malformed engine message: {exc}") from exc
     except (msgspec.DecodeError, RecursionError) as exc:
         # A frame nested past the recursion limit (a ~1 KB one suffices) is malformed too.
         raise ProtocolError(f"malformed engine message: {exc}") from exc
+
+
+class _Versioned(msgspec.Struct):
+    kind: str = ""
+    version: int = PROTOCOL_VERSION
+
+
+_version_decoder = msgspec.msgpack.Decoder(_Versioned)
+
+
+def _check_version(frame: bytes) -> None:
+    """Raise ``BadVersion`` for a registration of another protocol version, which would
+    otherwise fail as malformed on the fields its version changed."""
+    try:
+        versioned = _version_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return
+    if versioned.kind == "register" and versioned.version != PROTOCOL_VERSION:
+        raise BadVersion(f"protocol version {versioned.version} is not supported "
+                         f"(expected {PROTOCOL_VERSION}): upgrade the engine's kvsidecar")
 
 
 def decode_sidecar_message(frame: bytes) -> SidecarMessage:

@@ -6,6 +6,7 @@ record. Beside it two indexes answer "is it stored under another name?": the key
 prefix each block (store group, hash) was last stored under (another namespace, rank or
 value format), and the request keys (cache salt, LoRA, multimodal inputs) that the same
 tokens were last stored with. Every index keeps only its most recent ``max_blocks``.
+Both are kept per tenant: what one tenant stored never explains another's miss.
 
 Saves refused before their blocks were hashed (an overloaded sidecar answers them at
 once) are kept apart, one record per request holding its tokens (the message's own
@@ -122,10 +123,16 @@ def content_prints(token_ids: TokenIds, ends: Sequence[int]) -> dict[int, int]:
     return prints
 
 
-def _block_key(block: tuple[int, bytes]) -> bytes:
-    """A (store group, block hash) as one bytes object: the hash, then the group."""
+def _print_key(content: int, tenant: str) -> bytes:
+    """A tenant's content print as one bytes object (untracked by the collector)."""
+    return content.to_bytes(8, "little") + tenant.encode()
+
+
+def _block_key(block: tuple[int, bytes], tenant: str) -> bytes:
+    """A tenant's (store group, block hash) as one bytes object: the hash, the group,
+    then the tenant."""
     group, block_hash = block
-    return block_hash + group.to_bytes(4, "little")
+    return block_hash + group.to_bytes(4, "little") + tenant.encode()
 
 
 def _keys_kind(stored: RequestKeys, asked: RequestKeys) -> str:
@@ -144,18 +151,22 @@ class BlockHistory:
         # (store group, block hash), as bytes -> the key prefix it was last stored under
         self._prefixes: _Bounded[bytes, str] = _Bounded(max_blocks)
         # the print of the tokens up to a stored block's end -> the keys it was saved with
-        self._contents: _Bounded[int, RequestKeys] = _Bounded(max_blocks)
-        # the print of a refused request's first block -> (its tokens, keys, reason, when)
-        self._refused: _Bounded[int, tuple[tuple[TokenIds, RequestKeys, str, float], ...]] = (
-            _Bounded(max(16, max_blocks // 64)))
+        self._contents: _Bounded[bytes, RequestKeys] = _Bounded(max_blocks)
+        # (tenant, the print of a refused request's first block) -> its tokens, keys,
+        # reason, when
+        self._refused: _Bounded[
+            bytes, tuple[tuple[TokenIds, RequestKeys, str, float], ...]
+        ] = _Bounded(max(16, max_blocks // 64))
 
-    def saved(self, blocks: Iterable[SavedBlock], keys: RequestKeys) -> None:
-        """The named blocks of a finished save, saved with request ``keys``."""
+    def saved(self, blocks: Iterable[SavedBlock], keys: RequestKeys,
+              tenant: str = "default") -> None:
+        """The named blocks of a finished save of ``tenant``'s, saved with request
+        ``keys``."""
         now = time.monotonic()
         present = _Record(Verdict.PRESENT, "", now)
         records: list[tuple[str, _Record]] = []
         prefixes: list[tuple[bytes, str]] = []
-        contents: list[tuple[int, RequestKeys]] = []
+        contents: list[tuple[bytes, RequestKeys]] = []
         kept = compact_keys(keys)  # a request's keys may be large: remembered by digest
         for key, prefix, block, outcome, content in blocks:
             status = outcome.status
@@ -164,9 +175,9 @@ class BlockHistory:
             if stored or status is BlockStatus.PRESENT:
                 if stored or known is None or known.verdict is not Verdict.PRESENT:
                     records.append((key, present))
-                prefixes.append((_block_key(block), prefix))
+                prefixes.append((_block_key(block, tenant), prefix))
                 if content is not None:
-                    contents.append((content, kept))
+                    contents.append((_print_key(content, tenant), kept))
             elif known is None or known.verdict is not Verdict.PRESENT:
                 # (one stored before: a later skip says nothing about where it went)
                 verdict = Verdict.SKIPPED if status is BlockStatus.SKIPPED else Verdict.FAILED
@@ -176,13 +187,14 @@ class BlockHistory:
         self._contents.put_all(contents)
 
     def refused(self, first: int, tokens: TokenIds, outcome: KeyOutcome,
-                keys: RequestKeys) -> None:
+                keys: RequestKeys, tenant: str = "default") -> None:
         """A save refused before its blocks were named (hashed); ``first`` is the print
         of its tokens up to its first block's end."""
         if len(tokens) > REFUSED_TOKENS:
             tokens = tokens[:REFUSED_TOKENS]
         record = (tokens, compact_keys(keys), outcome.reason, time.monotonic())
-        self._refused.put(first, (record, *self._refused.get(first, ())[:REQUESTS_PER_PRINT - 1]))
+        key = _print_key(first, tenant)
+        self._refused.put(key, (record, *self._refused.get(key, ())[:REQUESTS_PER_PRINT - 1]))
 
     def load_failed(self, key: str, outcome: KeyOutcome) -> None:
         """A load found the block's value corrupt (and the store dropped it)."""
@@ -195,11 +207,13 @@ class BlockHistory:
 
     def why(
         self, key: str, prefix: str, block: tuple[int, bytes], presence: Presence,
-        keys: RequestKeys, prompt: Prompt | None = None, end: int = 0,
+        keys: RequestKeys, prompt: Prompt | None = None, end: int = 0, *,
+        tenant: str = "default",
     ) -> tuple[Verdict, str, float]:
-        """Why the block under ``key`` is (not) a hit: its verdict, a reason, and how long
-        ago (seconds) what it says happened (-1: unknown). ``prompt``: the tokens asked
-        about (None: only their hashes), the block ending after ``end`` of them."""
+        """Why the block under ``key`` is (not) a hit for ``tenant``: its verdict, a
+        reason, and how long ago (seconds) what it says happened (-1: unknown).
+        ``prompt``: the tokens asked about (None: only their hashes), the block ending
+        after ``end`` of them."""
         now = time.monotonic()
         if presence is Presence.PRESENT:
             return Verdict.PRESENT, "", -1.0
@@ -210,18 +224,18 @@ class BlockHistory:
             if known.verdict is Verdict.PRESENT:  # stored, since gone without our seeing why
                 return Verdict.EVICTED, "stored, since gone from the store", now - known.at
             return known.verdict, known.reason, now - known.at
-        other = self._prefixes.get(_block_key(block))
+        other = self._prefixes.get(_block_key(block, tenant))
         if other is not None and other != prefix:
             return Verdict.OTHER_NAMESPACE, f"stored under {other}", -1.0
         if prompt is None:
             return self._never()
         keys = compact_keys(keys)  # as remembered
-        saved_keys = self._contents.get(prompt.prints[end])
+        saved_keys = self._contents.get(_print_key(prompt.prints[end], tenant))
         if saved_keys is not None and saved_keys != keys:
             return (Verdict.OTHER_KEYS, f"the same tokens were saved with another "
                     f"{_keys_kind(saved_keys, keys)}", -1.0)
         for tokens, refused_keys, reason, at in self._refused.get(
-                prompt.prints[prompt.first_end], ()):
+                _print_key(prompt.prints[prompt.first_end], tenant), ()):
             if refused_keys == keys and len(tokens) >= end and tokens[:end] == (
                     prompt.tokens[:end]):
                 return Verdict.SKIPPED, f"{reason} (the save was refused)", now - at

@@ -311,7 +311,8 @@ class JobTracker:
             tokens = job.message.token_ids
             first_end = min(_end(task) for task in tasks)
             first = content_prints(tokens, (first_end,))[first_end]
-            self._history.refused(first, tokens, outcome, job.message.keys)
+            self._history.refused(first, tokens, outcome, job.message.keys,
+                                  job.session.tenant)
 
     def answered(self, job: Job) -> None:
         """The engine has its reply (or cannot get one): forget the job.
@@ -419,7 +420,7 @@ def _record(history: BlockHistory, job: Job, planned: list[BlockTask]) -> None:
     history.saved(
         ((task.key, task.geometry.keys.own, (task.store_group, task.block_hash), outcome,
           prints[end]) for (task, outcome), end in zip(settled, ends, strict=True)),
-        message.keys,
+        message.keys, job.session.tenant,
     )
 
 

@@ -24,6 +24,7 @@ from pipeline.core.messages import (
     compact_keys,
     keys_size,
 )
+from pipeline.core.tenancy import Peer
 
 __all__ = ["EngineSession", "TensorMapping"]
 
@@ -94,8 +95,14 @@ class EngineSession:
         engine_hashes_only: bool = False,
         lookup_only: bool = False,
         mapping: TensorMapping | None = None,
+        peer: Peer | None = None,
+        tenant: str = "default",
     ) -> None:
+        """``identity``: the connection (routing id) it registered on; ``peer``: who
+        registered it (the only one who may use it); ``tenant``: whose namespace it is."""
         self.engine_id = engine_id
+        self.peer = peer or Peer("")
+        self.tenant = tenant
         self.log = structlog.get_logger("kvsidecar.requests").bind(engine_id=engine_id)
         """Logs about this engine's requests, with its id bound."""
         self.identity = identity

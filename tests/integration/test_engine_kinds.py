@@ -4,6 +4,7 @@ sidecar cannot compute, tensors shared in place, loads past the engine's own hit
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -16,7 +17,8 @@ from pipeline.core.errors import RequestRejected
 from pipeline.testing import SidecarProcess, run_sidecar_process
 from tests.kit import KVEngine, hybrid_layout, random_tokens, shm_names
 from transport.client import EngineClient
-from transport.tensors import MappedTensors, tensor_handle
+from transport.handover import Handed
+from transport.tensors import MappedTensors, Segments, tensor_handle
 
 TIMEOUT = 30
 
@@ -126,12 +128,15 @@ def test_an_engine_tensor_shared_in_place_keeps_its_bytes_and_leaves_no_name() -
     view = buffer[2:]
     expected = buffer.clone()
     names = shm_names()
-    handle = tensor_handle("layer", view, share_in_place=True)
-    assert handle.shm_name == "" and handle.owner_fd is not None
+    segments = Segments()
+    handle = tensor_handle("layer", view, segments, share_in_place=True)
+    [fd] = segments.fds
+    assert handle.segment == 0 and os.fstat(fd).st_nlink == 0  # a file with no name
     assert handle.offset == 2 * 1024 * 4
     assert torch.equal(buffer, expected) and buffer.is_shared()
     assert shm_names() == names
-    with MappedTensors() as mapped:
+    handed = Handed(os.getpid(), os.pidfd_open(os.getpid()), [os.dup(fd)])
+    with MappedTensors(handed=handed) as mapped:
         peer = mapped.map_tensor(handle)
         buffer[3].fill_(7.0)
         assert torch.equal(peer[1], buffer[3])
@@ -141,26 +146,33 @@ def test_an_engine_tensor_shared_in_place_keeps_its_bytes_and_leaves_no_name() -
 
 
 def test_a_plain_tensor_is_still_refused_unless_shared_in_place() -> None:
+    """Memory outside shared memory is never moved into it without being asked."""
     with pytest.raises(Exception, match="not in shared memory"):
-        tensor_handle("layer", torch.zeros(4, 16))
+        tensor_handle("layer", torch.zeros(4, 16), Segments())
 
 
 def test_another_process_maps_a_tensor_shared_in_place_through_its_descriptor() -> None:
-    """The sidecar side: /proc/PID/fd of the engine, from a second process."""
+    """The sidecar side, from a second process given the engine's descriptor."""
     import msgspec
 
     tensor = torch.arange(4 * 256, dtype=torch.float32).reshape(4, 256)
-    handle = tensor_handle("layer", tensor, share_in_place=True)
+    segments = Segments()
+    handle = tensor_handle("layer", tensor, segments, share_in_place=True)
     script = (
-        "import sys, msgspec\n"
+        "import os, sys, msgspec\n"
         "from pipeline.core.messages import TensorHandle\n"
+        "from transport.handover import Handed\n"
         "from transport.tensors import MappedTensors\n"
         "h = msgspec.json.decode(sys.argv[1], type=TensorHandle)\n"
-        "t = MappedTensors().map_tensor(h)\n"
+        "owner = os.getppid()\n"
+        "handed = Handed(owner, os.pidfd_open(owner), [int(sys.argv[2])])\n"
+        "t = MappedTensors(handed=handed, owner_pid=owner).map_tensor(h)\n"
         "print(float(t.sum()))\n"
         "t[1].fill_(0)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script, msgspec.json.encode(handle).decode()],
-                          capture_output=True, text=True, timeout=60, check=True)
+    [fd] = segments.fds
+    done = subprocess.run([sys.executable, "-c", script, msgspec.json.encode(handle).decode(),
+                           str(fd)], pass_fds=[fd], capture_output=True, text=True,
+                          timeout=60, check=True)
     assert float(done.stdout) == float(torch.arange(4 * 256).sum())
     assert bool((tensor[1] == 0).all())

@@ -23,6 +23,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipeline.core.errors import TransportError
 from pipeline.core.hashing import block_hashes
 from pipeline.core.layout import KVCacheLayout
 from pipeline.core.messages import (
@@ -46,10 +47,10 @@ from pipeline.core.messages import (
     encode,
     pack_tokens,
 )
-from pipeline.testing import SidecarProcess, run_sidecar_process
+from pipeline.testing import SidecarProcess, handed_over, run_sidecar_process
 from tests.kit import KVEngine, hybrid_layout, random_tokens
 from transport.client import EngineClient, SaveResult
-from transport.tensors import tensor_handle
+from transport.tensors import Segments, tensor_handle
 
 T = TypeVar("T")
 
@@ -83,19 +84,27 @@ def single_layout(page_bytes: int, block_size: int = 16, **extra: Any) -> dict[s
             **extra}
 
 
+HANDED: dict[str, list[int]] = {}
+"""Engine id -> the memory files its registration hands over (``Peer.send``)."""
+
+
 def registration(engine: KVEngine, engine_id: str, *,
                  handles: tuple[TensorHandle, ...] | None = None,
                  layout: dict[str, Any] | None = None,
-                 self_test: HashSelfTest | None = None) -> Register:
+                 self_test: HashSelfTest | None = None,
+                 fds: list[int] | None = None) -> Register:
     """A genuine Register of ``engine``'s tensors, as EngineClient.connect builds it; any
-    part may be replaced."""
+    part may be replaced (``fds``: the memory files ``handles`` name). A peer sending it
+    hands those files over first."""
     # The layout's projections, from the parts that decode (a hostile one may not).
     parsed = engine.layout if layout is None else KVCacheLayout.from_dict(
         {"groups": layout["groups"]})
     payload = {layer for layers in parsed.payload_layers for layer in layers}
+    segments = Segments()
     if handles is None:
-        handles = tuple(tensor_handle(layer, tensor) for layer, tensor
+        handles = tuple(tensor_handle(layer, tensor, segments) for layer, tensor
                         in engine.kv_caches.items() if layer in payload)
+    HANDED[engine_id] = segments.fds if fds is None else fds
     if self_test is None:
         tokens = tuple(range(1, 2 * parsed.hash_block_size + 1))
         self_test = HashSelfTest(tokens, tuple(block_hashes(tokens, parsed.hash_block_size)))
@@ -115,6 +124,8 @@ class Peer:
         self.socket.connect(sidecar.endpoint)
 
     def send(self, frame: bytes | EngineMessage) -> None:
+        if isinstance(frame, Register) and not frame.handover and HANDED.get(frame.engine_id):
+            frame = handed_over(self.socket, frame, HANDED[frame.engine_id])
         self.socket.send(frame if isinstance(frame, bytes) else encode(frame))
 
     def recv(self, timeout_s: float = 30.0) -> SidecarMessage | None:
@@ -341,10 +352,11 @@ async def test_a_register_with_an_overflowing_stride_costs_an_error_reply(
     otherwise, over real memory of the engine) is refused with an error reply."""
     layout = single_layout(page_bytes=8192)
     engine = KVEngine(layout, num_blocks=16)  # attn.0: [16, 4096] bfloat16
-    genuine = tensor_handle("attn.0", engine.kv_caches["attn.0"])
+    segments = Segments()
+    genuine = tensor_handle("attn.0", engine.kv_caches["attn.0"], segments)
     hostile = msgspec.structs.replace(genuine, shape=(16, 4096, 1),
                                       strides=(4096, 1, 2**64 - 1))
-    frame = registration(engine, "strides", handles=(hostile,))
+    frame = registration(engine, "strides", handles=(hostile,), fds=segments.fds)
     reply, watch, after = await frame_attack(fresh_sidecar, frame)
     assert_contained(fresh_sidecar, watch, reply, after)
 
@@ -353,8 +365,10 @@ def test_memory_the_project_allocates_cannot_shrink() -> None:
     """A KV memory file from ``shared_kv_tensor`` is sealed: its owner cannot truncate it
     under a sidecar that maps it."""
     engine = KVEngine(HONEST_LAYOUT)
+    segments = Segments()
     for layer, tensor in engine.kv_caches.items():
-        fd = tensor_handle(layer, tensor).owner_fd[1]  # type: ignore[index]
+        tensor_handle(layer, tensor, segments)
+        fd = segments.fds[-1]
         with pytest.raises(PermissionError):
             os.ftruncate(fd, 0)
 
@@ -369,8 +383,10 @@ async def test_a_memory_file_that_shrinks_cannot_kill_the_sidecar(
     shrinking = KVEngine(HONEST_LAYOUT)
     shrinking.kv_caches = {layer: tensor.clone() for layer, tensor
                            in shrinking.kv_caches.items()}  # plain memory, not shared
-    fds = {tensor_handle(layer, tensor, share_in_place=True).owner_fd[1]  # type: ignore[index]
-           for layer, tensor in shrinking.kv_caches.items()}
+    segments = Segments()
+    for layer, tensor in shrinking.kv_caches.items():
+        tensor_handle(layer, tensor, segments, share_in_place=True)
+    fds = set(segments.fds)
     tokens = random_tokens(4 * 16 + 1, seed=next(SEEDS))
     with anyio.fail_after(TIMEOUT):
         async with honest_engine(fresh_sidecar) as (client, honest_tokens), \
@@ -459,9 +475,10 @@ async def test_a_sparse_memory_file_is_not_populated_at_the_sidecars_expense(
     fd = os.memfd_create("hostile-sparse", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
-        handle = TensorHandle("attn.0", "", 0, (size // page_bytes, page_bytes // 2),
-                              (page_bytes // 2, 1), "bfloat16", owner_fd=(os.getpid(), fd))
-        frame = registration(KVEngine(layout, num_blocks=1), "sparse", handles=(handle,))
+        handle = TensorHandle("attn.0", 0, (size // page_bytes, page_bytes // 2),
+                              (page_bytes // 2, 1), "bfloat16", segment=0)
+        frame = registration(KVEngine(layout, num_blocks=1), "sparse", handles=(handle,),
+                             fds=[fd])
         with anyio.fail_after(TIMEOUT):
             async with honest_engine(fresh_sidecar) as (client, tokens):
                 with peer(fresh_sidecar) as attacker:
@@ -571,8 +588,8 @@ async def test_an_engine_of_a_thousand_memory_files_does_not_lock_others_out(
     fresh_sidecar: SidecarProcess,
 ) -> None:
     """An engine registering a thousand memory files (the sidecar then holds descriptors
-    past select's limit) leaves the next engines able to register, save and load; one of
-    more files than an engine may map is refused by name."""
+    past select's limit) leaves the next engines able to register, save and load; one
+    handing over more files than an engine may map is refused by name."""
     many = {"model": "many", "groups": [{
         "kind": "full_attention", "block_size": 16, "page_bytes": 4096,
         "layers": [f"l.{index}" for index in range(1000)]}]}
@@ -582,13 +599,26 @@ async def test_an_engine_of_a_thousand_memory_files_does_not_lock_others_out(
         wide = KVEngine(many, num_blocks=1)
         async with await wide.connect(fresh_sidecar.endpoint, timeout_s=20):
             wider = KVEngine(too_many, num_blocks=1)
+            fds = [segment for layer, tensor in wider.kv_caches.items()
+                   for segment in _files_of(layer, tensor)]
             with peer(fresh_sidecar) as attacker:
-                refused = attacker.call(registration(wider, "wider"))
+                try:
+                    refused: object = attacker.call(handed_over(
+                        attacker.socket, registration(wide, "wider", handles=()), fds))
+                except TransportError as exc:
+                    refused = exc
             del wider
             after = await serves_byte_exact(fresh_sidecar)
-    assert isinstance(refused, ErrorReply) and refused.code == "over_limit", describe(refused)
-    assert "memory files" in refused.message
+    assert isinstance(refused, TransportError), describe(refused)
+    assert "at most 1024 memory files" in str(refused), describe(refused)
     assert after == "ok", after
+
+
+def _files_of(layer: str, tensor: Any) -> list[int]:
+    """The descriptors of ``tensor``'s memory files."""
+    segments = Segments()
+    tensor_handle(layer, tensor, segments)
+    return segments.fds
 
 
 async def test_frames_over_the_limit_are_dropped_at_the_socket() -> None:

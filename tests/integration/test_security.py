@@ -24,11 +24,15 @@ import transport
 import transport.client
 from pipeline.app.cli import main as cli_main
 from pipeline.core.config import ServerConfig
-from pipeline.core.errors import ConfigError, TransportError
+from pipeline.core.errors import ConfigError, RequestRejected, TransportError
+from pipeline.core.tenancy import Tenancy
 from pipeline.testing import SidecarProcess, run_sidecar_process
 from tests.kit import KVEngine, hybrid_layout, random_tokens
+from transport.client import EngineClient
 from transport.server import load_key_pair, load_public_key, open_server_socket
 from transport.vllm.config import ConnectorConfig
+
+SINGLE = Tenancy({}, ())
 
 TIMEOUT = 20
 REFUSED_TIMEOUT_S = 1.0
@@ -100,8 +104,12 @@ def plain_sidecar() -> Iterator[SidecarProcess]:
 async def test_allowed_engine_saves_and_loads_over_curve(
     curve_sidecar: SidecarProcess, keys: Keys
 ) -> None:
-    """An engine whose public key is listed registers, saves and loads through CURVE."""
+    """An engine whose public key is listed registers, saves and loads through CURVE (on
+    ipc://: over tcp it may look up, but shares no CPU memory)."""
     layout = hybrid_layout()
+    if curve_sidecar.endpoint.startswith("tcp://"):
+        await _looks_up_but_shares_no_cpu_memory(curve_sidecar.endpoint, keys)
+        return
     a, b = KVEngine(layout), KVEngine(layout)
     tokens = random_tokens(3 * 16 + 1, seed=21)
     curve = {"curve_server_key": keys.server_public, "curve_key_pair": keys.engine}
@@ -144,19 +152,31 @@ async def test_non_loopback_tcp_starts_with_curve(keys: Keys) -> None:
     engine = KVEngine(hybrid_layout())
     with run_sidecar_process(keys.server_overrides(f"tcp://0.0.0.0:{port}")):
         with anyio.fail_after(TIMEOUT):
-            async with await engine.connect(
-                f"tcp://127.0.0.1:{port}",
-                curve_server_key=keys.server_public,
+            async with await EngineClient.connect(
+                f"tcp://127.0.0.1:{port}", layout=engine.layout, kv_caches={},
+                lookup_only=True, curve_server_key=keys.server_public,
                 curve_key_pair=keys.engine,
             ) as client:
                 assert await client.lookup(random_tokens(40)) == 0
+
+
+async def _looks_up_but_shares_no_cpu_memory(endpoint: str, keys: Keys) -> None:
+    """A tcp peer's lookup-only session serves; its CPU memory is refused by name."""
+    engine = KVEngine(hybrid_layout())
+    curve = {"curve_server_key": keys.server_public, "curve_key_pair": keys.engine}
+    with anyio.fail_after(TIMEOUT):
+        async with await EngineClient.connect(endpoint, layout=engine.layout, kv_caches={},
+                                              lookup_only=True, **curve) as client:
+            assert await client.lookup(random_tokens(40)) == 0
+        with pytest.raises(RequestRejected, match="not ipc://"):
+            await engine.connect(endpoint, **curve)
 
 
 def test_non_loopback_tcp_without_curve_or_opt_in_is_refused() -> None:
     """Without CURVE or allow_insecure_tcp, a non-loopback tcp:// endpoint is not bound,
     and the error names both ways out."""
     with pytest.raises(TransportError) as refused:
-        open_server_socket(ServerConfig(endpoint=f"tcp://0.0.0.0:{_free_port()}"))
+        open_server_socket(ServerConfig(endpoint=f"tcp://0.0.0.0:{_free_port()}"), SINGLE)
     assert "curve_secret_key_file" in str(refused.value)
     assert "allow_insecure_tcp" in str(refused.value)
 
@@ -186,7 +206,7 @@ def test_unreadable_or_invalid_key_file_is_a_config_error_naming_it(
         curve_allowed_keys_file=files["allowed"],
     )
     with pytest.raises(ConfigError) as error:
-        open_server_socket(config)
+        open_server_socket(config, SINGLE)
     assert str(bad) in str(error.value)
     assert f"server.curve_{which}_" in str(error.value)
     assert not (tmp_path / "never.sock").exists()

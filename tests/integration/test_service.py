@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import anyio
@@ -25,10 +25,10 @@ from pipeline.core.messages import (
     decode_sidecar_message,
     encode,
 )
-from pipeline.testing import SidecarProcess, run_sidecar_process
+from pipeline.testing import SidecarProcess, handed_over, run_sidecar_process
 from tests.kit import KVEngine, hybrid_layout, random_tokens
 from transport.client import EngineClient
-from transport.tensors import tensor_handle
+from transport.tensors import Segments, tensor_handle
 
 NUM_BLOCKS = 64
 TIMEOUT = 30
@@ -107,14 +107,15 @@ async def test_saving_stored_blocks_again_reports_present(sidecar: SidecarProces
     assert credits == 32  # nothing in flight: the whole per-engine allowance is free
 
 
-def _raw_register(endpoint: str, message: Register) -> object:
+def _raw_register(endpoint: str, message: Register, fds: Sequence[int]) -> object:
+    """The reply to ``message`` sent on a raw DEALER socket, ``fds`` handed over first."""
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.RCVTIMEO, TIMEOUT * 1000)
     try:
         socket.connect(endpoint)
-        socket.send(encode(message))
+        socket.send(encode(handed_over(socket, message, fds, timeout_s=TIMEOUT)))
         return decode_sidecar_message(socket.recv())
     finally:
         socket.close()
@@ -122,22 +123,23 @@ def _raw_register(endpoint: str, message: Register) -> object:
 
 
 def test_ring_tensors_are_never_mapped(sidecar: SidecarProcess) -> None:
-    """Registration succeeds although the ring's handle points at memory that does not
-    exist: the sidecar never maps (so never reads) a ring tensor."""
+    """Registration succeeds although the ring's handle names a memory file that was never
+    handed over: the sidecar never maps (so never reads) a ring tensor."""
     layout = KVCacheLayout.from_dict(hybrid_layout())
     engine = KVEngine(hybrid_layout())
-    handles = [tensor_handle(layer, engine.kv_caches[layer])
+    segments = Segments()
+    handles = [tensor_handle(layer, engine.kv_caches[layer], segments)
                for layers in layout.payload_layers for layer in layers]
     ring_handles = [
-        TensorHandle(layer=layer, shm_name="kvsidecar-no-such-segment", offset=0,
-                     shape=(NUM_BLOCKS, 2048), strides=(2048, 1), dtype="bfloat16")
+        TensorHandle(layer=layer, offset=0, shape=(NUM_BLOCKS, 2048), strides=(2048, 1),
+                     dtype="bfloat16", segment=len(segments.fds))
         for layer in layout.groups[1].layers
     ]
     tokens = tuple(range(1, 33))
     reply = _raw_register(sidecar.endpoint, Register(
         "raw-engine", layout.to_dict(), (*handles, *ring_handles),
         HashSelfTest(tokens, tuple(block_hashes(tokens, layout.hash_block_size))),
-    ))
+    ), segments.fds)
     assert isinstance(reply, Registered)
     assert reply.store_group_ids == (0, 2)
 
@@ -146,13 +148,14 @@ def test_hash_self_test_mismatch_is_refused(sidecar: SidecarProcess) -> None:
     """An engine whose hashes differ from the sidecar's (other seed) is refused clearly."""
     layout = KVCacheLayout.from_dict(hybrid_layout())
     engine = KVEngine(hybrid_layout())
-    handles = tuple(tensor_handle(layer, engine.kv_caches[layer])
+    segments = Segments()
+    handles = tuple(tensor_handle(layer, engine.kv_caches[layer], segments)
                     for layers in layout.payload_layers for layer in layers)
     tokens = tuple(range(1, 33))
     reply = _raw_register(sidecar.endpoint, Register(
         "raw-engine", layout.to_dict(), handles,
         HashSelfTest(tokens, tuple(block_hashes(tokens, 16, seed="other-seed"))),
-    ))
+    ), segments.fds)
     assert isinstance(reply, ErrorReply)
     assert reply.code == "hash_mismatch" and "PYTHONHASHSEED" in reply.message
 

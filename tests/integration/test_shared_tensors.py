@@ -1,5 +1,5 @@
-"""KV tensors shared by descriptor between real processes: the engine allocates, the sidecar
-maps, and nothing is left in /dev/shm."""
+"""KV tensors shared by descriptor between real processes: the engine allocates and hands
+its descriptors over, the sidecar maps, and nothing is left in /dev/shm."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import gc
 import json
 import os
 import select
+import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -20,18 +21,28 @@ import torch
 from pipeline.core.errors import TransportError
 from pipeline.core.messages import TensorHandle
 from tests.kit import shm_names
-from transport.tensors import SHM_DIR, MappedTensors, block_pieces, shared_kv_tensor, tensor_handle
+from transport.handover import Handed
+from transport.tensors import (
+    MappedTensors,
+    Segments,
+    block_pieces,
+    shared_kv_tensor,
+    tensor_handle,
+)
 
 REPLY_TIMEOUT_S = 60.0
 
-# A peer process driven by JSON lines on stdin; one JSON reply line per command.
+# A peer process driven by JSON lines on stdin; one JSON reply line per command. Memory
+# files pass over the unix socket whose descriptor is argv[1], with SCM_RIGHTS.
 PEER = r"""
-import gc, json, sys
+import gc, json, os, socket, sys
 import msgspec, torch
 from pipeline.core.messages import TensorHandle
-from transport.tensors import MappedTensors, shared_kv_tensor, tensor_handle
+from transport.handover import Handed
+from transport.tensors import MappedTensors, Segments, shared_kv_tensor, tensor_handle
 
-mapped = MappedTensors()
+channel = socket.socket(fileno=int(sys.argv[1]))
+mapped = None
 tensor = None
 handle = None
 owned = None
@@ -44,8 +55,13 @@ for line in sys.stdin:
     command = json.loads(line)
     op = command["op"]
     if op == "map":
+        _, fds, _, _ = socket.recv_fds(channel, 1, 64, socket.MSG_CMSG_CLOEXEC)
+        owner = command["owner"]
+        mapped = MappedTensors(handed=Handed(owner, os.pidfd_open(owner), fds),
+                               owner_pid=owner)
         handle = msgspec.json.decode(command["handle"], type=TensorHandle)
         tensor = mapped.map_tensor(handle)
+        mapped.done_mapping()
         reply = {"ok": True}
     elif op == "read":
         reply = {"values": tensor.float().flatten().tolist()}
@@ -61,8 +77,10 @@ for line in sys.stdin:
     elif op == "allocate":
         owned = shared_kv_tensor(command["shape"], getattr(torch, command["dtype"]))
         owned.copy_(torch.arange(owned.numel()).reshape(owned.shape))
-        reply = {"handle": msgspec.json.encode(
-            tensor_handle("peer.layer", owned, block_dim=command["block_dim"])).decode()}
+        segments = Segments()
+        reply = {"handle": msgspec.json.encode(tensor_handle(
+            "peer.layer", owned, segments, block_dim=command["block_dim"])).decode()}
+        socket.send_fds(channel, [b"\0"], segments.fds)
     else:
         reply = {"error": op}
     print(json.dumps(reply), flush=True)
@@ -70,15 +88,20 @@ for line in sys.stdin:
 
 
 class Peer:
-    """A second Python process that maps or allocates shared tensors on command."""
+    """A second Python process that maps or allocates shared tensors on command,
+    receiving or sending their descriptors over a unix socket."""
 
     def __init__(self) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", PEER],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        self.channel, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.channel.settimeout(REPLY_TIMEOUT_S)
+        with child:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", PEER, str(child.fileno())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                pass_fds=[child.fileno()],
+            )
 
     def ask(self, **command: Any) -> dict[str, Any]:
         assert self.process.stdin is not None and self.process.stdout is not None
@@ -91,8 +114,19 @@ class Peer:
         reply: dict[str, Any] = json.loads(line)
         return reply
 
-    def map(self, handle: TensorHandle) -> None:
-        assert self.ask(op="map", handle=msgspec.json.encode(handle).decode()) == {"ok": True}
+    def map(self, handle: TensorHandle, fds: Sequence[int]) -> None:
+        """Hand ``fds`` (this process's) over and have the peer map ``handle`` in them."""
+        socket.send_fds(self.channel, [b"\0"], fds)
+        assert self.ask(op="map", owner=os.getpid(),
+                        handle=msgspec.json.encode(handle).decode()) == {"ok": True}
+
+    def allocate(self, shape: list[int], dtype: str) -> tuple[TensorHandle, Handed]:
+        """A tensor the peer allocates: its handle, and its memory handed over to this
+        process (the pidfd opened while the peer runs, as the sidecar's is)."""
+        reply = self.ask(op="allocate", shape=shape, dtype=dtype, block_dim=0)
+        _, fds, _, _ = socket.recv_fds(self.channel, 1, 64, socket.MSG_CMSG_CLOEXEC)
+        handed = Handed(self.process.pid, os.pidfd_open(self.process.pid), fds)
+        return msgspec.json.decode(reply["handle"], type=TensorHandle), handed
 
     def read(self) -> torch.Tensor:
         return torch.tensor(self.ask(op="read")["values"])
@@ -113,13 +147,19 @@ def peer() -> Iterator[Peer]:
     for stream in (process.process.stdin, process.process.stdout):
         if stream is not None:
             stream.close()
+    process.channel.close()
 
 
-def inode(handle: TensorHandle) -> int:
-    """The inode of the memory a handle names (its owner's descriptor)."""
-    assert handle.owner_fd is not None and handle.shm_name == ""
-    pid, fd = handle.owner_fd
-    return os.stat(f"/proc/{pid}/fd/{fd}").st_ino
+def inode(fds: Sequence[int], handle: TensorHandle) -> int:
+    """The inode of the memory file a handle names among ``fds`` (its owner's
+    descriptors, or those handed over)."""
+    return os.fstat(fds[handle.segment]).st_ino
+
+
+def handed(segments: Segments) -> Handed:
+    """This process's memory files, handed over to itself: copies of its descriptors,
+    as the sidecar would receive them."""
+    return Handed(os.getpid(), os.pidfd_open(os.getpid()), [os.dup(fd) for fd in segments.fds])
 
 
 def memfds() -> set[int]:
@@ -134,8 +174,8 @@ def memfds() -> set[int]:
 
 @pytest.fixture(autouse=True)
 def no_leaked_segments() -> Iterator[None]:
-    """Every file a test allocated is closed once its tensors are gone, and none ever
-    had a name in /dev/shm."""
+    """Every file a test allocated or was handed is closed once its tensors are gone,
+    and none ever had a name in /dev/shm."""
     before, names = memfds(), shm_names()
     yield
     gc.collect()
@@ -167,7 +207,9 @@ def test_peer_and_owner_see_each_others_writes(
 ) -> None:
     """A peer mapping the handle reads the owner's writes and its writes reach the owner."""
     tensor = filled(shape, dtype)
-    peer.map(tensor_handle("model.layers.0", tensor, block_dim=block_dim))
+    segments = Segments()
+    handle = tensor_handle("model.layers.0", tensor, segments, block_dim=block_dim)
+    peer.map(handle, segments.fds)
     assert torch.equal(peer.read(), tensor.float().flatten())
 
     tensor.select(block_dim, 1).fill_(7)
@@ -177,8 +219,7 @@ def test_peer_and_owner_see_each_others_writes(
     expected.select(block_dim, 2).fill_(-3)
     assert peer.ask(op="fill", block=2, value=-3) == {"ok": True}
     assert torch.equal(tensor, expected)
-    handle = tensor_handle("model.layers.0", tensor, block_dim=block_dim)
-    assert peer.ask(op="close", inode=inode(handle)) == {"mapped_lines": 0}
+    assert peer.ask(op="close", inode=inode(segments.fds, handle)) == {"mapped_lines": 0}
     assert peer.finish() == 0
 
 
@@ -186,20 +227,20 @@ def test_view_handle_maps_to_the_same_elements_in_the_peer(peer: Peer) -> None:
     """A handle for a view carries its byte offset and strides across processes."""
     tensor = filled((6, 4), torch.float32)
     view = tensor[2:, 1:3]
-    handle = tensor_handle("v", view)
+    segments = Segments()
+    handle = tensor_handle("v", view, segments)
     assert handle.offset == (2 * 4 + 1) * 4
     assert handle.strides == (4, 1)
-    peer.map(handle)
+    peer.map(handle, segments.fds)
     assert torch.equal(peer.read(), view.flatten())
     assert peer.finish() == 0
 
 
 def test_owner_exit_is_seen_and_the_mapping_keeps_its_data(peer: Peer) -> None:
     """When the owning process exits, the mapping still reads and says its owner is gone."""
-    reply = peer.ask(op="allocate", shape=[3, 2, 4], dtype="int32", block_dim=0)
-    handle = msgspec.json.decode(reply["handle"], type=TensorHandle)
-    assert handle.owner_fd is not None and handle.owner_fd[0] == peer.process.pid
-    with MappedTensors() as mapped:
+    handle, memory = peer.allocate([3, 2, 4], "int32")
+    assert handle.segment == 0 and len(memory.fds) == 1
+    with MappedTensors(handed=memory, owner_pid=peer.process.pid) as mapped:
         tensor = mapped.map_tensor(handle)
         assert torch.equal(tensor, torch.arange(24, dtype=torch.int32).reshape(3, 2, 4))
         assert not mapped.owner_exited()
@@ -213,11 +254,11 @@ def test_sigkilled_owner_leaves_nothing_once_unmapped(peer: Peer) -> None:
     """A SIGKILLed owner leaves no name behind, and its memory is gone with the last
     mapping: the mapper sees the exit and closing it frees the memory."""
     names = shm_names()
-    reply = peer.ask(op="allocate", shape=[64, 1024], dtype="int32", block_dim=0)
-    handle = msgspec.json.decode(reply["handle"], type=TensorHandle)
-    memory = inode(handle)
-    mapped = MappedTensors()
+    handle, memory = peer.allocate([64, 1024], "int32")
+    file = inode(memory.fds, handle)
+    mapped = MappedTensors(handed=memory, owner_pid=peer.process.pid)
     tensor = mapped.map_tensor(handle)
+    mapped.done_mapping()
     peer.process.kill()
     peer.process.wait(REPLY_TIMEOUT_S)
     assert shm_names() == names
@@ -225,17 +266,21 @@ def test_sigkilled_owner_leaves_nothing_once_unmapped(peer: Peer) -> None:
     assert tensor.view(-1)[:4].tolist() == [0, 1, 2, 3]
     del tensor
     mapped.close()
-    assert mapped_lines(memory) == 0
+    assert mapped_lines(file) == 0
+    assert file not in memfds()
 
 
-def test_a_handle_of_a_process_that_is_gone_is_refused(peer: Peer) -> None:
-    """A handle whose owner has exited cannot be mapped: its pid names nothing (or
-    someone else)."""
-    reply = peer.ask(op="allocate", shape=[2, 4], dtype="int32", block_dim=0)
-    handle = msgspec.json.decode(reply["handle"], type=TensorHandle)
+def test_memory_of_a_process_that_is_gone_maps_and_is_seen_gone(peer: Peer) -> None:
+    """Memory handed over before its owner exited is the mapper's own (nothing is opened
+    through the owner's pid): it still maps, and the exit shows as soon as it is mapped."""
+    handle, memory = peer.allocate([2, 4], "int32")
     assert peer.finish() == 0
-    with MappedTensors() as mapped, pytest.raises(TransportError, match="is not running"):
-        mapped.map_tensor(handle)
+    with MappedTensors(handed=memory, owner_pid=peer.process.pid) as mapped:
+        assert not mapped.owner_exited()  # nothing of it is mapped yet
+        tensor = mapped.map_tensor(handle)
+        assert mapped.owner_exited()
+        assert torch.equal(tensor, torch.arange(8, dtype=torch.int32).reshape(2, 4))
+        del tensor
 
 
 # -- registry and lifetimes in one process -----------------------------------------------
@@ -244,13 +289,16 @@ def test_a_handle_of_a_process_that_is_gone_is_refused(peer: Peer) -> None:
 def test_segment_is_mapped_once_and_close_unmaps_it() -> None:
     """Many handles into one segment share one mapping, and close removes it."""
     tensor = filled((4, 8), torch.float32)
-    handle = tensor_handle("x", tensor)
-    memory = inode(handle)
+    segments = Segments()
+    handle = tensor_handle("x", tensor, segments)
+    memory = inode(segments.fds, handle)
     assert mapped_lines(memory) == 1  # the owner's own mapping
-    mapped = MappedTensors()
-    first = mapped.map_tensor(tensor_handle("layer.0", tensor[:2]))
-    second = mapped.map_tensor(tensor_handle("layer.1", tensor[2:]))
-    assert mapped.segment_names == {f"/proc/{os.getpid()}/fd/{handle.owner_fd[1]}"}
+    first_handle = tensor_handle("layer.0", tensor[:2], segments)
+    second_handle = tensor_handle("layer.1", tensor[2:], segments)
+    mapped = MappedTensors(handed=handed(segments))
+    first = mapped.map_tensor(first_handle)
+    second = mapped.map_tensor(second_handle)
+    assert mapped.segment_names == {"memory file 0"}
     assert mapped_lines(memory) == 2
     first.fill_(1)
     second.fill_(2)
@@ -264,15 +312,17 @@ def test_segment_is_mapped_once_and_close_unmaps_it() -> None:
 def test_close_with_live_tensor_defers_unmapping_safely() -> None:
     """A tensor alive at close stays readable; its mapping goes when it is freed."""
     tensor = filled((4, 8), torch.float32)
-    handle = tensor_handle("x", tensor)
-    mapped = MappedTensors()
+    segments = Segments()
+    handle = tensor_handle("x", tensor, segments)
+    memory = inode(segments.fds, handle)
+    mapped = MappedTensors(handed=handed(segments))
     alias = mapped.map_tensor(handle)
     mapped.close()
     assert torch.equal(alias, tensor)
-    assert mapped_lines(inode(handle)) == 2
+    assert mapped_lines(memory) == 2
     del alias
     gc.collect()
-    assert mapped_lines(inode(handle)) == 1
+    assert mapped_lines(memory) == 1
     with pytest.raises(TransportError, match="closed"):
         mapped.map_tensor(handle)
 
@@ -280,44 +330,49 @@ def test_close_with_live_tensor_defers_unmapping_safely() -> None:
 def test_segment_lives_while_any_view_lives_then_is_closed() -> None:
     """The owner's file stays open while a view is alive and is closed after the last."""
     tensor = shared_kv_tensor((4, 16), torch.bfloat16)
-    handle = tensor_handle("x", tensor)
-    memory = inode(handle)
+    segments = Segments()
+    handle = tensor_handle("x", tensor, segments)
+    memory = inode(segments.fds, handle)
     view = tensor[1]
     del tensor
     gc.collect()
     assert memory in memfds()
-    assert tensor_handle("x", view).owner_fd == handle.owner_fd
+    assert tensor_handle("x", view, segments).segment == handle.segment
+    assert len(segments.fds) == 1
     del view
     gc.collect()
     assert memory not in memfds()
     assert mapped_lines(memory) == 0
 
 
-def test_a_segment_an_engine_named_itself_is_mapped_and_left_to_it() -> None:
-    """A handle may name a segment its engine created in /dev/shm: it maps like any
-    other, and unmapping leaves the name, which is its owner's to unlink."""
-    path = SHM_DIR / f"kvsidecar-test-{os.getpid()}"
-    path.write_bytes(torch.arange(16, dtype=torch.int32).numpy().tobytes())
-    try:
-        handle = TensorHandle(layer="x", shm_name=path.name, offset=0, shape=(4, 4),
-                              strides=(4, 1), dtype="int32")
-        with MappedTensors() as mapped:
-            tensor = mapped.map_tensor(handle)
-            assert torch.equal(tensor, torch.arange(16, dtype=torch.int32).reshape(4, 4))
-            assert not mapped.owner_exited()  # no owner process to watch
-            del tensor
-        assert path.exists()
-    finally:
-        path.unlink()
+def test_a_segment_that_was_not_handed_over_is_refused() -> None:
+    """A handle can name only a memory file its engine handed over: any other index is
+    refused before anything is mapped, and nothing maps where nothing was handed over."""
+    tensor = filled((4, 8), torch.float32)
+    segments = Segments()
+    handle = tensor_handle("x", tensor, segments)
+    with MappedTensors(handed=handed(segments)) as mapped:
+        with pytest.raises(TransportError,
+                           match="memory file 1 was not handed over with this registration"):
+            mapped.map_tensor(msgspec.structs.replace(handle, segment=1))
+        assert mapped.segment_names == frozenset()
+    with MappedTensors() as mapped, pytest.raises(TransportError, match="not handed over"):
+        mapped.map_tensor(handle)
 
 
 def test_handle_of_plain_tensor_is_refused() -> None:
     """A tensor outside shared memory (or a copy of one) has no handle."""
     with pytest.raises(TransportError, match="'plain': tensor is not in shared memory"):
-        tensor_handle("plain", torch.zeros(4, 4))
+        tensor_handle("plain", torch.zeros(4, 4), Segments())
     shared = shared_kv_tensor((4, 4), torch.float32)
     with pytest.raises(TransportError, match="not in shared memory"):
-        tensor_handle("copy", shared.clone())
+        tensor_handle("copy", shared.clone(), Segments())
+
+
+def test_a_cpu_handle_needs_the_segments_it_is_handed_over_with() -> None:
+    """A CPU tensor is described only by index into the files handed over with it."""
+    with pytest.raises(TransportError, match="'x': a CPU tensor is described with the Segments"):
+        tensor_handle("x", shared_kv_tensor((4, 4), torch.float32))
 
 
 @pytest.mark.parametrize(
@@ -334,13 +389,11 @@ def test_handle_of_plain_tensor_is_refused() -> None:
         ({"block_dim": 1}, "K/V-first tensor has shape [2, num_blocks"),
         ({"shape": (4, 0)}, "empty or negative"),
         ({"offset": 2}, "not a multiple of 4 bytes"),
-        ({"offset": 4}, "but segment"),
-        ({"shape": (5, 8)}, "but segment"),
-        ({"owner_fd": (os.getpid(), 1 << 20)}, "does not exist"),
-        ({"shm_name": "kvsidecar-elsewhere"}, "by shm_name or owner_fd, not both"),
-        ({"shm_name": "kvsidecar-no-such-segment", "owner_fd": None}, "does not exist"),
-        ({"shm_name": "../etc/passwd", "owner_fd": None}, "is not a shared memory segment name"),
-        ({"shm_name": "", "owner_fd": None}, "is not a shared memory segment name"),
+        ({"offset": 4}, "but its memory file 0 has 128 bytes"),
+        ({"shape": (5, 8)}, "but its memory file 0 has 128 bytes"),
+        ({"segment": 3}, "memory file 3 was not handed over with this registration"),
+        ({"segment": -1}, "a CPU tensor is named by the index of a memory file handed over, "
+                          "and no CUDA IPC handle"),
     ],
 )
 def test_bad_handle_is_refused_naming_layer_and_problem(
@@ -348,8 +401,9 @@ def test_bad_handle_is_refused_naming_layer_and_problem(
 ) -> None:
     """Each malformed handle raises TransportError naming the layer and what is wrong."""
     tensor = shared_kv_tensor((4, 8), torch.float32)
-    handle = msgspec.structs.replace(tensor_handle("model.layers.3", tensor), **change)
-    with MappedTensors() as mapped:
+    segments = Segments()
+    handle = msgspec.structs.replace(tensor_handle("model.layers.3", tensor, segments), **change)
+    with MappedTensors(handed=handed(segments)) as mapped:
         with pytest.raises(TransportError) as caught:
             mapped.map_tensor(handle)
         assert str(caught.value).startswith("layer 'model.layers.3': ")

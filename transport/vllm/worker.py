@@ -30,7 +30,7 @@ import torch
 from pipeline.core.errors import LayoutError, TransportError
 from pipeline.core.layout import KVCacheLayout
 from transport.client import BlockingEngineClient, KVCacheShape, LoadResult
-from transport.tensors import tensor_handle
+from transport.tensors import Segments, tensor_handle
 from transport.vllm.config import ConnectorConfig
 from transport.vllm.layout import vllm_block_hasher
 from transport.vllm.link import SidecarLink
@@ -104,8 +104,9 @@ class WorkerSide:
             # Move the memory into shared memory now, before any forward runs: views
             # vLLM holds follow the move, and the bytes are kept. GPU memory is shared
             # by CUDA IPC handle as it is.
+            segments = Segments()
             for layer, tensor in tensors.items():
-                tensor_handle(layer, tensor, share_in_place=True)
+                tensor_handle(layer, tensor, segments, share_in_place=True)
         self.link = SidecarLink(self._config, "worker", BlockingEngineClient, lambda: {
             "heartbeat_interval_s": self._config.heartbeat_interval_s,
             "layout": self._layout,

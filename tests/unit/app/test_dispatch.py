@@ -32,6 +32,7 @@ from pipeline.core.messages import (
     encode,
     pack_tokens,
 )
+from pipeline.core.tenancy import Peer
 from pipeline.runner.edges import Edge, create_edge
 from pipeline.state.jobs import Job, JobTracker
 from pipeline.state.registry import SessionRegistry
@@ -48,12 +49,12 @@ class QueuedFrames:
         self.replied: list[int] = []
         self.drained = anyio.Event()
 
-    async def receive(self) -> tuple[bytes, list[bytes]]:
+    async def receive(self) -> tuple[bytes, Peer, list[bytes]]:
         if not self._frames:
             self.drained.set()
             await anyio.sleep_forever()
         identity, frame = self._frames.popleft()
-        return identity, [frame]
+        return identity, Peer("uid:0"), [frame]
 
     def waiting(self) -> bool:
         return bool(self._frames)

@@ -77,11 +77,12 @@ def test_endpoint_override_replaces_only_the_endpoint(tmp_path: Path) -> None:
 
 
 def test_default_endpoint_lives_in_the_runtime_dir(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default ipc endpoint is a per-user socket in XDG_RUNTIME_DIR (or /tmp)."""
+    """The default ipc endpoint is a socket in the sidecar's own directory: under
+    XDG_RUNTIME_DIR, or a per-user one in /tmp."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1234")
-    assert default_endpoint() == f"ipc:///run/user/1234/kvsidecar-{os.getuid()}.sock"
+    assert default_endpoint() == "ipc:///run/user/1234/kvsidecar/sidecar.sock"
     monkeypatch.delenv("XDG_RUNTIME_DIR")
-    assert default_endpoint() == f"ipc:///tmp/kvsidecar-{os.getuid()}.sock"
+    assert default_endpoint() == f"ipc:///tmp/kvsidecar-{os.getuid()}/sidecar.sock"
 
 
 def test_cli_reports_a_bad_config_with_exit_code_2(

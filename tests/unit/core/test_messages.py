@@ -15,12 +15,15 @@ from pipeline.core.errors import ProtocolError
 from pipeline.core.layout import KVCacheLayout
 from pipeline.core.messages import (
     MAX_TOKENS,
+    TICKET_BYTES,
     BlockReport,
     BlockWhy,
     EngineMessage,
     ErrorCode,
     ErrorReply,
     Explain,
+    Handover,
+    HandoverTicket,
     HashSelfTest,
     Heartbeat,
     HeartbeatAck,
@@ -58,12 +61,14 @@ ENGINE_MESSAGES: list[Any] = [
         }),
         tensors=(
             TensorHandle(
-                "a", "/kv-0", 128, (2, 8, 16, 4), (512, 64, 4, 1), "bfloat16", block_dim=1
+                "a", 128, (2, 8, 16, 4), (512, 64, 4, 1), "bfloat16", block_dim=1, segment=0
             ),
         ),
         self_test=HashSelfTest((1, 2, 3), (b"\x00" * 32,)),
         hash_seed="42",
+        handover=b"\x07" * TICKET_BYTES,
     ),
+    Handover(seq=6),
     Heartbeat(seq=7),
     Lookup(seq=1, token_ids=pack_tokens((1, 2, 3)), keys=KEYS),
     Save(
@@ -80,6 +85,7 @@ ENGINE_MESSAGES: list[Any] = [
 
 SIDECAR_MESSAGES: list[Any] = [
     Registered("engine-0", 16, 32, (0, 2), "abcd", 128),
+    HandoverTicket(seq=6, token=b"\x07" * TICKET_BYTES, path="/run/kvsidecar/handover"),
     HeartbeatAck(seq=7),
     LookupReply(seq=1, hit_tokens=32),
     LookupReply(seq=5, hit_tokens=0, explain=(
@@ -395,7 +401,7 @@ def test_token_ids_past_the_protocol_maximum_are_refused() -> None:
 
 def test_strides_that_overflow_int64_do_not_decode() -> None:
     """A handle whose stride would overflow int64 arithmetic is a bad frame."""
-    handle = {"layer": "a", "shm_name": "", "offset": 0, "shape": [16, 4096, 1],
+    handle = {"layer": "a", "offset": 0, "shape": [16, 4096, 1],
               "strides": [4096, 1, 2**64 - 1], "dtype": "bfloat16"}
     frame = _raw.encode({"kind": "register", "engine_id": "e", "layout": {
         "groups": [{"kind": "full_attention", "block_size": 16, "layers": ["a"]}]},

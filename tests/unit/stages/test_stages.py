@@ -1080,7 +1080,8 @@ async def test_an_abandoned_job_fails_only_its_unsettled_blocks(hybrid: Harness)
 async def test_lookup_reports_the_hybrid_hit_and_keeps_the_last_token(hybrid: Harness) -> None:
     """After saving attention 0-2 and mamba state 2, only a hit at 12 is possible."""
     lookup = LookupStage(
-        hybrid.store, {g.key_prefix: g.stored_bytes for g in hybrid.session.store_groups}
+        hybrid.store, {"default": {g.key_prefix: g.stored_bytes
+                                   for g in hybrid.session.store_groups}}
     )
     token_ids = tokens(16)
     with anyio.fail_after(TIMEOUT_S):
@@ -1126,7 +1127,7 @@ async def test_known_hashes_of_a_long_prompt_are_probed_first_in_process(
     prompt = tokens(blocks * 4 + 1)
     hashes = block_hashes(prompt, 4)
     [prefix] = geometry.keys.lookup
-    sizes = {prefix: 8}
+    sizes = {"default": {prefix: 8}}
     with anyio.fail_after(TIMEOUT_S):
         stored_keys = keys_for(prefix, hashes[:stored_blocks])
         await dense.store.put(stored_keys, [torch.zeros(8, dtype=torch.uint8)] * stored_blocks)
@@ -1154,7 +1155,7 @@ async def test_a_lookup_yields_to_the_loop_only_while_it_hashes_much() -> None:
     [prefix] = geometry.keys.lookup
     prompt = tokens(3 * INLINE_TOKENS + 1)
     hashes = block_hashes(prompt, 4)
-    lookup = LookupStage(dense.store, {prefix: 8}, probe_first=True)
+    lookup = LookupStage(dense.store, {"default": {prefix: 8}}, probe_first=True)
     ticks = 0
 
     async def ticker() -> None:

@@ -26,6 +26,7 @@ from pipeline.core.messages import (
     encode,
     pack_tokens,
 )
+from pipeline.core.tenancy import Peer
 from pipeline.state.jobs import Job, JobTracker
 from pipeline.state.registry import LayerTensors, MappingBudget, SessionRegistry
 
@@ -64,7 +65,7 @@ HYBRID = {
 def handle(layer: str) -> TensorHandle:
     """Attention-style K/V-first [2, N, 4, 2] float32 handles; one name per layer."""
     return TensorHandle(
-        layer, f"/kv-{layer}", 0, (2, NUM_BLOCKS, 4, 2), (64, 8, 2, 1), "float32", block_dim=1
+        layer, 0, (2, NUM_BLOCKS, 4, 2), (64, 8, 2, 1), "float32", block_dim=1, segment=0
     )
 
 
@@ -139,8 +140,8 @@ class FakeMapper:
         self.released: list[int] = []
         self.fail = fail
 
-    def __call__(self, handles: Sequence[TensorHandle],
-                 budget: MappingBudget) -> tuple[LayerTensors, Any]:
+    def __call__(self, handles: Sequence[TensorHandle], budget: MappingBudget,
+                 peer: Peer, handed: Any) -> tuple[LayerTensors, Any]:
         if self.fail:
             raise TransportError("shared memory /kv-attn.0 is gone")
         mapping = len(self.calls)
@@ -152,6 +153,10 @@ class FakeMapper:
     @property
     def mapped_layers(self) -> set[str]:
         return {layer for call in self.calls for layer in call}
+
+
+PEER = Peer("uid:0", pid=1, uid=0)
+OTHER = Peer("uid:1000", pid=2, uid=1000)
 
 
 def registry(mapper: FakeMapper, *, max_value_bytes: int = 1 << 20,
@@ -169,7 +174,7 @@ def registry(mapper: FakeMapper, *, max_value_bytes: int = 1 << 20,
 async def rejected(reg: SessionRegistry, message: Register, code: str) -> str:
     """Why the sidecar refuses ``message``: when it decodes, or when it registers."""
     with pytest.raises((RequestRejected, ProtocolError)) as info:
-        await reg.register(b"engine", wire(message))
+        await reg.register(b"engine", PEER, wire(message))
     assert info.value.code == code
     return str(info.value)
 
@@ -180,7 +185,7 @@ async def rejected(reg: SessionRegistry, message: Register, code: str) -> str:
 async def test_registration_maps_only_the_stored_groups_layers() -> None:
     """The ring's handles are never given to map_tensors; stored layers all are."""
     mapper = FakeMapper()
-    session, reply = await registry(mapper).register(b"engine", register())
+    session, reply = await registry(mapper).register(b"engine", PEER, register())
     assert mapper.calls == [["attn.0", "attn.1", "ssm.0"]]
     assert not mapper.mapped_layers & {"ring.0", "ring.1"}
     assert [g.kv_group_id for g in session.store_groups] == [0, 2]
@@ -207,8 +212,9 @@ async def test_copies_are_prepared_for_each_engine_registered_with_tensors() -> 
     await rejected(registry(FakeMapper(), max_value_bytes=100, prepare_copies=prepare), register(),
              "bad_tensors")
     reg = registry(FakeMapper(), prepare_copies=prepare)
-    session, _ = await reg.register(b"engine", register())
-    await reg.register(b"looker", msgspec.structs.replace(register(tensors=()), lookup_only=True))
+    session, _ = await reg.register(b"engine", PEER, register())
+    await reg.register(b"looker", PEER, msgspec.structs.replace(
+        register(tensors=(), engine_id="looker"), lookup_only=True))
     assert prepared == [(0, 2)]
     assert [g.kv_group_id for g in session.store_groups] == [0, 2]
 
@@ -224,13 +230,13 @@ async def test_gpu_tensors_are_refused_by_a_sidecar_that_copies_with_threads() -
     assert mapper.calls == []
     ring_on_gpu = [msgspec.structs.replace(handle(layer), device="cuda:0")
                    if layer.startswith("ring") else handle(layer) for layer in layers_of(HYBRID)]
-    await registry(mapper).register(b"engine", register(tensors=ring_on_gpu))
+    await registry(mapper).register(b"engine", PEER, register(tensors=ring_on_gpu))
     assert mapper.calls == [["attn.0", "attn.1", "ssm.0"]]
 
 
 async def test_registration_accepts_a_seeded_self_test() -> None:
     """An engine with PYTHONHASHSEED hashes from that seed and is accepted."""
-    session, _ = await registry(FakeMapper()).register(b"engine", register(hash_seed="1234"))
+    session, _ = await registry(FakeMapper()).register(b"engine", PEER, register(hash_seed="1234"))
     assert session.hash_seed == "1234"
 
 
@@ -238,7 +244,7 @@ async def test_handles_of_unknown_layers_are_not_mapped() -> None:
     """A handle for a layer outside every stored group is ignored, never mapped."""
     mapper = FakeMapper()
     handles = [*map(handle, layers_of(HYBRID)), handle("stray.0")]
-    await registry(mapper).register(b"engine", register(tensors=handles))
+    await registry(mapper).register(b"engine", PEER, register(tensors=handles))
     assert "stray.0" not in mapper.mapped_layers
 
 
@@ -333,23 +339,23 @@ async def test_reregistration_replaces_the_session_and_releases_its_mappings() -
     """Registering the same identity again closes the old session and releases its mapping."""
     mapper = FakeMapper()
     reg = registry(mapper)
-    old, _ = await reg.register(b"engine", register())
-    new, _ = await reg.register(b"engine", register(engine_id="engine-0b"))
-    assert new is not old and reg.get(b"engine") is new
+    old, _ = await reg.register(b"engine", PEER, register())
+    new, _ = await reg.register(b"engine", PEER, register(engine_id="engine-0b"))
+    assert new is not old and reg.get(b"engine", PEER) is new
     assert old.closed and not new.closed
     assert mapper.released == [0]
     reg.remove(b"engine")
     assert mapper.released == [0, 1]
-    assert reg.get(b"engine") is None
+    assert reg.get(b"engine", PEER) is None
 
 
 async def test_a_failed_reregistration_keeps_the_old_session() -> None:
     """A rejected re-registration leaves the working session and its mapping alone."""
     mapper = FakeMapper()
     reg = registry(mapper)
-    old, _ = await reg.register(b"engine", register())
+    old, _ = await reg.register(b"engine", PEER, register())
     await rejected(reg, register(self_test_seed="other"), ErrorCode.HASH_MISMATCH)
-    assert reg.get(b"engine") is old and not old.closed
+    assert reg.get(b"engine", PEER) is old and not old.closed
     assert mapper.released == []
 
 
@@ -357,12 +363,12 @@ async def test_replaced_session_keeps_its_mapping_until_its_jobs_finish() -> Non
     """A replaced session with a job in flight is released only once that job is answered."""
     mapper = FakeMapper()
     reg = registry(mapper)
-    old, _ = await reg.register(b"engine", register())
+    old, _ = await reg.register(b"engine", PEER, register())
     send, _receive = anyio.create_memory_object_stream[Job](4)
     tracker = JobTracker(send)
     job = Job(old, Save(1, "r", pack_tokens((1, 2, 3, 4)), ((1,), (0,), (2,))))
     tracker.accept(job)
-    await reg.register(b"engine", register())
+    await reg.register(b"engine", PEER, register())
     assert old.closed and mapper.released == []
     tracker.answered(job)
     assert mapper.released == [0]
@@ -372,8 +378,8 @@ async def test_sessions_of_other_engines_are_independent() -> None:
     """Two identities hold two sessions; closing the registry releases both."""
     mapper = FakeMapper()
     reg = registry(mapper)
-    await reg.register(b"a", register())
-    await reg.register(b"b", register())
+    await reg.register(b"a", PEER, register())
+    await reg.register(b"b", OTHER, register())
     assert set(reg.sessions) == {b"a", b"b"} and mapper.released == []
     reg.close()
     assert sorted(mapper.released) == [0, 1] and reg.sessions == {}
@@ -398,12 +404,12 @@ async def test_registrations_past_max_engines_are_refused_naming_the_limit() -> 
     """Past ``limits.max_engines`` a new identity is refused (over_limit, the limit named);
     one already registered may register again."""
     reg = registry(FakeMapper(), limits=LimitsConfig(max_engines=1))
-    await reg.register(b"a", register())
+    await reg.register(b"a", PEER, register())
     with pytest.raises(LimitExceeded) as info:
-        await reg.register(b"b", register())
+        await reg.register(b"b", OTHER, register())
     assert info.value.code == ErrorCode.OVER_LIMIT
     assert "limits.max_engines" in str(info.value)
-    await reg.register(b"a", register())
+    await reg.register(b"a", PEER, register())
     assert set(reg.sessions) == {b"a"}
 
 
@@ -412,7 +418,7 @@ async def test_blocks_larger_than_max_block_tokens_are_refused() -> None:
     mapper = FakeMapper()
     reg = registry(mapper, limits=LimitsConfig(max_block_tokens=2))
     with pytest.raises(LimitExceeded, match=r"limits\.max_block_tokens"):
-        await reg.register(b"a", register())
+        await reg.register(b"a", PEER, register())
     assert mapper.calls == []
 
 
@@ -422,9 +428,9 @@ async def test_each_registration_maps_within_what_the_others_leave() -> None:
     mapper = FakeMapper()
     limits = LimitsConfig(engine_mapped_bytes=1000, total_mapped_bytes=1500)
     reg = registry(mapper, limits=limits)
-    await reg.register(b"a", register())
-    await reg.register(b"b", register())
-    await reg.register(b"a", register())  # its own old mapping does not count
+    await reg.register(b"a", PEER, register())
+    await reg.register(b"b", OTHER, register())
+    await reg.register(b"a", PEER, register())  # its own old mapping does not count
     assert mapper.budgets == [MappingBudget(1000, "limits.engine_mapped_bytes"),
                               MappingBudget(700, "limits.total_mapped_bytes"),
                               MappingBudget(700, "limits.total_mapped_bytes")]
@@ -439,5 +445,5 @@ async def test_a_registration_failing_after_mapping_unmaps() -> None:
     mapper = FakeMapper()
     reg = registry(mapper, prepare_copies=prepare)
     with pytest.raises(RuntimeError):
-        await reg.register(b"a", register())
+        await reg.register(b"a", PEER, register())
     assert mapper.released == [0] and reg.sessions == {}

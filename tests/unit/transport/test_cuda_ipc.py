@@ -22,12 +22,14 @@ HANDLE = bytes(range(64))
 
 
 class FakeDriver:
-    """The driver's IPC calls as bookkeeping: which handles are open, at which address."""
+    """The driver's IPC calls as bookkeeping: which handles are open, at which address;
+    each opened allocation is ``mapped_bytes`` long."""
 
-    def __init__(self) -> None:
+    def __init__(self, mapped_bytes: int = 1 << 20) -> None:
         self.opened: list[tuple[int, bytes]] = []
         self.closed: list[tuple[int, int]] = []
         self.ranges: dict[int, tuple[int, int]] = {}
+        self.mapped_bytes = mapped_bytes
 
     def device_uuids(self) -> list[str]:
         return ["GPU-a", "GPU-b", "GPU-c"]
@@ -40,7 +42,9 @@ class FakeDriver:
 
     def open(self, device: int, handle: bytes) -> int:
         self.opened.append((device, handle))
-        return 0x7000_0000 + len(self.opened) * 0x1000
+        pointer = 0x7000_0000 + len(self.opened) * 0x1000
+        self.ranges[pointer] = (pointer, self.mapped_bytes)
+        return pointer
 
     def close(self, device: int, pointer: int) -> None:
         self.closed.append((device, pointer))
@@ -48,7 +52,7 @@ class FakeDriver:
 
 def cuda_handle(**change: Any) -> TensorHandle:
     handle = TensorHandle(
-        layer="model.layers.0", shm_name="", offset=4096, shape=(8, 256), strides=(256, 1),
+        layer="model.layers.0", offset=4096, shape=(8, 256), strides=(256, 1),
         dtype="bfloat16", device="cuda:0",
         cuda_ipc=CudaIpc(handle=HANDLE, allocation_bytes=1 << 20, pid=os.getpid()),
     )
@@ -81,11 +85,11 @@ def test_device_names_are_cuda_n() -> None:
     ("change", "problem"),
     [
         ({"cuda_ipc": None}, "named by its CUDA IPC handle alone"),
-        ({"owner_fd": (os.getpid(), 3)}, "named by its CUDA IPC handle alone"),
-        ({"device": "cpu"}, "a CPU tensor has no CUDA IPC handle"),
+        ({"segment": 0}, "named by its CUDA IPC handle alone"),
+        ({"device": "cpu"}, "and no CUDA IPC handle"),
         ({"device": "cuda:x"}, "device 'cuda:x' is not supported"),
         ({"device": "rocm:0"}, "device 'rocm:0' is not supported"),
-        ({"offset": (1 << 20) - 2048}, "but segment"),
+        ({"offset": (1 << 20) - 2048}, "but its cuda:0/ipc/"),
     ],
 )
 def test_a_bad_cuda_handle_is_refused_before_anything_is_opened(
@@ -134,7 +138,7 @@ def test_an_allocation_is_opened_once_and_closed_with_its_last_holder() -> None:
     assert allocations.open_count == 1
     again = allocations.open(0, ipc)
     assert len(driver.opened) == 3 and again.pointer != pointer
-    with pytest.raises(TransportError, match="already open with 1048576 bytes, not 4096"):
+    with pytest.raises(TransportError, match="is not the 4096 bytes its handle claims"):
         allocations.open(1, msgspec.structs.replace(ipc, allocation_bytes=4096))
     del again, other
     gc.collect()
@@ -170,7 +174,7 @@ def test_an_allocation_opens_on_this_processs_index_of_its_gpu() -> None:
     """Processes number GPUs differently (CUDA_VISIBLE_DEVICES): an allocation the
     engine has on its cuda:0 opens on the sidecar's index of the same GPU, found by its
     UUID; a GPU the sidecar cannot see is refused by name."""
-    driver = FakeDriver()
+    driver = FakeDriver(mapped_bytes=4096)
     allocations = IpcAllocations(driver)
     ipc = CudaIpc(handle=HANDLE, allocation_bytes=4096, pid=os.getpid(), device_uuid="GPU-c")
     assert allocations.open(0, ipc).device == 2
