@@ -180,3 +180,24 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     missing = tmp_path / "absent.yaml"
     with pytest.raises(ConfigError, match=r"absent\.yaml"):
         load_config(missing)
+
+
+@pytest.mark.parametrize(("tenants", "problem"), [
+    ("{a: {identities: ['uid:1']}, b: {identities: ['uid:1']}}", "is in tenants 'a' and 'b'"),
+    ("{a: {identities: ['uid:1'], key_prefix: x}, b: {identities: ['uid:2'], key_prefix: x}}",
+     "share the key prefix 'x'"),
+    ("{a: {identities: ['root']}}", "is not one of 'uid:<n>'"),
+    ("{a: {identities: []}}", "at least one identity"),
+    ("{'a@b': {identities: ['uid:1']}}", "contain no '@'"),
+])
+def test_tenants_are_checked_at_load(tmp_path: Path, tenants: str, problem: str) -> None:
+    """An identity in two tenants, a shared key prefix, an identity no transport proves,
+    an empty tenant or an '@' in a name is a config error naming it."""
+    with pytest.raises(ConfigError) as error:
+        load_config(write(tmp_path, f"tenants: {tenants}\n"))
+    assert problem in str(error.value)
+
+
+def test_operators_default_to_the_sidecars_own_user() -> None:
+    """Without server.operators, the sidecar's own unix user is its operator."""
+    assert load_config().server.operators == (f"uid:{os.getuid()}",)

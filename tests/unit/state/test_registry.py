@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import torch
 
-from pipeline.core.config import LimitsConfig
+from pipeline.core.config import LimitsConfig, TenantConfig
 from pipeline.core.errors import LimitExceeded, ProtocolError, RequestRejected, TransportError
 from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.hashing import block_hashes
@@ -26,7 +26,7 @@ from pipeline.core.messages import (
     encode,
     pack_tokens,
 )
-from pipeline.core.tenancy import Peer
+from pipeline.core.tenancy import Peer, Tenancy
 from pipeline.state.jobs import Job, JobTracker
 from pipeline.state.registry import LayerTensors, MappingBudget, SessionRegistry
 
@@ -447,3 +447,61 @@ async def test_a_registration_failing_after_mapping_unmaps() -> None:
     with pytest.raises(RuntimeError):
         await reg.register(b"a", PEER, register())
     assert mapper.released == [0] and reg.sessions == {}
+
+
+# -- identities and tenants ------------------------------------------------------------------
+
+TENANTS = Tenancy({"a": TenantConfig(identities=("uid:0",)),
+                   "b": TenantConfig(identities=("uid:1000",), key_prefix="bee")},
+                  ("uid:4242",))
+
+
+def tenant_registry(mapper: FakeMapper) -> SessionRegistry:
+    return SessionRegistry(mapper, max_value_bytes=1 << 20,
+                           save_capacity_blocks=lambda value_bytes: 4096 // value_bytes,
+                           tenancy=TENANTS)
+
+
+async def test_a_tenants_key_prefix_is_forced_and_another_is_refused() -> None:
+    """An engine of a tenant gets the tenant's key prefix whatever it left empty; naming
+    another tenant's prefix is refused before anything is mapped."""
+    mapper = FakeMapper()
+    reg = tenant_registry(mapper)
+    session, _ = await reg.register(b"b", OTHER, register())
+    assert session.tenant == "b" and session.layout.cache_prefix == "bee"
+    assert all(g.key_prefix.startswith("bee@") for g in session.store_groups)
+    assert set(reg.value_sizes) == {"b"}
+    with pytest.raises(RequestRejected) as refused:
+        await reg.register(b"b2", OTHER, register({**HYBRID, "cache_prefix": "a"},
+                                                  engine_id="poisoner"))
+    assert refused.value.code == ErrorCode.BAD_LAYOUT and "not this tenant's" in str(
+        refused.value)
+    assert len(mapper.calls) == 1
+
+
+async def test_a_session_answers_only_the_identity_that_registered_it() -> None:
+    """Another identity on the same routing id finds no session; an engine id is its
+    identity's own, and re-registering it from a new connection replaces the old one."""
+    reg = tenant_registry(FakeMapper())
+    mine, _ = await reg.register(b"conn", PEER, register(engine_id="e"))
+    assert reg.get(b"conn", PEER) is mine and reg.get(b"conn", OTHER) is None
+    theirs, _ = await reg.register(b"other", OTHER, register(engine_id="e"))
+    assert not mine.closed and reg.get(b"other", OTHER) is theirs
+    resumed, _ = await reg.register(b"reconnected", PEER, register(engine_id="e"))
+    assert mine.closed and not theirs.closed
+    assert set(reg.sessions) == {b"other", b"reconnected"} and resumed.engine_id == "e"
+
+
+async def test_explain_finds_engines_of_the_callers_tenant_only() -> None:
+    """An engine id of another tenant is not found (and not named); an operator finds
+    any engine."""
+    reg = tenant_registry(FakeMapper())
+    await reg.register(b"a", PEER, register(engine_id="a-engine"))
+    await reg.register(b"b", OTHER, register(engine_id="b-engine"))
+    assert reg.find("b-engine", OTHER).engine_id == "b-engine"
+    assert reg.find("", OTHER).engine_id == "b-engine"
+    for engine_id, asker in (("a-engine", OTHER), ("", Peer("uid:7"))):
+        with pytest.raises(RequestRejected) as refused:
+            reg.find(engine_id, asker)
+        assert "a-engine" not in str(refused.value) and "b-engine" not in str(refused.value)
+    assert reg.find("a-engine", Peer("uid:4242")).engine_id == "a-engine"
