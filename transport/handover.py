@@ -202,10 +202,6 @@ class HandoverDesk:
         self._held -= len(ticket.handed.fds)
         return ticket.handed
 
-    def forget(self, connection: bytes) -> None:
-        """Drop the ticket of a connection that is gone."""
-        self._drop(self._by_connection.pop(connection, b""))
-
     async def run(self) -> None:
         """Serve the handover socket until cancelled."""
         async with anyio.create_task_group() as group:

@@ -238,7 +238,7 @@ class Receiver:
             if isinstance(exc, LimitExceeded):
                 self._metrics.over_limit.labels(exc.limit).inc()
             log.info("server.request.rejected", code=exc.code, error=str(exc)[:MAX_TEXT])
-            self._send_error(identity, exc.code, str(exc), _seq(message))
+            self._send_error(identity, exc.code, exc.detail, _seq(message))
         except _Answered as exc:
             self._internal(identity, message, exc.__cause__)
         except Exception as exc:

@@ -51,11 +51,13 @@ class StoreError(KVSidecarError):
 
 
 class RequestRejected(KVSidecarError):
-    """The sidecar refused a request; ``code`` says why (see ``messages.ErrorCode``)."""
+    """The sidecar refused a request; ``code`` says why (see ``messages.ErrorCode``) and
+    ``detail`` is the text its sender is answered with."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+        self.detail = message
 
 
 class LimitExceeded(RequestRejected):
