@@ -184,7 +184,7 @@ async def test_explain_says_why_each_block_of_a_prompt_misses(tmp_path: Path) ->
                 never = await client.lookup(unseen, explain=True)
                 assert verdicts(never) == {(0, "never_stored"), (2, "never_stored")}
 
-                with pytest.raises(RequestRejected, match="^bad_request: not exactly one engine"):
+                with pytest.raises(RequestRejected, match=r"^bad_request: not exactly one engine"):
                     await EngineClient.explain_for(sidecar.endpoint, token_ids=first)
 
                 prompt = tmp_path / "prompt.json"
