@@ -1,12 +1,17 @@
 """Commit: make a batch's values stored, settle each block's outcome, and tell the KV
-event log which blocks were stored."""
+event log which blocks were stored.
+
+A batch with a block of a stopped request is dropped whole, never stored. Values moved
+in place are read from the engine by the store call itself: that call is a copy, which
+starts only for requests neither stopped nor past their deadline (``JobTracker.enter``).
+"""
 
 from __future__ import annotations
 
 import contextlib
 
 from pipeline.core.errors import StoreError
-from pipeline.core.outcomes import INTERNAL, MEMORY_LOST, BlockStatus, KeyOutcome
+from pipeline.core.outcomes import MEMORY_LOST, BlockStatus, KeyOutcome
 from pipeline.core.seams import BatchMemory, Count, count_nothing
 from pipeline.core.store import KVStore
 from pipeline.state.events import KVEventLog
@@ -19,20 +24,42 @@ class CommitStage:
     def __init__(
         self, memory: BatchMemory, store: KVStore, tracker: JobTracker,
         pressure: StorePressure, events: KVEventLog, *, stored: Count = count_nothing,
+        reads_engine: bool = False,
     ) -> None:
         """``stored`` hears the bytes of the values each store call stored. ``store`` is
-        the one ``memory`` stores into."""
+        the one ``memory`` stores into. ``reads_engine``: ``memory`` moves values in
+        place, its store call reading the engine's blocks."""
         self._memory = memory
         self._store = store
         self._tracker = tracker
         self._pressure = pressure
         self._events = events
         self._stored = stored
+        self._reads_engine = reads_engine
 
     async def process(self, batch: StagedBatch) -> None:
+        if not self._reads_engine:
+            await self._commit(batch)
+            return
+        tracker = self._tracker
+        passed, out, _ = tracker.enter(batch.tasks)
+        try:
+            if out or len(passed) < len(batch.tasks):
+                tracker.leave(passed)
+                batch.values.release()
+                await tracker.discard(batch.tasks)
+                return
+            try:
+                await self._commit(batch)
+            finally:
+                tracker.leave(passed)
+        finally:
+            await tracker.finish_stopped(batch.tasks)
+
+    async def _commit(self, batch: StagedBatch) -> None:
         if batch.abandoned():  # blocks the engine may have reused meanwhile
             batch.values.release()
-            await self._tracker.settle_all(batch.tasks, INTERNAL)
+            await self._tracker.discard(batch.tasks)
             return
         outcomes = await self._memory.store(batch.values)
         if batch.session.memory_lost():

@@ -2,7 +2,9 @@
 
 Only blocks the store has travel on; the others settle here as failed, so the engine
 recomputes them and never uses undefined bytes. (Checksums are verified by the
-scatter, on the bytes the engine ends up holding.)
+scatter, on the bytes the engine ends up holding.) Values moved in place are written
+into the engine's blocks by the store call itself: that call is a copy, which starts
+only for requests neither stopped nor past their deadline (``JobTracker.enter``).
 """
 
 from __future__ import annotations
@@ -16,14 +18,33 @@ __all__ = ["FetchStage"]
 
 class FetchStage:
     def __init__(
-        self, memory: BatchMemory, tracker: JobTracker, *, fetched: Count = count_nothing
+        self, memory: BatchMemory, tracker: JobTracker, *, fetched: Count = count_nothing,
+        writes_engine: bool = False,
     ) -> None:
-        """``fetched`` hears the bytes of the values each store call brought."""
+        """``fetched`` hears the bytes of the values each store call brought.
+        ``writes_engine``: ``memory`` moves values in place, its store call writing the
+        engine's blocks."""
         self._memory = memory
         self._tracker = tracker
         self._fetched = fetched
+        self._writes_engine = writes_engine
 
     async def process(self, tasks: list[BlockTask]) -> StagedBatch | None:
+        if not self._writes_engine:
+            return await self._fetch(tasks)
+        tracker = self._tracker
+        try:
+            passed, out, outcomes = tracker.enter(tasks)
+            try:
+                if out:
+                    await tracker.settle_each(out, outcomes)
+                return await self._fetch(passed) if passed else None
+            finally:
+                tracker.leave(passed)
+        finally:
+            await tracker.finish_stopped(tasks)
+
+    async def _fetch(self, tasks: list[BlockTask]) -> StagedBatch | None:
         values = await self._memory.fetch(
             tasks[0].geometry, [task.block_id for task in tasks], [task.key for task in tasks]
         )

@@ -16,6 +16,8 @@ class GroupFilterStage:
         self._tracker = tracker
 
     async def process(self, job: Job) -> Job | None:
+        if job.done:  # stopped (cancelled) while it waited here
+            return None
         tasks = planned_blocks(job)
         self._tracker.plan(job, tasks)
         if not tasks:

@@ -1,13 +1,15 @@
 """Transfer (save side): engine blocks into values, in the batch memory.
 
 Requests under store pressure skip without copying; a save waits while loads are in
-flight (for at most ``yield_to_loads_ms``), so loads get the cores first.
+flight (for at most ``yield_to_loads_ms``), so loads get the cores first. No copy of a
+request starts once it is stopped or past its deadline (``JobTracker.enter``); a copy
+started is finished, and its values are dropped if its request was stopped meanwhile.
 """
 
 from __future__ import annotations
 
-from pipeline.core.outcomes import INTERNAL, MEMORY_LOST, STORE_FULL, BlockStatus
-from pipeline.core.seams import BatchMemory, CopyEngine, Count, count_nothing
+from pipeline.core.outcomes import MEMORY_LOST, STORE_FULL, BlockStatus
+from pipeline.core.seams import BatchMemory, CopyEngine, Count, Values, count_nothing
 from pipeline.state.jobs import BlockTask, JobTracker, StagedBatch, StorePressure
 
 __all__ = ["TransferStage"]
@@ -39,24 +41,62 @@ class TransferStage:
         if not tasks:
             return None
         await self._tracker.yield_to_loads(self._yield_s)
-        values = await self._memory.reserve(
-            tasks[0].geometry, [task.block_id for task in tasks], [task.key for task in tasks]
-        )
-        batch, refused, outcomes = StagedBatch.split(tasks, values, BlockStatus.STORED)
-        if refused:
-            self._pressure.record(refused, outcomes)
-            await self._tracker.settle_each(refused, outcomes)
-        if batch is None:
+        reserved = await self._reserve(tasks)
+        if reserved is None:
             return None
+        tasks, values = reserved
         try:
-            await self._copy.gather(batch.geometry, batch.block_ids, batch.runs)
-        except BaseException:
+            return await self._copy_out(tasks, values)
+        finally:
+            await self._tracker.finish_stopped(tasks)
+
+    async def _reserve(self, tasks: list[BlockTask]) -> tuple[list[BlockTask], Values] | None:
+        """Admit the tasks to a copy (``JobTracker.enter``) and reserve their values; a
+        job stopped while the reservation waited is left out, and the rest reserved
+        again."""
+        tracker = self._tracker
+        while True:
+            tasks, out, outcomes = tracker.enter(tasks)
+            if out:
+                await tracker.settle_each(out, outcomes)
+            if not tasks:
+                return None
+            try:
+                values = await self._memory.reserve(
+                    tasks[0].geometry, [task.block_id for task in tasks],
+                    [task.key for task in tasks])
+            except BaseException:
+                tracker.leave(tasks)
+                raise
+            if not any(task.job.stop is not None or task.job.done for task in tasks):
+                return tasks, values
             values.release()
-            raise
-        if batch.session.memory_lost() or batch.abandoned():
+            tracker.leave(tasks)
+
+    async def _copy_out(self, tasks: list[BlockTask], values: Values) -> StagedBatch | None:
+        """Copy the admitted tasks' blocks into their values: the batch to commit."""
+        tracker = self._tracker
+        try:
+            batch, refused, outcomes = StagedBatch.split(tasks, values, BlockStatus.STORED)
+            if refused:
+                self._pressure.record(refused, outcomes)
+                await tracker.settle_each(refused, outcomes)
+            if batch is None:
+                return None
+            try:
+                await self._copy.gather(batch.geometry, batch.block_ids, batch.runs)
+            except BaseException:
+                values.release()
+                raise
+        finally:
+            tracker.leave(tasks)
+        if batch.session.memory_lost():
             values.release()
-            await self._tracker.settle_all(
-                batch.tasks, MEMORY_LOST if batch.session.memory_lost() else INTERNAL)
+            await tracker.settle_all(batch.tasks, MEMORY_LOST)
+            return None
+        if batch.abandoned():  # a job stopped during the copy: its blocks may be reused
+            values.release()
+            await tracker.discard(batch.tasks)
             return None
         self._copied(len(batch.tasks) * batch.geometry.stored_bytes)
         return batch

@@ -4,6 +4,14 @@ An engine allocates its KV tensors with ``transport.tensors.shared_kv_tensor``, 
 with its layout and tensors, then sends scheduler events. Replies are matched to calls
 by sequence number; whichever waiting call holds the receive lock reads the socket and
 hands other calls their replies, so no background task is needed.
+
+A save or load carries its deadline (now plus its timeout). Past it the client does not
+walk away: it cancels the request and waits until the sidecar can no longer touch the
+blocks (the request's late completion, ``Cancelled``, or proof that the sidecar is gone:
+its endpoint's lock free, or a reply of another epoch). Only then does the call return
+or raise, so an engine may reuse a request's blocks once its call is over, whatever
+happened. If the sidecar neither answers nor can be proven gone, the call waits, and
+says so in the log every ``HELD_LOG_S``; restarting the sidecar releases it.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -23,6 +32,7 @@ from typing import Any, Literal, TypeVar, overload
 import anyio
 import anyio.from_thread
 import msgspec
+import structlog
 import torch
 import zmq
 import zmq.asyncio
@@ -35,6 +45,7 @@ from pipeline.core.messages import (
     SIDECAR_HASH_ALGO,
     BlockReport,
     BlockWhy,
+    Cancel,
     CudaIpcEvent,
     EngineMessage,
     ErrorCode,
@@ -61,6 +72,7 @@ from pipeline.core.messages import (
 )
 from pipeline.core.outcomes import OVERLOADED, BlockStatus
 from transport.handover import hand_over
+from transport.liveness import sidecar_gone
 from transport.sockets import FastSocket
 from transport.tensors import Segments, tensor_handle
 
@@ -73,7 +85,12 @@ KVCacheShape = Literal["blocks_first", "kv_first"]
 LOOKUP_SPIN_S = 0.001
 """``EngineClient.connect``'s default ``lookup_spin_s``."""
 BlockHasher = Callable[[Sequence[int], int], list[bytes]]
+GONE_CHECK_S = 0.25
+"""How often a cancelled request's wait checks whether the sidecar is gone."""
+HELD_LOG_S = 10.0
+"""How often a request still held by a silent sidecar is logged."""
 _T = TypeVar("_T")
+log = structlog.get_logger("kvsidecar.client")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -159,7 +176,13 @@ class EngineClient(AsyncResource):
     """An engine's connection to a sidecar. Use ``await EngineClient.connect(...)``."""
 
     def __init__(self, socket: zmq.asyncio.Socket, context: zmq.asyncio.Context,
-                 timeout_s: float, *, curve: bool = False) -> None:
+                 timeout_s: float, *, curve: bool = False, endpoint: str = "") -> None:
+        self._endpoint = endpoint
+        self._epoch = 0
+        """The epoch of the sidecar's last reply (0: none yet)."""
+        self.held = 0
+        """Requests given up on that the sidecar has not yet released: their blocks stay
+        out of use until it answers or is proven gone."""
         self._socket = socket
         self._frames = FastSocket(socket)
         self._curve = curve
@@ -297,7 +320,8 @@ class EngineClient(AsyncResource):
                 context.term()
                 raise ConfigError(f"invalid CURVE key (Z85, 40 characters): {exc}") from exc
         socket.connect(endpoint)
-        return cls(socket, context, timeout_s, curve=curve_server_key is not None)
+        return cls(socket, context, timeout_s, curve=curve_server_key is not None,
+                   endpoint=endpoint)
 
     @classmethod
     async def explain_for(
@@ -391,7 +415,9 @@ class EngineClient(AsyncResource):
         mark_step: bool = True,
         **request_keys: Any,
     ) -> SaveResult:
-        """Store the request's full blocks; the engine may reuse them once this returns.
+        """Store the request's full blocks; the engine may reuse them once this returns
+        or raises (past ``timeout_s`` the save is cancelled, and this returns its late
+        completion, or raises ``TransportError`` once the sidecar cannot touch them).
 
         KV in GPU memory: the save first marks the step (``mark_step``), so the sidecar
         copies the blocks only once the work queued so far on this thread's current
@@ -414,7 +440,8 @@ class EngineClient(AsyncResource):
             self.mark_step()
         seq = next(self._seq)
         message = Save(seq, request_id, pack_tokens(token_ids), _blocks(block_ids),
-                       _request_keys(**request_keys), _hashes(block_hashes))
+                       _request_keys(**request_keys), _hashes(block_hashes),
+                       deadline=self._deadline(timeout_s))
         self._saves_waiting += 1
         try:
             reply = await self._call(seq, message, timeout_s)
@@ -444,13 +471,19 @@ class EngineClient(AsyncResource):
         **request_keys: Any,
     ) -> LoadResult:
         """Load the first ``num_tokens`` tokens' blocks into ``block_ids``; blocks that end
-        within the first ``computed_tokens`` (already in the engine) are left alone."""
+        within the first ``computed_tokens`` (already in the engine) are left alone. Past
+        ``timeout_s`` the load is cancelled as a save is (``save``): once this returns or
+        raises, the sidecar writes none of the blocks any more."""
         seq = next(self._seq)
         message = Load(seq, request_id, pack_tokens(token_ids), _blocks(block_ids), num_tokens,
-                       _request_keys(**request_keys), _hashes(block_hashes), computed_tokens)
+                       _request_keys(**request_keys), _hashes(block_hashes), computed_tokens,
+                       deadline=self._deadline(timeout_s))
         reply = await self._call(seq, message, timeout_s)
         assert isinstance(reply, LoadDone)
         return LoadResult(reply.loaded_tokens, reply.invalid_block_ids, reply.blocks)
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        return time.monotonic() + (self._timeout_s if timeout_s is None else timeout_s)
 
     async def heartbeat(self) -> None:
         seq = next(self._seq)
@@ -506,42 +539,100 @@ class EngineClient(AsyncResource):
             raise TransportError("client is closed")
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
         self._waiting.add(seq)
+        sent_epoch = 0
         try:
             # asyncio's own deadline, not anyio's: a request's round trip is the latency an
             # engine waits on, and anyio's cancel scope adds about 10 µs to it (measured;
             # the socket is asyncio's anyway). Cancellation from outside passes through.
-            async with asyncio.timeout(timeout_s):
-                # Inside the deadline: with no sidecar, a full queue would block the send.
-                await self._frames.send_multipart([encode(message)])
-                while seq not in self._replies:
-                    async with self._recv_lock:
-                        if seq in self._replies:
-                            break
-                        # Poll only while nothing else of the engine's waits on the loop.
-                        frames = await self._frames.recv_multipart(
-                            spin_s if len(self._waiting) == 1 else 0.0)
-                        reply = decode_sidecar_message(b"".join(frames))
-                        reply_seq = getattr(reply, "seq", 0)
-                        if reply_seq in self._waiting:  # else: a call that gave up on it
-                            self._replies[reply_seq] = reply
-        except TimeoutError as exc:
-            hint = (
-                "; CURVE keys are configured: the sidecar may have refused this engine's key "
-                "(authentication failed: is its public key in server.curve_allowed_keys_file, "
-                "and is curve_server_key the sidecar's public key?)"
-                if self._curve
-                else ""
-            )
-            raise TransportError(
-                f"no reply from the sidecar within {timeout_s}s "
-                f"({type(message).__name__}){hint}"
-            ) from exc
+            try:
+                async with asyncio.timeout(timeout_s):
+                    # Inside the deadline: with no sidecar, a full queue would block the send.
+                    await self._frames.send_multipart([encode(message)])
+                    sent_epoch = self._epoch or -1
+                    await self._receive_until((seq,), spin_s)
+            except TimeoutError as exc:
+                if not sent_epoch or not isinstance(message, Save | Load):
+                    raise self._timed_out(message, timeout_s) from exc
+                # Sent: the sidecar may be about to touch the blocks. Hold them until it
+                # cannot.
+                await self._give_up(seq, message, sent_epoch)
+                if seq not in self._replies:
+                    raise self._timed_out(message, timeout_s) from exc
         finally:
             self._waiting.discard(seq)
             reply_or_none = self._replies.pop(seq, None)
         if reply_or_none is None:
             raise ProtocolError("reply lost")
         return reply_or_none
+
+    async def _receive_until(self, seqs: Sequence[int], spin_s: float = 0.0) -> None:
+        """Read the socket (or let the call holding it read) until a reply to one of
+        ``seqs`` is in, filing every reply for the call that waits for it."""
+        replies = self._replies
+        while not any(seq in replies for seq in seqs):
+            async with self._recv_lock:
+                if any(seq in replies for seq in seqs):
+                    break
+                # Poll only while nothing else of the engine's waits on the loop.
+                frames = await self._frames.recv_multipart(
+                    spin_s if len(self._waiting) == 1 else 0.0)
+                reply = decode_sidecar_message(b"".join(frames))
+                if reply.epoch:
+                    self._epoch = reply.epoch
+                reply_seq = getattr(reply, "seq", 0)
+                if reply_seq in self._waiting:  # else: a call that gave up on it
+                    replies[reply_seq] = reply
+
+    async def _give_up(self, seq: int, message: Save | Load, sent_epoch: int) -> None:
+        """Cancel request ``seq`` and wait until the sidecar can no longer touch its
+        blocks: its completion (filed under ``seq``), ``Cancelled``, a reply of another
+        epoch than ``sent_epoch`` (a new incarnation: the old one is gone), or the
+        endpoint's lock free. No timer alone ends the wait."""
+        cancel = next(self._seq)
+        self._waiting.add(cancel)
+        self.held += 1
+        started = time.monotonic()
+        logged = started
+        sent = False
+        try:
+            while True:
+                with anyio.move_on_after(GONE_CHECK_S):
+                    if not sent:  # a stalled sidecar's full queue blocks the send
+                        await self._frames.send_multipart([encode(Cancel(cancel, seq))])
+                        sent = True
+                    await self._receive_until((seq, cancel))
+                if seq in self._replies or cancel in self._replies:
+                    return
+                if sent_epoch not in (-1, self._epoch) or sidecar_gone(self._endpoint):
+                    log.warning("client.request.released", request_id=message.request_id,
+                                reason="the sidecar is gone", held_s=round(
+                                    time.monotonic() - started, 1))
+                    return
+                if time.monotonic() - logged > HELD_LOG_S:
+                    logged = time.monotonic()
+                    log.warning("client.request.held", request_id=message.request_id,
+                                kind=type(message).__name__.lower(),
+                                held_s=round(logged - started, 1),
+                                reason="cancelled; the sidecar has not answered and is not "
+                                       "known to be gone (restarting it releases the blocks)")
+        finally:
+            self.held -= 1
+            self._waiting.discard(cancel)
+            self._replies.pop(cancel, None)
+
+    def _timed_out(self, message: EngineMessage, timeout_s: float) -> TransportError:
+        hint = (
+            "; CURVE keys are configured: the sidecar may have refused this engine's key "
+            "(authentication failed: is its public key in server.curve_allowed_keys_file, "
+            "and is curve_server_key the sidecar's public key?)"
+            if self._curve
+            else ""
+        )
+        what = (" (cancelled: the sidecar no longer touches its blocks)"
+                if isinstance(message, Save | Load) else "")
+        return TransportError(
+            f"no reply from the sidecar within {timeout_s}s ({type(message).__name__})"
+            f"{what}{hint}")
 
 
 def _key_bytes(key: str | bytes) -> bytes:

@@ -14,6 +14,7 @@ messages reach the sidecar; every admitted message carries its identity.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import struct
@@ -31,6 +32,7 @@ from zmq.utils.monitor import parse_monitor_message
 from pipeline.core.config import ServerConfig, runtime_dir
 from pipeline.core.errors import ConfigError, TransportError
 from pipeline.core.tenancy import INSECURE, Peer, Tenancy
+from transport.liveness import LOCK_SUFFIX, hold_endpoint
 from transport.sockets import FastSocket
 
 __all__ = [
@@ -269,10 +271,14 @@ class SidecarSocket:
         _check_endpoint(config)
         curve_keys = _curve_keys(config)  # read before anything needs closing
         self.ipc_path: Path | None = None
+        self._lock = contextlib.ExitStack()
         if config.endpoint.startswith("ipc://"):
             self.ipc_path = Path(config.endpoint.removeprefix("ipc://"))
             if self.ipc_path.parent == runtime_dir():
                 private_directory(self.ipc_path.parent)
+            # Before the bind, which would replace a live sidecar's socket file.
+            self._lock.enter_context(hold_endpoint(self.ipc_path.with_name(
+                self.ipc_path.name + LOCK_SUFFIX)))
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._frames = FastSocket(self._socket, fair=True)
@@ -310,6 +316,7 @@ class SidecarSocket:
                 self._socket.bind(config.endpoint)
         except zmq.ZMQError as exc:
             self._close_zmq()
+            self._lock.close()
             raise TransportError(f"cannot bind {config.endpoint}: {exc}") from exc
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -367,6 +374,7 @@ class SidecarSocket:
         self._close_zmq()
         if self.ipc_path is not None:
             self.ipc_path.unlink(missing_ok=True)
+        self._lock.close()
 
     def __enter__(self) -> SidecarSocket:
         return self

@@ -17,6 +17,10 @@ message after it too, in order: the loads and lookups behind it are dispatched b
 it. A save is then run up to its copy in the receiver's own task while nothing waits
 (``Receiver._run_job``), where a save that found frames behind it used to be handed to
 its path's workers, a hand-off per stage.
+
+A ``Cancel`` is answered (``Cancelled``) once its request can no longer touch the
+engine's memory: at once if no such request is open, else after the request's
+completion (``JobTracker.stop``). Every reply carries the sidecar's epoch.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from pipeline.core.hitrule import blocks_to_load
 from pipeline.core.layout import NULL_BLOCK_ID
 from pipeline.core.messages import (
     MAX_TEXT,
+    Cancel,
+    Cancelled,
     EngineMessage,
     ErrorCode,
     ErrorReply,
@@ -64,7 +70,7 @@ from pipeline.core.messages import (
     outcome_counts,
     prompt_length,
 )
-from pipeline.core.outcomes import INTERNAL, OVERLOADED
+from pipeline.core.outcomes import CANCELLED, INTERNAL, OVERLOADED
 from pipeline.core.tenancy import Peer
 from pipeline.runner import EdgeSendStream
 from pipeline.state.jobs import (
@@ -109,6 +115,7 @@ class Receiver:
         load_copy_waits: Callable[[int], bool] = lambda nbytes: True,
         faults: Faults | None = None,
         desk: HandoverDesk | None = None,
+        epoch: int = 0,
     ) -> None:
         """``run_inline(path, item, whole=...)`` runs an item through its path in this
         task, if the path can take it now (``Graph.run_inline``): given for a store whose
@@ -116,8 +123,9 @@ class Receiver:
         way, saves and loads up to a copy that waits on other threads.
         ``load_copy_waits(nbytes)``: whether a load's copy of that many bytes is done by
         other threads (``CopyEngine.waits``). ``desk``: where engines hand CPU memory
-        over (None: nowhere)."""
+        over (None: nowhere). ``epoch``: this incarnation's, stamped on every reply."""
         self._config = config
+        self._epoch = epoch
         self._desk = desk
         self._socket = socket
         self._registry = registry
@@ -165,6 +173,11 @@ class Receiver:
         # thread preempted by it for a while, as it sends the reply.
         sent_at = time.monotonic()
         self._send(reply.to, message)
+        if isinstance(reply.request, Job):
+            if 0 < reply.request.deadline < sent_at:
+                self._metrics.late.inc()
+            if reply.request.cancels:
+                self._answer_cancels(reply.request)
         reply = Reply(reply.session, message, reply.request)
         outcomes = outcome_counts(message.blocks) if isinstance(
             message, SaveDone | LoadDone) else collections.Counter()
@@ -182,7 +195,29 @@ class Receiver:
         return int(max(0, min(receive.max_saves_per_engine - session.saves_in_flight, room)))
 
     def _send(self, identity: bytes, message: SidecarMessage) -> None:
-        self._socket.send(identity, encode(message))
+        self._socket.send(identity, encode(msgspec.structs.replace(message, epoch=self._epoch)))
+
+    def _answer_cancels(self, job: Job) -> None:
+        """Answer the engine's cancels of ``job``, now answered itself."""
+        for seq in job.cancels:
+            self._send(job.session.identity, Cancelled(seq, job.message.seq))
+        job.cancels.clear()
+
+    async def _cancel(self, identity: bytes, message: Cancel) -> None:
+        """Stop the connection's open request ``message.request_seq``; answered once it
+        can no longer touch the engine's memory (after its completion, if it was open)."""
+        job = self._tracker.find(identity, message.request_seq)
+        self._metrics.cancels.labels("open" if job else "not_open").inc()
+        if job is None:
+            self._send(identity, Cancelled(message.seq, message.request_seq))
+            return
+        job.cancels.append(message.seq)
+        await self._tracker.stop(job, CANCELLED)
+
+    async def stop_jobs(self, identity: bytes, reason: str) -> None:
+        """Stop the open jobs of a connection whose session ends (``JobTracker.stop``)."""
+        for job in self._tracker.open_of(identity):
+            await self._tracker.stop(job, reason)
 
     def _send_error(self, identity: bytes, code: str, error: str, seq: int = 0) -> None:
         """An error reply; its text cut to what the wire takes."""
@@ -291,7 +326,8 @@ class Receiver:
                 raise
             if self._tracker.abandon(job, INTERNAL.reason):
                 await self.send_reply(Reply(job.session, _failed_completion(job), job))
-            self._tracker.answered(job)
+            if not job.copying:  # else stopped: answered once its copy returns
+                self._tracker.answered(job)
             raise _Answered from exc
 
     async def _dispatch(self, identity: bytes, peer: Peer, message: EngineMessage,
@@ -311,6 +347,9 @@ class Receiver:
         if isinstance(message, Explain):
             await self._explain(identity, peer, message)
             return
+        if isinstance(message, Cancel):  # the connection's own requests only
+            await self._cancel(identity, message)
+            return
         session = self._registry.get(identity, peer)
         if session is None:
             raise RequestRejected(ErrorCode.NOT_REGISTERED, "register before sending requests")
@@ -318,6 +357,7 @@ class Receiver:
         if isinstance(message, Heartbeat):
             self._send(identity, HeartbeatAck(message.seq))
         elif isinstance(message, Unregister):
+            await self.stop_jobs(identity, "unregistered")
             self._registry.remove(identity)
             log.info("session.unregistered", engine_id=session.engine_id)
             self._send(identity, Unregistered(message.seq))
@@ -420,6 +460,7 @@ class Receiver:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
             if isinstance(item, Job):
                 self._tracker.answered(item)
+                self._answer_cancels(item)
             raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down") from exc
 
     async def _accept_save(self, job: Job) -> None:

@@ -87,14 +87,15 @@ SAVE = (
     ), "transfer"),
     Spec("commit", lambda r: CommitStage(
         r.memory, r.store, r.tracker, r.pressure, r.events, stored=r.moved("save", "store"),
+        reads_engine=moves_in_place(r.config),
     ), "commit"),
 )
 LOAD = (
     GROUP_FILTER,
     HASHING,
     BATCHING,
-    Spec("fetch", lambda r: FetchStage(r.memory, r.tracker, fetched=r.moved("load", "store")),
-         "fetch"),
+    Spec("fetch", lambda r: FetchStage(r.memory, r.tracker, fetched=r.moved("load", "store"),
+                                       writes_engine=moves_in_place(r.config)), "fetch"),
     Spec("scatter", lambda r: ScatterStage(
         r.store, r.load_copy, r.tracker, r.events, copied=r.moved("load", "copy"),
     ), "scatter"),

@@ -226,6 +226,20 @@ class Metrics:
             "kvsidecar_sessions_reaped", "Engines reaped after going silent or exiting",
             registry=self.registry,
         )
+        self.cancels = Counter(
+            "kvsidecar_cancels", "Cancels received from engines, by whether their request "
+            "was still open", ["request"], registry=self.registry,
+        )
+        self.late = Counter(
+            "kvsidecar_late_completions",
+            "Saves and loads answered past their deadline (the engine had given up waiting)",
+            registry=self.registry,
+        )
+        self.deadlines_missed = Gauge(
+            "kvsidecar_deadlines_missed",
+            "Saves and loads stopped because their deadline passed before a copy of them "
+            "started (a count since start)", registry=self.registry,
+        )
         self.open_jobs = Gauge(
             "kvsidecar_open_jobs", "Saves and loads accepted and not yet answered",
             registry=self.registry,

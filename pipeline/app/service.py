@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import secrets
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -66,6 +67,8 @@ log = structlog.get_logger("kvsidecar.service")
 STRAGGLER_WINDOW_S = 0.1
 SWITCH_INTERVAL_S = 0.0005
 """How long a thread holds the GIL while another waits for it (Python's default: 5 ms)."""
+COPY_WAIT_S = 5.0
+"""At shutdown, how long copies in flight may take to return before the paths stop."""
 OWNER_CHECK_S = 1.0
 """How often the engines whose memory is mapped are checked for having exited."""
 KERNEL_COMPILES = 16
@@ -201,12 +204,15 @@ class Sidecar:
         self.tracker = JobTracker(self.graph.inline_first(SAVE_COMPLETION),
                                   self.graph.inline_first(LOAD_COMPLETION), history=history)
         self.metrics = self._metrics()
+        self.epoch = secrets.randbits(62) + 1
+        """This incarnation's, on every reply (``messages._Reply.epoch``)."""
         self.receiver = Receiver(
             config, socket, self.registry, self.tracker, self.metrics, self.graph.entrance,
             run_inline=self.graph.run_inline if backends.answers_at_once else None,
             load_copy_waits=backends.load_copy.waits,
             faults=faults,
             desk=desk,
+            epoch=self.epoch,
         )
         self.socket = socket
 
@@ -234,6 +240,7 @@ class Sidecar:
         pool = self.backends.pool
         metrics.sessions.set_function(lambda: len(self.registry.sessions))
         metrics.open_jobs.set_function(lambda: self.tracker.open_jobs)
+        metrics.deadlines_missed.set_function(lambda: self.tracker.deadlines_missed)
         metrics.withheld_slots.set_function(lambda: pool.withheld)
         metrics.events_dropped.set_function(lambda: self.events.dropped)
         save_slots = pool.slots - pool.load_slots
@@ -305,6 +312,7 @@ class Sidecar:
                 else:
                     continue
                 self.metrics.reaped.inc()
+                await self.receiver.stop_jobs(identity, "session_closed")
                 self.registry.remove(identity)
 
     # -- lifecycle --------------------------------------------------------------------
@@ -355,16 +363,27 @@ class Sidecar:
             with anyio.move_on_after(self.config.server.drain_timeout_s):
                 await drained.wait()
             if not drained.is_set():
-                pipeline_scope.cancel()
-                abandoned = self.tracker.abandon_open("shutdown")
-                log.warning("sidecar.drain.timeout", abandoned=len(abandoned))
-                completion = CompletionStage(self.tracker)
-                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                    for job in abandoned:
-                        await receiver.send_reply(await completion.process(job))
+                await self._stop_jobs(pipeline_scope)
             await self._answer_stragglers()
             receiver.log_refusals()
             root.cancel_scope.cancel()
+
+    async def _stop_jobs(self, pipeline: anyio.CancelScope) -> None:
+        """After a drain that timed out: stop every open job, let the copies in flight
+        return (``COPY_WAIT_S`` at most) so that their jobs are answered with what they
+        did, then stop the paths and answer the rest as failed. A job whose copy has not
+        returned is never answered: only the process's exit proves it stopped."""
+        await self.tracker.stop_open("shutdown")
+        with anyio.move_on_after(COPY_WAIT_S):
+            await self.tracker.copies_done()
+        pipeline.cancel()
+        abandoned = self.tracker.abandon_open("shutdown")
+        log.warning("sidecar.drain.timeout", abandoned=len(abandoned),
+                    copies_in_flight=self.tracker.copies_in_flight)
+        completion = CompletionStage(self.tracker)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            for job in abandoned:
+                await self.receiver.send_reply(await completion.process(job))
 
     async def _answer_stragglers(self) -> None:
         """Keep refusing new requests until engines go quiet, so that a request sent just

@@ -30,6 +30,8 @@ __all__ = [
     "TOKEN_TYPECODE",
     "BlockReport",
     "BlockWhy",
+    "Cancel",
+    "Cancelled",
     "CudaIpc",
     "CudaIpcEvent",
     "EngineMessage",
@@ -65,8 +67,10 @@ __all__ = [
     "prompt_length",
 ]
 
-PROTOCOL_VERSION = 3
-"""3: CPU memory is handed over (``Handover``, ``Register.handover``,
+PROTOCOL_VERSION = 4
+"""4: saves and loads carry a deadline and can be cancelled (``Cancel``,
+``Cancelled``); every reply carries the sidecar's ``epoch``.
+3: CPU memory is handed over (``Handover``, ``Register.handover``,
 ``TensorHandle.segment``), never named by pid, descriptor or path.
 2: a lookup with the engine's block hashes may carry only the prompt's first hash
 block (``Lookup.prompt_tokens``)."""
@@ -75,6 +79,8 @@ TICKET_BYTES = 32
 """A handover ticket's token."""
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Deadline = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
+"""Seconds of ``time.monotonic()`` (0: none)."""
 
 # Schema maxima: every peer-supplied size is bounded where it is decoded, so that no
 # frame costs the sidecar more than a small multiple of its own bytes. They are generous
@@ -169,6 +175,14 @@ def _dec_hook(kind: type, value: Any) -> Any:
 
 class _Wire(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind"):
     pass
+
+
+class _Reply(_Wire, frozen=True, kw_only=True):
+    epoch: int = 0
+    """The incarnation of the sidecar that sent it: random at each start, the same for its
+    whole life. A reply of another epoch than the registration's proves that the sidecar
+    the engine registered with is gone (a sidecar holds its endpoint's lock for life, so
+    no two incarnations run at once)."""
 
 
 # -- engine -> sidecar -------------------------------------------------------------------
@@ -356,6 +370,9 @@ class Save(_Wire, frozen=True, tag="save"):
     block_hashes: BlockHashes | None = None
     """The engine's own fine block hashes (vLLM's ``request.block_hashes``): the sidecar
     then skips hashing and only checks the first one against the tokens."""
+    deadline: Deadline = 0.0
+    """``time.monotonic()`` on the shared host past which the sidecar starts no copy of
+    the request's blocks (0: none). A copy already started is finished."""
 
 
 class Load(_Wire, frozen=True, tag="load"):
@@ -372,6 +389,17 @@ class Load(_Wire, frozen=True, tag="load"):
     computed_tokens: NonNegative = 0
     """Tokens whose KV the engine already holds (its own prefix cache): blocks that end
     at or before this are neither needed nor written."""
+    deadline: Deadline = 0.0
+    """As ``Save.deadline``."""
+
+
+class Cancel(_Wire, frozen=True, tag="cancel"):
+    """The engine no longer waits for its save or load ``request_seq``. Answered by
+    ``Cancelled`` once that request can no longer touch the engine's memory: its copies
+    finished or never started, and its completion (if it had one) sent first."""
+
+    seq: NonNegative
+    request_seq: NonNegative
 
 
 def prompt_length(message: Lookup | Save | Load) -> int:
@@ -385,13 +413,15 @@ class Unregister(_Wire, frozen=True, tag="unregister"):
     seq: NonNegative = 0
 
 
-EngineMessage = Register | Handover | Heartbeat | Lookup | Save | Load | Unregister | Explain
+EngineMessage = (
+    Register | Handover | Heartbeat | Lookup | Save | Load | Cancel | Unregister | Explain
+)
 
 
 # -- sidecar -> engine -------------------------------------------------------------------
 
 
-class Registered(_Wire, frozen=True, tag="registered"):
+class Registered(_Reply, frozen=True, tag="registered"):
     engine_id: Name
     hash_block_size: int
     lookup_alignment: int
@@ -403,7 +433,7 @@ class Registered(_Wire, frozen=True, tag="registered"):
     version: int = PROTOCOL_VERSION
 
 
-class HandoverTicket(_Wire, frozen=True, tag="handover_ticket"):
+class HandoverTicket(_Reply, frozen=True, tag="handover_ticket"):
     """A one-time token, good on the connection that asked, and the unix socket to pass
     memory files to with it."""
 
@@ -412,7 +442,7 @@ class HandoverTicket(_Wire, frozen=True, tag="handover_ticket"):
     path: Text
 
 
-class HeartbeatAck(_Wire, frozen=True, tag="heartbeat_ack"):
+class HeartbeatAck(_Reply, frozen=True, tag="heartbeat_ack"):
     seq: int = 0
 
 
@@ -430,7 +460,7 @@ class BlockWhy(msgspec.Struct, frozen=True, array_like=True):
     """How long ago what the verdict says happened (-1: unknown)."""
 
 
-class LookupReply(_Wire, frozen=True, tag="lookup_reply"):
+class LookupReply(_Reply, frozen=True, tag="lookup_reply"):
     seq: int
     hit_tokens: int
     save_credits: int = -1
@@ -468,7 +498,7 @@ _STATUS_AND_REASON = operator.attrgetter("status", "reason")
 Reports = Annotated[tuple[BlockReport, ...], msgspec.Meta(max_length=MAX_GROUPS * MAX_BLOCK_IDS)]
 
 
-class SaveDone(_Wire, frozen=True, tag="save_done"):
+class SaveDone(_Reply, frozen=True, tag="save_done"):
     seq: int
     request_id: Text
     blocks: Reports
@@ -477,7 +507,7 @@ class SaveDone(_Wire, frozen=True, tag="save_done"):
     pin blocks for it; -1: not reported)."""
 
 
-class LoadDone(_Wire, frozen=True, tag="load_done"):
+class LoadDone(_Reply, frozen=True, tag="load_done"):
     seq: int
     request_id: Text
     loaded_tokens: int
@@ -485,7 +515,15 @@ class LoadDone(_Wire, frozen=True, tag="load_done"):
     blocks: Reports
 
 
-class Unregistered(_Wire, frozen=True, tag="unregistered"):
+class Cancelled(_Reply, frozen=True, tag="cancelled"):
+    """``Cancel`` ``seq`` is done: request ``request_seq`` no longer touches the engine's
+    memory. Its completion, if it was running, came first and says what it did."""
+
+    seq: int
+    request_seq: int
+
+
+class Unregistered(_Reply, frozen=True, tag="unregistered"):
     seq: int = 0
 
 
@@ -505,7 +543,7 @@ class ErrorCode:
     """The sidecar failed to handle a message: a bug of its own, never the sender's."""
 
 
-class ErrorReply(_Wire, frozen=True, tag="error"):
+class ErrorReply(_Reply, frozen=True, tag="error"):
     code: Name
     message: Text
     seq: int = 0
@@ -513,7 +551,7 @@ class ErrorReply(_Wire, frozen=True, tag="error"):
 
 SidecarMessage = (
     Registered | HandoverTicket | HeartbeatAck | LookupReply | SaveDone | LoadDone
-    | Unregistered | ErrorReply
+    | Cancelled | Unregistered | ErrorReply
 )
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)

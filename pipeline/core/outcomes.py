@@ -12,6 +12,9 @@ import msgspec
 from pipeline.core.errors import InternalFailure, StoreError, StoreUnavailable
 
 __all__ = [
+    "CANCELLED",
+    "DEADLINE",
+    "DISCARDED",
     "LOADED",
     "MISSING",
     "OVERLOADED",
@@ -22,6 +25,7 @@ __all__ = [
     "BlockStatus",
     "KeyOutcome",
     "failed",
+    "stopped",
     "store_error_outcome",
 ]
 
@@ -54,6 +58,20 @@ not its KV (never stored), what was written did not reach it."""
 OVERLOADED = KeyOutcome(BlockStatus.SKIPPED, "overloaded")
 """A save refused as the sidecar's save path is full, or shed by the engine's client
 that was told so (``SaveDone.save_credits``)."""
+CANCELLED = "cancelled"
+"""Why a block was not moved: its engine cancelled the request (``Cancel``)."""
+DEADLINE = "deadline"
+"""Why a block was not moved: its request's deadline passed before its copy started."""
+DISCARDED = KeyOutcome(BlockStatus.SKIPPED, "discarded")
+"""A save's block copied in one batch with a block of a request stopped meanwhile: the
+batch is dropped whole, never stored."""
+
+
+def stopped(reason: str, *, saving: bool) -> KeyOutcome:
+    """The outcome of a block whose request was stopped before its copy (``reason``:
+    ``CANCELLED``, ``DEADLINE``, the session closed, shutdown): a save's is skipped, a
+    load's failed (the engine recomputes it)."""
+    return KeyOutcome(BlockStatus.SKIPPED if saving else BlockStatus.FAILED, reason)
 
 
 def failed(reason: str) -> KeyOutcome:

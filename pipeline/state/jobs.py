@@ -20,7 +20,16 @@ from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.hitrule import blocks_to_load
 from pipeline.core.layout import NULL_BLOCK_ID
 from pipeline.core.messages import BlockReport, Load, Lookup, LookupReply, Save, SidecarMessage
-from pipeline.core.outcomes import STORE_FULL, BlockStatus, KeyOutcome, store_error_outcome
+from pipeline.core.outcomes import (
+    DEADLINE,
+    DISCARDED,
+    STORE_FULL,
+    BlockStatus,
+    KeyOutcome,
+    failed,
+    stopped,
+    store_error_outcome,
+)
 from pipeline.core.runs import Run, held, lent_count, select
 from pipeline.core.seams import Values
 from pipeline.state.history import BlockHistory, content_prints
@@ -104,10 +113,23 @@ class Job:
     received_at: float = dataclasses.field(default_factory=time.monotonic)
     marks: dict[str, float] = dataclasses.field(default_factory=dict)
     """When each stage last finished a part of the job (``path.stage``: monotonic s)."""
+    stop: KeyOutcome | None = None
+    """Why the job was stopped (cancelled, deadline, session closed, shutdown): no copy
+    of its blocks starts any more, nothing it copied is stored, and its blocks not yet
+    settled are settled with this once no copy of them is in flight."""
+    copying: int = 0
+    """Batches of its blocks inside a copy of engine memory now (``JobTracker.enter``)."""
+    cancels: list[int] = dataclasses.field(default_factory=list)
+    """Seqs of the engine's ``Cancel``s of it, answered once its completion is sent."""
 
     @property
     def is_load(self) -> bool:
         return isinstance(self.message, Load)
+
+    @property
+    def deadline(self) -> float:
+        """``time.monotonic()`` past which no copy of it starts (0: none)."""
+        return self.message.deadline
 
     def report(self, task: BlockTask, outcome: KeyOutcome) -> BlockReport:
         kv_group_id = self.session.store_groups[task.store_group].kv_group_id
@@ -208,9 +230,9 @@ class StagedBatch:
         return self.tasks[0].job.session
 
     def abandoned(self) -> bool:
-        """Whether a job of the batch was answered before its blocks were settled
-        (``JobTracker.abandon``): the engine may be reusing them already."""
-        return any(task.job.done for task in self.tasks)
+        """Whether a job of the batch was stopped or answered before its blocks were
+        settled: the engine may be reusing them already."""
+        return any(task.job.done or task.job.stop is not None for task in self.tasks)
 
     @property
     def block_ids(self) -> list[int]:
@@ -276,9 +298,15 @@ class JobTracker:
         self._history = history if history is not None and history.enabled else None
         self._load_completions = load_completions or completions
         self._open: set[Job] = set()
+        self._by_seq: dict[tuple[bytes, int], Job] = {}
         self._loads = 0  # accepted, not yet finished
         self._no_loads = anyio.Event()
         self._no_loads.set()
+        self._copying = 0  # (job, batch) copies of engine memory in flight
+        self._no_copies = anyio.Event()
+        self._no_copies.set()
+        self.deadlines_missed = 0
+        """Jobs stopped as their deadline passed before a copy of them started."""
 
     @property
     def open_jobs(self) -> int:
@@ -288,8 +316,17 @@ class JobTracker:
         """Whether ``job`` was accepted and is not yet answered."""
         return job in self._open
 
+    def find(self, identity: bytes, seq: int) -> Job | None:
+        """The open job of request ``seq`` on connection ``identity``, if any."""
+        return self._by_seq.get((identity, seq))
+
+    def open_of(self, identity: bytes) -> list[Job]:
+        """The open jobs of connection ``identity``."""
+        return [job for (owner, _), job in self._by_seq.items() if owner == identity]
+
     def accept(self, job: Job) -> None:
         self._open.add(job)
+        self._by_seq[job.session.identity, job.message.seq] = job
         job.session.job_started(save=not job.is_load)
         if job.is_load:
             if not self._loads:
@@ -322,21 +359,127 @@ class JobTracker:
         job.planned = []
         if job in self._open:
             self._open.remove(job)
+            self._by_seq.pop((job.session.identity, job.message.seq), None)
             job.session.job_finished(save=not job.is_load)
 
     def plan(self, job: Job, tasks: list[BlockTask]) -> None:
-        """Set the blocks a job will settle (called once, by the group filter)."""
+        """Set the blocks a job will settle (called once, by the group filter, or by
+        ``stop`` for a job stopped before it)."""
+        if job.done:
+            return
         job.planned = tasks
         job.pending = len(tasks)
 
     async def settle(self, job: Job, outcomes: Sequence[tuple[BlockTask, KeyOutcome]]) -> None:
+        """Record what came of some of a job's blocks; the last answers it. A job already
+        finished (stopped, abandoned) takes no more."""
+        if job.done:
+            return
         reports, report = job.reports, job.report
         for task, outcome in outcomes:
             task.outcome = outcome
             reports.append(report(task, outcome))
         job.pending -= len(outcomes)
+        if job.stop is not None and job.copying == 0 and job.pending > 0:
+            self._settle_rest(job)
         if job.pending == 0:
             await self._finish(job)
+
+    def _settle_rest(self, job: Job) -> None:
+        """Settle a stopped job's blocks not yet settled with why it stopped: none is in a
+        copy, and those still on their way are dropped where a copy would start."""
+        assert job.stop is not None
+        outcome, reports, report = job.stop, job.reports, job.report
+        for task in job.planned:
+            if task.outcome is None:
+                task.outcome = outcome
+                reports.append(report(task, outcome))
+        job.pending = 0
+
+    async def stop(self, job: Job, reason: str) -> None:
+        """Stop an open job: no copy of it starts any more, and it is answered (its
+        unsettled blocks with ``reason``) as soon as no copy of it is in flight: here, or
+        when its last copy returns. A job already stopped keeps its first reason."""
+        if job.done:
+            return
+        if job.stop is None:
+            job.stop = stopped(reason, saving=not job.is_load)
+        if not job.planned and job.pending == 0:
+            self.plan(job, planned_blocks(job))
+        if job.copying == 0:
+            self._settle_rest(job)
+            await self._finish(job)
+
+    def enter(
+        self, tasks: Sequence[BlockTask], *, deadline: bool = True
+    ) -> tuple[list[BlockTask], list[BlockTask], list[KeyOutcome]]:
+        """Admit tasks to a copy of engine memory. Passed: those whose job is neither
+        stopped nor answered and (``deadline``) whose deadline has not passed; each of
+        their jobs counts one copy in flight until ``leave``. Returned beside them, to be
+        settled by the caller: the tasks of stopped jobs (a job past its deadline is
+        stopped here) with their outcomes. Tasks of answered jobs are dropped."""
+        jobs = set(map(_JOB, tasks))
+        now = time.monotonic() if deadline else 0.0
+        clear = True
+        for job in jobs:
+            if job.stop is None and not job.done and deadline and 0 < job.deadline < now:
+                job.stop = stopped(DEADLINE, saving=not job.is_load)
+                self.deadlines_missed += 1
+            clear = clear and not job.done and job.stop is None
+        if clear:
+            passed = list(tasks)
+        else:
+            passed, out, outcomes = [], [], []
+            for task in tasks:
+                job = task.job
+                if job.done:
+                    continue
+                if job.stop is None:
+                    passed.append(task)
+                else:
+                    out.append(task)
+                    outcomes.append(job.stop)
+            jobs = set(map(_JOB, passed))
+        for job in jobs:
+            job.copying += 1
+        if jobs:
+            if not self._copying:
+                self._no_copies = anyio.Event()
+            self._copying += len(jobs)
+        return (passed, [], []) if clear else (passed, out, outcomes)
+
+    def leave(self, tasks: Sequence[BlockTask]) -> None:
+        """The copy ``enter`` admitted ``tasks`` to is over."""
+        jobs = set(map(_JOB, tasks))
+        for job in jobs:
+            job.copying -= 1
+        self._copying -= len(jobs)
+        if not self._copying:
+            self._no_copies.set()
+
+    async def finish_stopped(self, tasks: Sequence[BlockTask]) -> None:
+        """Answer the jobs of ``tasks`` stopped meanwhile whose last copy has returned
+        (called after the batch's own blocks are settled, with what truly came of them)."""
+        for job in set(map(_JOB, tasks)):
+            if job.stop is not None and job.copying == 0 and not job.done:
+                self._settle_rest(job)
+                await self._finish(job)
+
+    async def discard(self, tasks: Sequence[BlockTask]) -> None:
+        """Settle the tasks of a batch dropped as a job of it was stopped: each stopped
+        job's with why it stopped, the others' ``DISCARDED`` (a save's, never stored)
+        or failed (a load's, its block not to be read)."""
+        await self._settle_by_job(
+            (task, task.job.stop or (failed("discarded") if task.job.is_load else DISCARDED))
+            for task in tasks)
+
+    async def copies_done(self) -> None:
+        """Wait until no copy of engine memory is in flight."""
+        await self._no_copies.wait()
+
+    @property
+    def copies_in_flight(self) -> int:
+        return self._copying
 
     async def settle_each(
         self, tasks: Sequence[BlockTask], outcomes: Sequence[KeyOutcome]
@@ -377,16 +520,24 @@ class JobTracker:
             self._no_loads.set()
 
     def abandon_open(self, reason: str) -> list[Job]:
-        """Jobs not yet answered, their unsettled blocks failed with ``reason`` (on abort)."""
-        jobs = list(self._open)
-        for job in jobs:
-            self.abandon(job, reason)
-        return jobs
+        """Jobs not yet answered and with no copy in flight, their unsettled blocks
+        failed with ``reason`` (on abort): to be answered by the caller."""
+        return [job for job in list(self._open) if self.abandon(job, reason)]
+
+    async def stop_open(self, reason: str) -> None:
+        """Stop every open job (``stop``)."""
+        for job in list(self._open):
+            await self.stop(job, reason)
 
     def abandon(self, job: Job, reason: str) -> bool:
         """Fail a job's unsettled blocks with ``reason`` and finish it here, whatever its
-        stages still hold (their settles no longer count); False if it had finished."""
+        stages still hold (their settles no longer count), for the caller to answer.
+        False if it had finished, or if a copy of it is in flight: it is then stopped,
+        and answered when that copy returns."""
         if job.done:
+            return False
+        if job.copying:
+            job.stop = job.stop or failed(reason)
             return False
         outcome = KeyOutcome(BlockStatus.FAILED, reason)
         job.reports.extend(

@@ -18,6 +18,8 @@ from pipeline.core.messages import (
     TICKET_BYTES,
     BlockReport,
     BlockWhy,
+    Cancel,
+    Cancelled,
     EngineMessage,
     ErrorCode,
     ErrorReply,
@@ -77,8 +79,9 @@ ENGINE_MESSAGES: list[Any] = [
     ),
     Load(
         seq=3, request_id="r", token_ids=pack_tokens((1, 2, 3, 4)), block_ids=((4, 5),),
-        num_tokens=4, keys=KEYS,
+        num_tokens=4, keys=KEYS, deadline=1234.5,
     ),
+    Cancel(seq=8, request_seq=3),
     Unregister(seq=9),
     Explain(seq=5, engine_id="engine-0", block_hashes=(b"\x01" * 32,)),
 ]
@@ -108,6 +111,7 @@ SIDECAR_MESSAGES: list[Any] = [
             BlockReport(0, 1, 5, BlockStatus.FAILED, "missing"),
         ),
     ),
+    Cancelled(seq=8, request_seq=3, epoch=77),
     Unregistered(seq=9),
     ErrorReply(ErrorCode.BAD_FRAME, "nope", seq=4),
 ]
