@@ -186,13 +186,11 @@ class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
     holding a batch's values in this process's own memory (Mooncake's segment) hands
     them to ``read_in_place`` instead, which checks and copies each in one pass.
 
-    A store call given up on (``StoreCallAbandoned``) may still touch engine memory.
-    A get may still write it, so its batch is answered only once the call has returned:
-    the engine never reuses blocks the store may still write. A put only reads it, and
-    is answered at once (failed): should the engine write a block again before the put
-    reads it, the value stored disagrees with the checksum sealed before, and no load
-    takes it. Without checksums nothing would tell, so such a put is waited for too.
-    The memory stays mapped until every such call has returned (``RegisteredMapping``).
+    A store call given up on (``StoreCallAbandoned``) may still touch engine memory: a
+    get may still write it, a put still read it. Its batch is answered only once the
+    call has returned, so no reply claims an outcome the call may still change, and the
+    engine never reuses blocks the store may still touch. The memory stays mapped
+    until every such call has returned (``RegisteredMapping``).
     """
 
     def __init__(self, pool: StagingPool, store: PiecewiseKVStore, *, skip_when_full: bool,
@@ -225,7 +223,7 @@ class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
 
         outcomes = await per_key_outcomes(call, len(hold.pieces), saving=saving,
                                           abandoned=abandoned)
-        if gone and (not saving or hold.pieces.trailers is None):
+        if gone:
             returned = anyio.Event()
             gone[0].when_returned(returned.set)
             await returned.wait()

@@ -10,14 +10,20 @@ handed over after the forward and reported once the sidecar has them; a save who
 blocks vLLM may reuse while it runs (a sliding window moving on, a preempted request)
 is waited for before the next forward, in ``handle_preemptions``.
 
-Every planned save and load is reported exactly once, success or not: a sidecar that
-is down, restarting or slow costs recomputation, never a hung engine or wrong tokens.
+A save or load is reported only once the sidecar can no longer touch its blocks (the
+client's contract): a request past ``timeout_s`` is cancelled, and reported when the
+sidecar answers the cancel or is proven gone, never on a timer alone. Every planned
+save and load is reported exactly once, success or not: a sidecar that is down or
+restarting costs recomputation, never wrong tokens. One that is stalled but alive holds
+the blocks of its requests (and a forward that must not overwrite them) until it
+answers or is restarted; the wait is logged every ``HELD_LOG_S``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
@@ -29,7 +35,7 @@ import torch
 
 from pipeline.core.errors import LayoutError, TransportError
 from pipeline.core.layout import KVCacheLayout
-from transport.client import BlockingEngineClient, KVCacheShape, LoadResult
+from transport.client import HELD_LOG_S, BlockingEngineClient, KVCacheShape, LoadResult
 from transport.tensors import Segments, tensor_handle
 from transport.vllm.config import ConnectorConfig
 from transport.vllm.layout import vllm_block_hasher
@@ -129,7 +135,14 @@ class WorkerSide:
         for req_id in plan.preempted:
             waiting.extend(s.future for s in self._saves.pop(req_id, ()))
         if waiting:
-            wait_futures(waiting, timeout=self._config.timeout_s)
+            # Until each is done: a save's future ends only once the sidecar can no
+            # longer read its blocks (answered, cancelled, or proven gone).
+            started = time.monotonic()
+            while wait_futures(waiting, timeout=HELD_LOG_S).not_done:
+                log.warning("vllm.forward.held", saves=len(waiting),
+                            held_s=round(time.monotonic() - started, 1),
+                            reason="saves of blocks this forward may overwrite are not "
+                                   "yet answered by the sidecar")
             for saves in self._saves.values():
                 for save in saves:
                     save.fence = False

@@ -8,8 +8,10 @@
    stripe by stripe in the copy's own pass (sealcopy.c), elsewhere chunk by chunk, each
    chunk hashed from L2 just after it is copied. Either way a checksum costs no second
    pass over memory.
-   (A block the engine wrote meanwhile, which it must not, then fails its check on
-   load; it is never the other way round.)
+   A checksum guards a value at rest and in transit, not against a writer during the
+   copy: each piece is hashed as it was read, so a block the engine rewrites while
+   its copy runs (which the fence contract forbids) is stored torn under a checksum
+   that matches. Only the engine's fence keeps writers out of a block being saved.
 
    The copies trust the addresses they are given: page_table, which works them out
    from block ids, refuses any id that is not a block of every segment. */
