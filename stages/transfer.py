@@ -4,11 +4,16 @@ Requests under store pressure skip without copying; a save waits while loads are
 flight (for at most ``yield_to_loads_ms``), so loads get the cores first. No copy of a
 request starts once it is stopped or past its deadline (``JobTracker.enter``); a copy
 started is finished, and its values are dropped if its request was stopped meanwhile.
+After the copy each block is hashed again where it lies: a block the engine wrote during
+the copy (breaking the fence) no longer matches its value, which may be torn, and the
+batch is dropped (``CHANGED``), never stored.
 """
 
 from __future__ import annotations
 
-from pipeline.core.outcomes import MEMORY_LOST, STORE_FULL, BlockStatus
+from collections.abc import Awaitable, Callable
+
+from pipeline.core.outcomes import CHANGED, DISCARDED, MEMORY_LOST, STORE_FULL, BlockStatus
 from pipeline.core.seams import BatchMemory, CopyEngine, Count, Values, count_nothing
 from pipeline.state.jobs import BlockTask, JobTracker, StagedBatch, StorePressure
 
@@ -25,14 +30,18 @@ class TransferStage:
         *,
         yield_to_loads_s: float = 0.0,
         copied: Count = count_nothing,
+        after_copy: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        """``copied`` hears the bytes of each batch copied out of the engine."""
+        """``copied`` hears the bytes of each batch copied out of the engine.
+        ``after_copy``: awaited between a batch's copy and its check (fault point
+        ``transfer.copied``)."""
         self._memory = memory
         self._copy = copy
         self._tracker = tracker
         self._pressure = pressure
         self._yield_s = yield_to_loads_s
         self._copied = copied
+        self._after_copy = after_copy
 
     async def process(self, tasks: list[BlockTask]) -> StagedBatch | None:
         skipped, tasks = self._pressure.split(tasks)
@@ -85,6 +94,10 @@ class TransferStage:
                 return None
             try:
                 await self._copy.gather(batch.geometry, batch.block_ids, batch.runs)
+                if self._after_copy is not None:
+                    await self._after_copy()
+                unchanged = await self._copy.unchanged(batch.geometry, batch.block_ids,
+                                                       batch.runs)
             except BaseException:
                 values.release()
                 raise
@@ -97,6 +110,11 @@ class TransferStage:
         if batch.abandoned():  # a job stopped during the copy: its blocks may be reused
             values.release()
             await tracker.discard(batch.tasks)
+            return None
+        if not all(unchanged):
+            values.release()
+            await tracker.settle_each(batch.tasks, [
+                DISCARDED if same else CHANGED for same in unchanged])
             return None
         self._copied(len(batch.tasks) * batch.geometry.stored_bytes)
         return batch

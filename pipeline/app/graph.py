@@ -13,7 +13,7 @@ section; the runner wires them (``pipeline.runner.Graph``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import anyio
 from rich.console import Console
@@ -64,6 +64,9 @@ class Resources:
     history: BlockHistory
     answers_at_once: bool
     """The store's queries wait on nothing (in-process): a query costs only its keys."""
+    after_copy: Callable[[], Awaitable[None]] | None = None
+    """Awaited between a save batch's copy and its check (fault point
+    ``transfer.copied``)."""
 
 
 Spec = StageSpec[Resources]
@@ -83,7 +86,7 @@ SAVE = (
     Spec("transfer", lambda r: TransferStage(
         r.memory, r.save_copy, r.tracker, r.pressure,
         yield_to_loads_s=r.config.stages.transfer.yield_to_loads_ms / 1000,
-        copied=r.moved("save", "copy"),
+        copied=r.moved("save", "copy"), after_copy=r.after_copy,
     ), "transfer"),
     Spec("commit", lambda r: CommitStage(
         r.memory, r.store, r.tracker, r.pressure, r.events, stored=r.moved("save", "store"),

@@ -275,6 +275,7 @@ class Sidecar:
             moved=self.metrics.mover,
             history=self.history,
             answers_at_once=backends.answers_at_once,
+            after_copy=self._fault_point("transfer.copied"),
         )
 
     async def _fail_item(self, item: Failable, error: StoreError) -> Reply | None:

@@ -353,6 +353,14 @@ class CudaCopyEngine:
 
         await anyio.to_thread.run_sync(finish, limiter=self._limiter)
 
+    async def unchanged(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
+                        runs: Sequence[Run]) -> list[bool]:
+        """GPU blocks are copied after the engine's step event, ordered on the device
+        with its forward: not hashed again (all True)."""
+        if _device_of(geometry) is None:
+            return await self._fallback.unchanged(geometry, block_ids, runs)
+        return [True] * len(block_ids)
+
     async def scatter(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                       runs: Sequence[Run]) -> list[bool]:
         device = _device_of(geometry)

@@ -302,7 +302,7 @@ class StoreConfig(_Section, frozen=True):
 FAULT_POINTS = frozenset({
     "stage.group_filter", "stage.hashing", "stage.dedup", "stage.transfer", "stage.commit",
     "stage.fetch", "stage.scatter", "store.exists", "store.put", "store.get",
-    "receive.accepted",
+    "receive.accepted", "transfer.copied",
 })
 Probability = Annotated[float, msgspec.Meta(ge=0, le=1)]
 

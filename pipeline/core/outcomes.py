@@ -13,6 +13,7 @@ from pipeline.core.errors import InternalFailure, StoreError, StoreUnavailable
 
 __all__ = [
     "CANCELLED",
+    "CHANGED",
     "DEADLINE",
     "DISCARDED",
     "LOADED",
@@ -62,9 +63,12 @@ CANCELLED = "cancelled"
 """Why a block was not moved: its engine cancelled the request (``Cancel``)."""
 DEADLINE = "deadline"
 """Why a block was not moved: its request's deadline passed before its copy started."""
+CHANGED = KeyOutcome(BlockStatus.SKIPPED, "changed_during_copy")
+"""A save's block the engine wrote while it was being copied (the fence broken): what
+was copied may be torn, and is never stored."""
 DISCARDED = KeyOutcome(BlockStatus.SKIPPED, "discarded")
-"""A save's block copied in one batch with a block of a request stopped meanwhile: the
-batch is dropped whole, never stored."""
+"""A save's block copied in one batch with a block of a request stopped meanwhile, or
+with a block changed during the copy: the batch is dropped whole, never stored."""
 
 
 def stopped(reason: str, *, saving: bool) -> KeyOutcome:

@@ -83,6 +83,13 @@ class CopyEngine(Protocol):
         """Fill value i (of ``runs``, one per block) from engine block ``block_ids[i]``,
         then seal its checksum."""
 
+    async def unchanged(
+        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], runs: Sequence[Run],
+    ) -> list[bool]:
+        """After ``gather``: whether each engine block still holds what its value was
+        copied from (False: the engine wrote it during the copy, breaking the fence; the
+        value may be torn). Engines that cannot tell answer True."""
+
     async def scatter(
         self, geometry: StoreGroupGeometry, block_ids: Sequence[int], runs: Sequence[Run],
     ) -> list[bool]:

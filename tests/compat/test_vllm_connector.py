@@ -442,6 +442,61 @@ def test_a_preempted_requests_saves_finish_before_the_next_forward(
         engine.close()
 
 
+def test_fenced_blocks_are_saved_from_a_snapshot_and_no_forward_waits(monkeypatch: Any) -> None:
+    """A save of sliding-window blocks (vLLM reuses them as the window moves on) is made
+    from a snapshot taken after the forward: with the sidecar stopped, the next step's
+    forward does not wait for it, and writes those blocks at once; once the sidecar
+    runs again, a second engine loads the bytes the blocks held when they were saved."""
+    import os
+    import signal
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    init_none_hash(get_hash_fn_by_name("sha256"))
+    config = CONFIGS["sliding_window_hybrid"]
+    swa = config.kv_cache_groups[0].layer_names
+    prompt = random_tokens(300, seed=31)
+    with run_sidecar_process() as sidecar:
+        a = Engine(sidecar.endpoint, config, "sha256", timeout_s=5)
+        b = Engine(sidecar.endpoint, config, "sha256")
+        try:
+            req_a = request("a-1", prompt, 32, "sha256")
+            assert a.lookup(req_a) == (0, False)
+            a.scheduler.update_state_after_alloc(req_a, a.allocate("a-1", 300), 0)
+            os.kill(sidecar.pid, signal.SIGSTOP)
+            try:
+                plan, _ = a.step({"a-1": 300})
+                (save,) = plan.saves
+                assert save.fence
+                saved = {layer: a.tensors[layer].clone() for layer in swa}
+                started = time.monotonic()
+                a.step({})  # the next forward: nothing to wait for
+                waited = time.monotonic() - started
+                for layer in swa:  # ... which writes the sliding-window blocks
+                    a.tensors[layer][a.block_ids["a-1"][0]] = 0
+            finally:
+                os.kill(sidecar.pid, signal.SIGCONT)
+            assert waited < 1.0, f"the forward waited {waited:.2f} s for the sidecar"
+            assert a.scheduler.request_finished_all_groups(req_a, a.block_ids["a-1"]) == (
+                True, None)
+            a.until("finished_sending", "a-1", finished={"a-1"})
+
+            req_b = request("b-1", prompt, 32, "sha256")
+            hit, _ = b.lookup(req_b)
+            assert hit == 288
+            b.scheduler.update_state_after_alloc(req_b, b.allocate("b-1", 300), hit)
+            b.step({})
+            b.until("finished_recving", "b-1")
+            assert b.worker.get_block_ids_with_load_errors() == set()
+            window = range(max(0, hit - 64 + 1) // 32, hit // 32)
+            for j in window:
+                for layer in swa:
+                    assert torch.equal(b.tensors[layer][b.block_ids["b-1"][0][j]],
+                                       saved[layer][a.block_ids["a-1"][0][j]]), j
+        finally:
+            a.close()
+            b.close()
+
+
 def test_a_scheduler_just_started_defers_its_first_lookups_then_misses_without_a_sidecar(
     tmp_path: Any,
 ) -> None:

@@ -200,3 +200,31 @@ def test_a_second_sidecar_on_a_live_endpoint_refuses_to_start() -> None:
                 return (await client.save("p", random_tokens(32, seed=5), [[1, 2]])).stored
 
         assert anyio.run(still_serves) == 2
+
+
+async def test_a_block_written_during_its_save_is_never_stored_torn() -> None:
+    """An engine that breaks the fence: it writes one block of a save while the save's
+    copy is held (fault point ``transfer.copied``, after the copy and before its check).
+    What was copied may be torn: the save reports that block changed and stores none of
+    the batch, and a fresh engine finds nothing of the prompt."""
+    engine, fresh = KVEngine(LAYOUT), KVEngine(LAYOUT)
+    tokens = random_tokens(4 * 16, seed=6)
+    fill(engine, [1, 2, 3, 4], ord("P"))
+    overrides = {"faults": {"points": {"transfer.copied": {"delay_ms": 1000}}}}
+    with run_sidecar_process(overrides) as sidecar:
+        with anyio.fail_after(TIMEOUT):
+            async with await engine.connect(sidecar.endpoint) as client:
+                saved: list[SaveResult] = []
+                async with anyio.create_task_group() as group:
+                    async def save() -> None:
+                        saved.append(await client.save("p", tokens, [[1, 2, 3, 4]]))
+
+                    group.start_soon(save)
+                    await anyio.sleep(0.5)  # copied, held before its check
+                    fill(engine, [3], ord("Z"))
+            async with await fresh.connect(sidecar.endpoint) as other:
+                hit = await other.lookup(tokens)
+    reasons = {block.block_id: block.reason for block in saved[0].blocks}
+    print(f"the save answered {reasons}; a fresh engine then hit {hit} tokens")
+    assert reasons[3] == "changed_during_copy", reasons
+    assert saved[0].stored == 0 and hit == 0, reasons

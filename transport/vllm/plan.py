@@ -37,8 +37,8 @@ class LoadPlan(_Blocks):
 class SavePlan(_Blocks):
     fence: bool
     """Some of the blocks belong to a group whose blocks vLLM frees while the request
-    runs (sliding window, chunked local, Mamba): the next step's forward waits for this
-    save, since it may write into them."""
+    runs (sliding window, chunked local, Mamba): the worker saves those from a snapshot,
+    or else the next step's forward waits for this save, since it may write into them."""
 
 
 @dataclasses.dataclass(slots=True)

@@ -6,9 +6,13 @@ forward (every view vLLM holds follows), and the sidecar maps it by descriptor.
 
 Loads were planned asynchronous by the scheduler side: they are issued after the
 step's forward (which never reads those blocks) and reported when done. Saves are
-handed over after the forward and reported once the sidecar has them; a save whose
-blocks vLLM may reuse while it runs (a sliding window moving on, a preempted request)
-is waited for before the next forward, in ``handle_preemptions``.
+handed over after the forward and reported once the sidecar has them. Blocks vLLM may
+reuse while their save runs are handled so that the forward rarely waits: those of a
+sliding window, chunked local attention or Mamba state are saved from a snapshot taken
+right after the forward (``transport.vllm.snapshot``, KV on CPU); a save still reading
+such blocks in place (KV on GPU, no snapshot free to take) or a preempted request's
+blocks (vLLM freed them) is waited for before the next forward, in
+``handle_preemptions``.
 
 A save or load is reported only once the sidecar can no longer touch its blocks (the
 client's contract): a request past ``timeout_s`` is cancelled, and reported when the
@@ -40,7 +44,9 @@ from transport.tensors import Segments, tensor_handle
 from transport.vllm.config import ConnectorConfig
 from transport.vllm.layout import vllm_block_hasher
 from transport.vllm.link import SidecarLink
-from transport.vllm.plan import LoadPlan, StepPlan
+from transport.vllm.plan import LoadPlan, SavePlan, StepPlan
+from transport.vllm.scheduler import FENCED_KINDS
+from transport.vllm.snapshot import Snapshots
 
 __all__ = ["TransferResults", "WorkerSide"]
 
@@ -97,6 +103,8 @@ class WorkerSide:
         self._finished: set[str] = set()
         self._invalid: set[int] = set()
         self.link: SidecarLink[BlockingEngineClient] | None = None
+        self._snapshots: Snapshots | None = None
+        self._snapshot_link: SidecarLink[BlockingEngineClient] | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         payload = {layer for layers in self._layout.payload_layers for layer in layers}
@@ -124,8 +132,31 @@ class WorkerSide:
             "block_hasher": vllm_block_hasher(self._hash_algo),
             "engine_id": f"vllm-worker-{os.getpid()}-{uuid.uuid4().hex[:8]}",
         })
+        fenced = [group.kind in FENCED_KINDS for group in self._layout.groups]
+        if not on_gpu and any(fenced) and self._config.snapshot_blocks:
+            self._open_snapshots(tensors, shape, fenced)
         if self.link.wait_connected(self._config.connect_timeout_s) is None:
             log.warning("vllm.register.sidecar_not_ready", endpoint=self._config.endpoint)
+
+    def _open_snapshots(self, tensors: Mapping[str, torch.Tensor], shape: KVCacheShape,
+                        fenced: list[bool]) -> None:
+        """Snapshot memory for the fenced groups' saves, registered as an engine of its
+        own (``transport.vllm.snapshot``)."""
+        snapshots = Snapshots(self._layout, tensors, 0 if shape == "blocks_first" else 1,
+                              self._config.snapshot_blocks, fenced)
+        self._snapshots = snapshots
+        self._snapshot_link = SidecarLink(
+            self._config, "worker-snapshot", BlockingEngineClient, lambda: {
+                "heartbeat_interval_s": self._config.heartbeat_interval_s,
+                "layout": self._layout,
+                "kv_caches": snapshots.tensors,
+                "kv_cache_shape": shape,
+                "hash_algo": self._hash_algo,
+                "hash_seed": os.environ.get("PYTHONHASHSEED"),
+                "block_hasher": vllm_block_hasher(self._hash_algo),
+                "engine_id": f"vllm-snapshot-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+            })
+        self._snapshot_link.wait_connected(self._config.connect_timeout_s)
 
     # -- per step ---------------------------------------------------------------------
 
@@ -168,12 +199,38 @@ class WorkerSide:
             saves = self._saves.setdefault(save.request_id, [])
             if client is None:
                 continue  # a cache fill skipped; the request still reports finished
+            block_ids, fence = save.block_ids, save.fence
+            if fence:
+                block_ids, fence = self._save_snapshot(save, saves)
+            if not any(any(ids) for ids in block_ids):
+                continue
             future = client.start_save(
-                save.request_id, save.token_ids, save.block_ids,
+                save.request_id, save.token_ids, block_ids,
                 block_hashes=save.block_hashes, timeout_s=self._config.timeout_s,
                 **save.keys,
             )
-            saves.append(_Save(future, save.fence))
+            saves.append(_Save(future, fence))
+
+    def _save_snapshot(self, save: SavePlan, saves: list[_Save]
+                       ) -> tuple[tuple[list[int], ...], bool]:
+        """Save a fenced save's fenced blocks from a snapshot taken now: the blocks left
+        to save in place, and whether the next forward must still wait for them (no
+        snapshot to take: GPU memory, none configured, or its link down)."""
+        snapshots, link = self._snapshots, self._snapshot_link
+        client = link.client() if link is not None else None
+        if snapshots is None or client is None:
+            return save.block_ids, True
+        stable, snapshot, slots = snapshots.take(save.block_ids)
+        if snapshot is None:
+            log.info("vllm.save.snapshot_full", request_id=save.request_id,
+                     skipped=snapshots.skipped)
+            return stable, False
+        future = client.start_save(
+            save.request_id, save.token_ids, snapshot, block_hashes=save.block_hashes,
+            timeout_s=self._config.timeout_s, **save.keys)
+        future.add_done_callback(lambda _: snapshots.release(slots))
+        saves.append(_Save(future, False))
+        return stable, False
 
     def transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
         results = TransferResults()
@@ -242,4 +299,6 @@ class WorkerSide:
             wait_futures(pending, timeout=self._config.timeout_s)
         if self.link is not None:
             self.link.close()
+        if self._snapshot_link is not None:
+            self._snapshot_link.close()
 

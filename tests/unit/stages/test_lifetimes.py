@@ -16,7 +16,7 @@ import tests.unit.stages.test_stages as kit
 from pipeline.backends.cpu_copy import CpuCopyEngine
 from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.messages import Load, Save
-from pipeline.core.outcomes import CANCELLED, STORED, BlockStatus
+from pipeline.core.outcomes import CANCELLED, CHANGED, DISCARDED, STORED, BlockStatus
 from pipeline.core.runs import Run
 from pipeline.core.store import Presence
 from pipeline.state.jobs import BlockTask, Job, StagedBatch, StorePressure
@@ -53,6 +53,10 @@ class HeldCopy:
         self.started.set()
         await self.release.wait()
         await self._inner.gather(geometry, block_ids, runs)
+
+    async def unchanged(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
+                        runs: list[Run]) -> list[bool]:
+        return await self._inner.unchanged(geometry, block_ids, runs)
 
     async def scatter(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                       runs: list[Run]) -> list[bool]:
@@ -240,3 +244,34 @@ async def test_abandoning_a_job_with_a_copy_in_flight_waits_for_the_copy(
     assert job.done and hybrid.finished() == [job]
     assert (BlockStatus.FAILED, "shutdown") in reasons(job)
     assert await stored_keys(hybrid, tasks) == []
+
+
+async def test_a_block_the_engine_writes_during_its_copy_is_never_stored(
+    hybrid: kit.Harness,
+) -> None:
+    """The fence broken: the engine writes a block between its copy and the check (the
+    copy held there), so what was copied may be torn. The batch is dropped: the block
+    is reported changed, its neighbour discarded, and nothing is stored."""
+    _, tasks = await named(hybrid, SAVE)
+    first, *_ = kit.by_group(tasks)
+    written = first[0]
+    layer = hybrid.session.layout.groups[written.geometry.kv_group_id].layers[0]
+
+    async def write_meanwhile() -> None:
+        hybrid.block(layer, written.block_id).add_(1.0)
+
+    transfer = TransferStage(hybrid.memory, hybrid.copy, hybrid.tracker, StorePressure(),
+                             after_copy=write_meanwhile)
+    assert await transfer.process(first) is None
+    outcomes = {(task.block_id, task.outcome) for task in first}
+    assert (written.block_id, CHANGED) in outcomes
+    assert {outcome for block, outcome in outcomes if block != written.block_id} <= {DISCARDED}
+    assert await stored_keys(hybrid, first) == []
+    assert hybrid.pool.free_slots("save") == 6
+
+    unwritten = TransferStage(hybrid.memory, hybrid.copy, hybrid.tracker, StorePressure())
+    _, tasks = await named(hybrid, kit.save(kit.tokens(8, start=300), [1, 2], [9], [0, 3]))
+    batch = kit.by_group(tasks)[0]
+    staged = await unwritten.process(batch)
+    assert staged is not None and len(staged.tasks) == len(batch)
+    staged.values.release()
