@@ -21,6 +21,8 @@ class BatchingStage:
         return id(task.job.session), task.store_group
 
     def limit_of(self, task: BlockTask) -> int:
+        if task.job.done:  # answered: its geometry may be gone; the transfer drops it
+            return self._max_blocks
         by_bytes = self._slot_bytes // task.geometry.stored_bytes
         return max(1, min(self._max_blocks, by_bytes))
 

@@ -1,9 +1,11 @@
 """Commit: make a batch's values stored, settle each block's outcome, and tell the KV
 event log which blocks were stored.
 
-A batch with a block of a stopped request is dropped whole, never stored. Values moved
-in place are read from the engine by the store call itself: that call is a copy, which
-starts only for requests neither stopped nor past their deadline (``JobTracker.enter``).
+A batch with a block of a stopped request is dropped whole, never stored. A store call
+in flight counts as a copy of its jobs (``JobTracker.enter``): a cancel waits for it,
+and is answered with what it did. Values moved in place are read from the engine by the
+store call itself: that call starts only for requests neither stopped nor past their
+deadline.
 """
 
 from __future__ import annotations
@@ -38,11 +40,11 @@ class CommitStage:
         self._reads_engine = reads_engine
 
     async def process(self, batch: StagedBatch) -> None:
-        if not self._reads_engine:
-            await self._commit(batch)
-            return
+        # The store call counts as a copy of the batch's jobs (a copy of engine memory,
+        # for values moved in place), so that a cancel waits for it and is answered with
+        # what it did, never "cancelled" for values it stored.
         tracker = self._tracker
-        passed, out, _ = tracker.enter(batch.tasks)
+        passed, out, _ = tracker.enter(batch.tasks, deadline=self._reads_engine)
         try:
             if out or len(passed) < len(batch.tasks):
                 tracker.leave(passed)
@@ -61,6 +63,7 @@ class CommitStage:
             batch.values.release()
             await self._tracker.discard(batch.tasks)
             return
+        stored_bytes = batch.geometry.stored_bytes
         outcomes = await self._memory.store(batch.values)
         if batch.session.memory_lost():
             # Values moved in place were read from the engine by the store call itself.
@@ -70,7 +73,7 @@ class CommitStage:
         self._pressure.record(batch.tasks, outcomes)
         stored = [task for task, outcome in zip(batch.tasks, outcomes, strict=True)
                   if outcome.status is BlockStatus.STORED]
-        self._stored(len(stored) * batch.geometry.stored_bytes)
+        self._stored(len(stored) * stored_bytes)
         self._events.stored(stored)
         await self._tracker.settle_each(batch.tasks, outcomes)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pipeline.core.errors import StoreError
 from pipeline.core.store import PRESENCE_OUTCOMES, KVStore, Presence
-from pipeline.state.jobs import JobTracker, TaskBatch
+from pipeline.state.jobs import JobTracker, TaskBatch, live
 
 __all__ = ["DedupStage"]
 
@@ -20,6 +20,9 @@ class DedupStage:
 
     async def process(self, tasks: TaskBatch) -> TaskBatch | None:
         """``tasks`` are one job's named blocks; returns those the store lacks."""
+        tasks = TaskBatch(live(tasks))
+        if not tasks:
+            return None
         try:
             found = await self._store.exists(
                 [task.key for task in tasks], [task.geometry.stored_bytes for task in tasks]

@@ -10,8 +10,8 @@ only for requests neither stopped nor past their deadline (``JobTracker.enter``)
 from __future__ import annotations
 
 from pipeline.core.outcomes import BlockStatus, KeyOutcome
-from pipeline.core.seams import BatchMemory, Count, count_nothing
-from pipeline.state.jobs import BlockTask, JobTracker, StagedBatch
+from pipeline.core.seams import BatchMemory, Count, Values, count_nothing
+from pipeline.state.jobs import BlockTask, JobTracker, StagedBatch, live
 
 __all__ = ["FetchStage"]
 
@@ -30,24 +30,50 @@ class FetchStage:
         self._writes_engine = writes_engine
 
     async def process(self, tasks: list[BlockTask]) -> StagedBatch | None:
+        tasks = live(tasks)
+        if not tasks:
+            return None
         if not self._writes_engine:
             return await self._fetch(tasks)
         tracker = self._tracker
-        try:
-            passed, out, outcomes = tracker.enter(tasks)
-            try:
-                if out:
-                    await tracker.settle_each(out, outcomes)
-                return await self._fetch(passed) if passed else None
-            finally:
+        tasks, out, outcomes = tracker.screen(tasks)
+        if out:
+            await tracker.settle_each(out, outcomes)
+        entered: list[BlockTask] = []
+
+        def admit() -> bool:
+            """After the slot wait: the copy starts only if no job of the batch was
+            stopped meanwhile (``JobTracker.enter``)."""
+            passed, stopped, _ = tracker.enter(tasks)
+            if stopped or len(passed) < len(tasks):
                 tracker.leave(passed)
+                return False
+            entered.extend(passed)
+            return True
+
+        try:
+            if not tasks:
+                return None
+            values = await self._memory.fetch(
+                tasks[0].geometry, [task.block_id for task in tasks],
+                [task.key for task in tasks], admit=admit)
+            if not entered:  # withdrawn: nothing reached the engine
+                values.release()
+                await tracker.discard(tasks)
+                return None
+            return await self._split(tasks, values)
         finally:
+            if entered:
+                tracker.leave(entered)
             await tracker.finish_stopped(tasks)
 
     async def _fetch(self, tasks: list[BlockTask]) -> StagedBatch | None:
         values = await self._memory.fetch(
-            tasks[0].geometry, [task.block_id for task in tasks], [task.key for task in tasks]
-        )
+            tasks[0].geometry, [task.block_id for task in tasks], [task.key for task in tasks])
+        return await self._split(tasks, values)
+
+    async def _split(self, tasks: list[BlockTask], values: Values) -> StagedBatch | None:
+        """The tasks whose value came as a batch; the others settled failed."""
         batch, missed, outcomes = StagedBatch.split(tasks, values, BlockStatus.LOADED)
         if batch is not None:
             self._fetched(len(batch.tasks) * batch.geometry.stored_bytes)

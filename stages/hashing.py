@@ -22,6 +22,8 @@ class HashingStage:
         self._limiter = limiter
 
     async def process(self, job: Job) -> TaskBatch | None:
+        if job.done:  # stopped while it waited here
+            return None
         message = job.message
         session = job.session
         if message.block_hashes is not None:

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from pipeline.core.outcomes import CHANGED, DISCARDED, MEMORY_LOST, STORE_FULL, BlockStatus
 from pipeline.core.seams import BatchMemory, CopyEngine, Count, Values, count_nothing
-from pipeline.state.jobs import BlockTask, JobTracker, StagedBatch, StorePressure
+from pipeline.state.jobs import BlockTask, JobTracker, StagedBatch, StorePressure, live
 
 __all__ = ["TransferStage"]
 
@@ -44,6 +44,7 @@ class TransferStage:
         self._after_copy = after_copy
 
     async def process(self, tasks: list[BlockTask]) -> StagedBatch | None:
+        tasks = live(tasks)
         skipped, tasks = self._pressure.split(tasks)
         if skipped:
             await self._tracker.settle_all(skipped, STORE_FULL)
@@ -60,27 +61,24 @@ class TransferStage:
             await self._tracker.finish_stopped(tasks)
 
     async def _reserve(self, tasks: list[BlockTask]) -> tuple[list[BlockTask], Values] | None:
-        """Admit the tasks to a copy (``JobTracker.enter``) and reserve their values; a
-        job stopped while the reservation waited is left out, and the rest reserved
-        again."""
+        """Reserve the values of the tasks a copy may take, then admit them to it
+        (``JobTracker.enter``): a job stopped, or past its deadline, while the reservation
+        waited is left out, and the rest reserved again. No job counts as copying while
+        it waits here: a cancel is answered at once."""
         tracker = self._tracker
         while True:
-            tasks, out, outcomes = tracker.enter(tasks)
+            tasks, out, outcomes = tracker.screen(tasks)
             if out:
                 await tracker.settle_each(out, outcomes)
             if not tasks:
                 return None
-            try:
-                values = await self._memory.reserve(
-                    tasks[0].geometry, [task.block_id for task in tasks],
-                    [task.key for task in tasks])
-            except BaseException:
-                tracker.leave(tasks)
-                raise
-            if not any(task.job.stop is not None or task.job.done for task in tasks):
+            values = await self._memory.reserve(
+                tasks[0].geometry, [task.block_id for task in tasks], [task.key for task in tasks])
+            passed, out, _ = tracker.enter(tasks)
+            if not out and len(passed) == len(tasks):
                 return tasks, values
             values.release()
-            tracker.leave(tasks)
+            tracker.leave(passed)
 
     async def _copy_out(self, tasks: list[BlockTask], values: Values) -> StagedBatch | None:
         """Copy the admitted tasks' blocks into their values: the batch to commit."""

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import os
 import time
 import uuid
@@ -87,6 +88,8 @@ LOOKUP_SPIN_S = 0.001
 BlockHasher = Callable[[Sequence[int], int], list[bytes]]
 GONE_CHECK_S = 0.25
 """How often a cancelled request's wait checks whether the sidecar is gone."""
+CANCEL_AGAIN_S = 2.0
+"""How often a cancel still unanswered is sent again."""
 HELD_LOG_S = 10.0
 """How often a request still held by a silent sidecar is logged."""
 _T = TypeVar("_T")
@@ -526,6 +529,9 @@ class EngineClient(AsyncResource):
                     else:
                         self.registered = registered
             if self.registered is not known:
+                if isinstance(message, Save | Load):  # its own time again, not what is left
+                    message = msgspec.structs.replace(message,
+                                                      deadline=self._deadline(timeout_s))
                 reply = await self._exchange(seq, message, timeout_s)
         if isinstance(reply, ErrorReply):
             raise RequestRejected(reply.code, reply.message)
@@ -593,13 +599,16 @@ class EngineClient(AsyncResource):
         self.held += 1
         started = time.monotonic()
         logged = started
-        sent = False
+        sent_at = -math.inf
         try:
             while True:
                 with anyio.move_on_after(GONE_CHECK_S):
-                    if not sent:  # a stalled sidecar's full queue blocks the send
+                    # Sent again now and then: a sidecar that took the first one and died
+                    # cannot answer it, and a new one answers one at once (with its epoch).
+                    # A stalled sidecar's full queue blocks the send: within the wait.
+                    if time.monotonic() - sent_at > CANCEL_AGAIN_S:
                         await self._frames.send_multipart([encode(Cancel(cancel, seq))])
-                        sent = True
+                        sent_at = time.monotonic()
                     await self._receive_until((seq, cancel))
                 if seq in self._replies or cancel in self._replies:
                     return

@@ -27,10 +27,15 @@ LOCK_WAIT_S = 2.0
 
 
 def lock_path(endpoint: str) -> Path | None:
-    """The lock file of an ``ipc://`` endpoint (None for any other transport)."""
+    """The lock file of an ``ipc://`` endpoint at an absolute path (None for any other:
+    another transport, an abstract socket, which no second bind can replace, or a path
+    relative to a working directory the engine may not share)."""
     if not endpoint.startswith("ipc://"):
         return None
-    return Path(endpoint.removeprefix("ipc://") + LOCK_SUFFIX)
+    path = Path(endpoint.removeprefix("ipc://"))
+    if not path.is_absolute():
+        return None
+    return path.with_name(path.name + LOCK_SUFFIX)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ import contextlib
 import os
 import stat
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import cast
@@ -271,14 +272,10 @@ class SidecarSocket:
         _check_endpoint(config)
         curve_keys = _curve_keys(config)  # read before anything needs closing
         self.ipc_path: Path | None = None
-        self._lock = contextlib.ExitStack()
         if config.endpoint.startswith("ipc://"):
             self.ipc_path = Path(config.endpoint.removeprefix("ipc://"))
             if self.ipc_path.parent == runtime_dir():
                 private_directory(self.ipc_path.parent)
-            # Before the bind, which would replace a live sidecar's socket file.
-            self._lock.enter_context(hold_endpoint(self.ipc_path.with_name(
-                self.ipc_path.name + LOCK_SUFFIX)))
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._frames = FastSocket(self._socket, fair=True)
@@ -316,7 +313,6 @@ class SidecarSocket:
                 self._socket.bind(config.endpoint)
         except zmq.ZMQError as exc:
             self._close_zmq()
-            self._lock.close()
             raise TransportError(f"cannot bind {config.endpoint}: {exc}") from exc
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -374,7 +370,6 @@ class SidecarSocket:
         self._close_zmq()
         if self.ipc_path is not None:
             self.ipc_path.unlink(missing_ok=True)
-        self._lock.close()
 
     def __enter__(self) -> SidecarSocket:
         return self
@@ -393,6 +388,22 @@ def _property(frame: zmq.Frame, name: str) -> str | None:
         return cast(str, frame.get(name))
     except zmq.ZMQError:  # not set for this connection
         return None
+
+
+@contextlib.contextmanager
+def hold_endpoint_of(config: ServerConfig) -> Iterator[None]:
+    """Hold the endpoint's lock (``transport.liveness``) while inside: a sidecar holds
+    it from before its backends open until after they closed (an ``ipc://`` endpoint
+    with a file; others have none). Its directory is checked first, as the socket's."""
+    endpoint = config.endpoint
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        yield
+        return
+    path = Path(endpoint.removeprefix("ipc://")).absolute()
+    if path.parent == runtime_dir():
+        private_directory(path.parent)
+    with hold_endpoint(path.with_name(path.name + LOCK_SUFFIX)):
+        yield
 
 
 def open_server_socket(config: ServerConfig, tenancy: Tenancy) -> SidecarSocket:

@@ -43,7 +43,7 @@ from pipeline.state.registry import LayerTensors, MappingBudget, SessionRegistry
 from stages.completion import CompletionStage
 from transport.events import EventPublisher
 from transport.handover import Handed, HandoverDesk
-from transport.server import SidecarSocket, open_server_socket
+from transport.server import SidecarSocket, hold_endpoint_of, open_server_socket
 from transport.tensors import MappedTensors
 
 __all__ = ["Sidecar", "run_sidecar"]
@@ -422,8 +422,12 @@ async def run_sidecar(
 
     tenancy = Tenancy(config.tenants, config.server.operators,
                       insecure=config.server.allow_insecure_tcp)
-    async with open_backends(config, faults, on_evicted=evicted, alone=alone) as backends:
-        with open_server_socket(config.server, tenancy) as socket, open_handover_desk(
-                socket, config.server) as desk:
-            sidecar = Sidecar(config, backends, socket, faults, events, history, tenancy, desk)
-            await sidecar.run(stop, task_status=task_status)
+    # The endpoint's lock first and last: while it is held, no other sidecar binds the
+    # endpoint, and engines know this one may still touch their memory.
+    with hold_endpoint_of(config.server):
+        async with open_backends(config, faults, on_evicted=evicted, alone=alone) as backends:
+            with open_server_socket(config.server, tenancy) as socket, open_handover_desk(
+                    socket, config.server) as desk:
+                sidecar = Sidecar(config, backends, socket, faults, events, history,
+                                  tenancy, desk)
+                await sidecar.run(stop, task_status=task_status)

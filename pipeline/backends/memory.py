@@ -42,6 +42,8 @@ from pipeline.core.store import (
 __all__ = ["STAGING_FULL", "InPlaceMemory", "LentMemory", "StagingMemory", "per_key_outcomes"]
 
 STAGING_FULL = KeyOutcome(BlockStatus.SKIPPED, "staging_full")
+NOT_ADMITTED = KeyOutcome(BlockStatus.FAILED, "not_admitted")
+"""A fetch whose caller withdrew it before the store call (``fetch``'s ``admit``)."""
 
 S = TypeVar("S", KVStore, PiecewiseKVStore)
 
@@ -110,12 +112,17 @@ class _SlotMemory(Generic[S]):
             values.release()
 
     async def fetch(
-        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
+        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str],
+        *, admit: Callable[[], bool] | None = None,
     ) -> Values:
         """Fetch into a load slot, which goes back only on failure: the values are
-        returned readable, and released by whoever reads them."""
-        values = self._values(await self._pool.take("load"), geometry, block_ids, keys,
-                              loading=True)
+        returned readable, and released by whoever reads them. ``admit``: asked once the
+        slot is taken, before the store call; False: no call, every key refused."""
+        slot = await self._pool.take("load")
+        if admit is not None and not admit():
+            self._pool.release(slot)
+            return _refused(keys, NOT_ADMITTED)
+        values = self._values(slot, geometry, block_ids, keys, loading=True)
         try:
             values.outcomes = await self._get(values)
         except BaseException:
@@ -186,11 +193,15 @@ class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
     holding a batch's values in this process's own memory (Mooncake's segment) hands
     them to ``read_in_place`` instead, which checks and copies each in one pass.
 
-    A store call given up on (``StoreCallAbandoned``) may still touch engine memory: a
-    get may still write it, a put still read it. Its batch is answered only once the
-    call has returned, so no reply claims an outcome the call may still change, and the
-    engine never reuses blocks the store may still touch. The memory stays mapped
-    until every such call has returned (``RegisteredMapping``).
+    A store call given up on (``StoreCallAbandoned``) may still touch engine memory.
+    A get may still write it, so its batch is answered only once the call has returned
+    (a shutdown does not cut that wait short): the engine never reuses blocks the store
+    may still write. A put only reads it, and is answered at once (failed), so that a
+    hung store holds no engine's blocks for its own timeout: should the engine write a
+    block again before the put reads it, the value stored disagrees with the checksum
+    sealed before, and no load takes it. Without checksums nothing would tell, so such a
+    put is waited for too. The memory stays mapped until every such call has returned
+    (``RegisteredMapping``).
     """
 
     def __init__(self, pool: StagingPool, store: PiecewiseKVStore, *, skip_when_full: bool,
@@ -223,10 +234,11 @@ class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
 
         outcomes = await per_key_outcomes(call, len(hold.pieces), saving=saving,
                                           abandoned=abandoned)
-        if gone:
+        if gone and (not saving or hold.pieces.trailers is None):
             returned = anyio.Event()
             gone[0].when_returned(returned.set)
-            await returned.wait()
+            with anyio.CancelScope(shield=True):
+                await returned.wait()
         return outcomes
 
     def _values(self, slot: Slot, geometry: StoreGroupGeometry, block_ids: Sequence[int],
@@ -286,8 +298,11 @@ class LentMemory:
         return [outcome for outcome, has in zip(committed, lent, strict=True) if has]
 
     async def fetch(
-        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
+        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str],
+        *, admit: Callable[[], bool] | None = None,
     ) -> Values:
+        if admit is not None and not admit():
+            return _refused(keys, NOT_ADMITTED)
         try:
             extents = await self._store.lease(keys, geometry.stored_bytes)
         except StoreError as exc:

@@ -63,11 +63,14 @@ class BatchMemory(Protocol):
         memory back. A store error is an outcome per key, never raised."""
 
     async def fetch(
-        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
+        self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str],
+        *, admit: Callable[[], bool] | None = None,
     ) -> Values:
         """Load: each key's stored value, readable (outcome ``LOADED``), or why there is
         none, on its way to engine block ``block_ids[i]``. A store error is an outcome
-        per key, never raised."""
+        per key, never raised. ``admit``: asked after any wait, before the store call
+        (which, for values moved in place, writes the engine's blocks); False: no call,
+        every key refused."""
 
 
 class CopyEngine(Protocol):

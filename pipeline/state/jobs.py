@@ -46,6 +46,7 @@ __all__ = [
     "StagedBatch",
     "StorePressure",
     "TaskBatch",
+    "live",
     "load_bytes",
     "mark_done",
     "planned_blocks",
@@ -261,6 +262,12 @@ class LookupRequest:
 _JOB = operator.attrgetter("job")
 
 
+def live(tasks: Sequence[BlockTask]) -> list[BlockTask]:
+    """The tasks whose job is not yet answered: a stage drops the others unread (their
+    session may have let go of its memory and geometry already)."""
+    return [task for task in tasks if not task.job.done]
+
+
 def mark_done(stage: str, item: object) -> None:
     """Note that ``stage`` has finished its part of the requests ``item`` carries (a job,
     a lookup, or a batch of blocks of one or more jobs)."""
@@ -409,6 +416,15 @@ class JobTracker:
         if job.copying == 0:
             self._settle_rest(job)
             await self._finish(job)
+
+    def screen(
+        self, tasks: Sequence[BlockTask], *, deadline: bool = True
+    ) -> tuple[list[BlockTask], list[BlockTask], list[KeyOutcome]]:
+        """``enter``'s choice, counting no copy: for a stage to leave out what no copy
+        will take before it waits for anything (a staging slot)."""
+        passed, out, outcomes = self.enter(tasks, deadline=deadline)
+        self.leave(passed)
+        return passed, out, outcomes
 
     def enter(
         self, tasks: Sequence[BlockTask], *, deadline: bool = True

@@ -11,9 +11,10 @@ A slot is free again once its save's call is over (the client's contract: the si
 no longer reads it). With too few slots free, a save's fenced blocks are not saved (a
 cache fill skipped), never waited for.
 
-Snapshot memory holds ``slots`` blocks (block 0 is vLLM's null block, never used) of
-each fenced group's layers, and one block of every other stored layer: the registration
-names every stored layer, but only fenced ones are ever saved from it.
+Snapshot memory holds ``1 + slots`` blocks of every stored layer (block 0 stands for
+vLLM's null block, never used): the registration names every stored layer, with one
+block count (as the sidecar's vLLM value format requires), though only fenced layers
+are ever saved from it.
 """
 
 from __future__ import annotations
@@ -39,13 +40,11 @@ class Snapshots:
         self._fenced = list(fenced)
         self._sources = dict(tensors)
         self._block_dim = block_dim
-        fenced_layers = {layer for group, is_fenced in zip(layout.groups, fenced, strict=True)
-                         if is_fenced for layer in group.layers}
         self.tensors: dict[str, torch.Tensor] = {}
         """The snapshot memory, a tensor per stored layer (register these)."""
         for layer, source in self._sources.items():
             shape = list(source.shape)
-            shape[block_dim] = 1 + (slots if layer in fenced_layers else 0)
+            shape[block_dim] = 1 + slots
             self.tensors[layer] = shared_kv_tensor(shape, source.dtype)
         self._free = list(range(slots, 0, -1))
         self._lock = threading.Lock()

@@ -225,9 +225,13 @@ class WorkerSide:
             log.info("vllm.save.snapshot_full", request_id=save.request_id,
                      skipped=snapshots.skipped)
             return stable, False
-        future = client.start_save(
-            save.request_id, save.token_ids, snapshot, block_hashes=save.block_hashes,
-            timeout_s=self._config.timeout_s, **save.keys)
+        try:
+            future = client.start_save(
+                save.request_id, save.token_ids, snapshot, block_hashes=save.block_hashes,
+                timeout_s=self._config.timeout_s, **save.keys)
+        except BaseException:
+            snapshots.release(slots)
+            raise
         future.add_done_callback(lambda _: snapshots.release(slots))
         saves.append(_Save(future, False))
         return stable, False

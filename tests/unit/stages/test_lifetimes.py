@@ -14,13 +14,16 @@ import torch
 
 import tests.unit.stages.test_stages as kit
 from pipeline.backends.cpu_copy import CpuCopyEngine
+from pipeline.core.config import BatchingStageConfig
 from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.messages import Load, Save
 from pipeline.core.outcomes import CANCELLED, CHANGED, DISCARDED, STORED, BlockStatus
 from pipeline.core.runs import Run
 from pipeline.core.store import Presence
-from pipeline.state.jobs import BlockTask, Job, StagedBatch, StorePressure
+from pipeline.state.jobs import BlockTask, Job, StagedBatch, StorePressure, TaskBatch
+from stages.batching import BatchingStage
 from stages.commit import CommitStage
+from stages.dedup import DedupStage
 from stages.fetch import FetchStage
 from stages.group_filter import GroupFilterStage
 from stages.hashing import HashingStage
@@ -275,3 +278,54 @@ async def test_a_block_the_engine_writes_during_its_copy_is_never_stored(
     staged = await unwritten.process(batch)
     assert staged is not None and len(staged.tasks) == len(batch)
     staged.values.release()
+
+
+async def test_a_save_waiting_for_a_staging_slot_is_cancelled_at_once(
+    hybrid: kit.Harness,
+) -> None:
+    """A save waiting for a staging slot has touched nothing: a cancel is answered there
+    and then, not once a slot frees; when one does, the save copies nothing."""
+    job, tasks = await named(hybrid, SAVE)
+    taken = [await hybrid.pool.take("save") for _ in range(hybrid.pool.free_slots("save"))]
+    transfer = TransferStage(hybrid.memory, hybrid.copy, hybrid.tracker, StorePressure())
+    first, *_ = kit.by_group(tasks)
+    staged: list[StagedBatch | None] = []
+    async with anyio.create_task_group() as group:
+        async def copy() -> None:
+            staged.append(await transfer.process(first))
+
+        group.start_soon(copy)
+        await anyio.wait_all_tasks_blocked()
+        await hybrid.tracker.stop(job, CANCELLED)
+        assert job.done and hybrid.finished() == [job], "the cancel waited for a slot"
+        for slot in taken:
+            hybrid.pool.release(slot)
+    assert staged == [None]
+    assert await stored_keys(hybrid, tasks) == []
+    assert hybrid.pool.free_slots("save") == 6 and hybrid.tracker.copies_in_flight == 0
+
+
+async def test_blocks_of_an_answered_job_of_a_closed_session_pass_every_stage_unread(
+    hybrid: kit.Harness,
+) -> None:
+    """A session closed (its engine reaped) once its stopped jobs are answered lets go of
+    its memory and geometry: the jobs' blocks still on their way are dropped by each
+    stage unread, never failing it (a batcher that fails ends the sidecar)."""
+    save_job, save_tasks = await named(hybrid, SAVE)
+    await kit.run_save(hybrid, kit.save(kit.tokens(8, start=700), [4, 5], [9], [0, 6]))
+    load_job, load_tasks = await named(hybrid, kit.load(kit.tokens(8, start=700), 8,
+                                                        [10, 11], [12], [0, 13]))
+    for job in (save_job, load_job):
+        await hybrid.tracker.stop(job, "session_closed")
+    for job in hybrid.finished():  # answered (the completion stage's part)
+        hybrid.tracker.answered(job)
+    hybrid.session.close()
+    assert hybrid.session.store_groups == ()
+    batching = BatchingStage(BatchingStageConfig(), 4096)
+    assert all(batching.limit_of(task) >= 1 for task in save_tasks + load_tasks)
+    assert await DedupStage(hybrid.store, hybrid.tracker).process(
+        TaskBatch(save_tasks)) is None
+    transfer = TransferStage(hybrid.memory, hybrid.copy, hybrid.tracker, StorePressure())
+    assert await transfer.process(save_tasks) is None
+    assert await FetchStage(hybrid.memory, hybrid.tracker).process(load_tasks) is None
+    assert hybrid.pool.free_slots("save") == 6 and hybrid.pool.free_slots("load") == 2
