@@ -431,6 +431,9 @@ class Registered(_Reply, frozen=True, tag="registered"):
     save_capacity_blocks: int
     """Blocks the staging pool can hold at once: a hint for skipping saves early."""
     version: int = PROTOCOL_VERSION
+    value_format: Name = "native"
+    """How the sidecar lays values out (``store.value_format``): ``vllm`` values span every
+    stored layer of a block id, so a save cannot be split by kv-cache group."""
 
 
 class HandoverTicket(_Reply, frozen=True, tag="handover_ticket"):

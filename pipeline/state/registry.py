@@ -203,6 +203,7 @@ class SessionRegistry:
                 store_group_ids=layout.prefix_cacheable_group_ids,
                 layout_fingerprint=layout.fingerprint,
                 save_capacity_blocks=capacity,
+                value_format=str(self._value_format),
             )
         except BaseException:
             if mapping is not None:

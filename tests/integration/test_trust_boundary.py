@@ -22,6 +22,7 @@ import zmq
 
 from pipeline.core.hashing import block_hashes
 from pipeline.core.messages import (
+    PROTOCOL_VERSION,
     ErrorReply,
     Explain,
     Load,
@@ -179,10 +180,10 @@ async def test_a_peer_cannot_map_another_processes_memory_by_its_pid(
             abuse, sidecar.endpoint, old_register("thief", pid, fd))
         raw = Raw(sidecar.endpoint)
         try:
-            current = raw.call(old_register("thief", pid, fd, version=3))
+            current = raw.call(old_register("thief", pid, fd, version=PROTOCOL_VERSION))
         finally:
             raw.close()
-    figures = f"answered {steps}; as version 3: {current}"
+    figures = f"answered {steps}; as the current version: {current}"
     assert secret(pid, fd) == before, f"the victim's memory was overwritten: {figures}"
     assert steps == ["bad_version"], figures
     assert isinstance(current, ErrorReply) and current.code == "bad_frame", figures

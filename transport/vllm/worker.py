@@ -137,6 +137,8 @@ class WorkerSide:
             self._open_snapshots(tensors, shape, fenced)
         if self.link.wait_connected(self._config.connect_timeout_s) is None:
             log.warning("vllm.register.sidecar_not_ready", endpoint=self._config.endpoint)
+        if self._snapshot_link is not None:
+            self._snapshot_link.wait_connected(self._config.connect_timeout_s)
 
     def _open_snapshots(self, tensors: Mapping[str, torch.Tensor], shape: KVCacheShape,
                         fenced: list[bool]) -> None:
@@ -156,7 +158,6 @@ class WorkerSide:
                 "block_hasher": vllm_block_hasher(self._hash_algo),
                 "engine_id": f"vllm-snapshot-{os.getpid()}-{uuid.uuid4().hex[:8]}",
             })
-        self._snapshot_link.wait_connected(self._config.connect_timeout_s)
 
     # -- per step ---------------------------------------------------------------------
 
@@ -211,11 +212,24 @@ class WorkerSide:
             )
             saves.append(_Save(future, fence))
 
+    def _close_snapshots(self) -> None:
+        if self._snapshot_link is not None:
+            log.info("vllm.save.snapshots_off", reason="the sidecar stores vllm-format "
+                     "values, which span every layer: fenced saves read in place")
+            self._snapshot_link.close()
+        self._snapshots = self._snapshot_link = None
+
     def _save_snapshot(self, save: SavePlan, saves: list[_Save]
                        ) -> tuple[tuple[list[int], ...], bool]:
         """Save a fenced save's fenced blocks from a snapshot taken now: the blocks left
         to save in place, and whether the next forward must still wait for them (no
         snapshot to take: GPU memory, none configured, or its link down)."""
+        main = self.link.client() if self.link is not None else None
+        registered = main.registered if main is not None else None
+        if registered is not None and registered.value_format != "native":
+            # A vllm-format value spans every stored layer of a block id: no group of a
+            # save can be taken apart from the others. Snapshots are of no use.
+            self._close_snapshots()
         snapshots, link = self._snapshots, self._snapshot_link
         client = link.client() if link is not None else None
         if snapshots is None or client is None:
