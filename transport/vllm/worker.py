@@ -105,6 +105,9 @@ class WorkerSide:
         self.link: SidecarLink[BlockingEngineClient] | None = None
         self._snapshots: Snapshots | None = None
         self._snapshot_link: SidecarLink[BlockingEngineClient] | None = None
+        self._snapshot_from: tuple[Mapping[str, torch.Tensor], KVCacheShape,
+                                   list[bool]] | None = None
+        """What snapshot memory is made from, until it is made."""
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         payload = {layer for layers in self._layout.payload_layers for layer in layers}
@@ -134,16 +137,39 @@ class WorkerSide:
         })
         fenced = [group.kind in FENCED_KINDS for group in self._layout.groups]
         if not on_gpu and any(fenced) and self._config.snapshot_blocks:
-            self._open_snapshots(tensors, shape, fenced)
+            self._snapshot_from = (tensors, shape, fenced)
         if self.link.wait_connected(self._config.connect_timeout_s) is None:
             log.warning("vllm.register.sidecar_not_ready", endpoint=self._config.endpoint)
-        if self._snapshot_link is not None:
+        elif self._snapshots_wanted():
+            self._open_snapshots()
+            assert self._snapshot_link is not None
             self._snapshot_link.wait_connected(self._config.connect_timeout_s)
 
-    def _open_snapshots(self, tensors: Mapping[str, torch.Tensor], shape: KVCacheShape,
-                        fenced: list[bool]) -> None:
+    def _snapshots_wanted(self) -> bool:
+        """Whether snapshot memory is to be made now: it could be (fenced groups, KV on
+        CPU, ``snapshot_blocks``), is not yet, and the sidecar stores native values (a
+        vllm-format value spans every stored layer of a block id: a save cannot be taken
+        apart by group, and a registration of other tensors would change the value
+        size lookups expect)."""
+        if self._snapshot_from is None:
+            return False
+        client = self.link.client() if self.link is not None else None
+        registered = client.registered if client is not None else None
+        if registered is None:
+            return False
+        if registered.value_format != "native":
+            self._snapshot_from = None
+            log.info("vllm.save.snapshots_off", reason="the sidecar stores vllm-format "
+                     "values, which span every layer: fenced saves read in place")
+            return False
+        return True
+
+    def _open_snapshots(self) -> None:
         """Snapshot memory for the fenced groups' saves, registered as an engine of its
-        own (``transport.vllm.snapshot``)."""
+        own (``transport.vllm.snapshot``); its link connects in the background."""
+        assert self._snapshot_from is not None
+        tensors, shape, fenced = self._snapshot_from
+        self._snapshot_from = None
         snapshots = Snapshots(self._layout, tensors, 0 if shape == "blocks_first" else 1,
                               self._config.snapshot_blocks, fenced)
         self._snapshots = snapshots
@@ -212,24 +238,13 @@ class WorkerSide:
             )
             saves.append(_Save(future, fence))
 
-    def _close_snapshots(self) -> None:
-        if self._snapshot_link is not None:
-            log.info("vllm.save.snapshots_off", reason="the sidecar stores vllm-format "
-                     "values, which span every layer: fenced saves read in place")
-            self._snapshot_link.close()
-        self._snapshots = self._snapshot_link = None
-
     def _save_snapshot(self, save: SavePlan, saves: list[_Save]
                        ) -> tuple[tuple[list[int], ...], bool]:
         """Save a fenced save's fenced blocks from a snapshot taken now: the blocks left
         to save in place, and whether the next forward must still wait for them (no
         snapshot to take: GPU memory, none configured, or its link down)."""
-        main = self.link.client() if self.link is not None else None
-        registered = main.registered if main is not None else None
-        if registered is not None and registered.value_format != "native":
-            # A vllm-format value spans every stored layer of a block id: no group of a
-            # save can be taken apart from the others. Snapshots are of no use.
-            self._close_snapshots()
+        if self._snapshots_wanted():  # the sidecar was not up at registration
+            self._open_snapshots()
         snapshots, link = self._snapshots, self._snapshot_link
         client = link.client() if link is not None else None
         if snapshots is None or client is None:
