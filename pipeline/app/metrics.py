@@ -240,6 +240,11 @@ class Metrics:
             "Saves and loads stopped because their deadline passed before a copy of them "
             "started (a count since start)", registry=self.registry,
         )
+        self.copies_in_flight = Gauge(
+            "kvsidecar_copies_in_flight",
+            "Copies of engine memory (and store calls) of saves and loads in flight: a "
+            "cancel of their request waits for them", registry=self.registry,
+        )
         self.open_jobs = Gauge(
             "kvsidecar_open_jobs", "Saves and loads accepted and not yet answered",
             registry=self.registry,

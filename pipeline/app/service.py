@@ -241,6 +241,7 @@ class Sidecar:
         metrics.sessions.set_function(lambda: len(self.registry.sessions))
         metrics.open_jobs.set_function(lambda: self.tracker.open_jobs)
         metrics.deadlines_missed.set_function(lambda: self.tracker.deadlines_missed)
+        metrics.copies_in_flight.set_function(lambda: self.tracker.copies_in_flight)
         metrics.withheld_slots.set_function(lambda: pool.withheld)
         metrics.events_dropped.set_function(lambda: self.events.dropped)
         save_slots = pool.slots - pool.load_slots

@@ -156,6 +156,7 @@ def _store(now: Snapshot) -> Table:
                                             f"{slots.get((lane, 'total'), 0):.0f} slots in use")
     table.add_row("withheld slots", f"{now.total('kvsidecar_staging_withheld_slots'):.0f}")
     for name, what in (("kvsidecar_sessions", "engines"), ("kvsidecar_open_jobs", "open jobs"),
+                       ("kvsidecar_copies_in_flight", "copies of engine memory in flight"),
                        ("kvsidecar_sessions_reaped_total", "engines reaped")):
         table.add_row(what, f"{now.total(name):.0f}")
     return table
@@ -196,6 +197,13 @@ def _traffic(now: Snapshot, before: Snapshot | None) -> Table:
     for (code,), count in sorted(now.by("kvsidecar_rejected_total", "code").items()):
         recent = _since(now, before, "kvsidecar_rejected_total", code=code)
         row(f"refused ({code})", f"{count:.0f}", f"{recent:.0f}")
+    for (request,), count in sorted(now.by("kvsidecar_cancels_total", "request").items()):
+        recent = _since(now, before, "kvsidecar_cancels_total", request=request)
+        row(f"cancels ({request.replace('_', ' ')} request)", f"{count:.0f}", f"{recent:.0f}")
+    for name, what in (("kvsidecar_deadlines_missed", "deadlines missed"),
+                       ("kvsidecar_late_completions_total", "completions past deadline")):
+        if now.by(name):
+            row(what, f"{now.total(name):.0f}", f"{_since(now, before, name):.0f}")
     return table
 
 

@@ -56,12 +56,14 @@ class Engines:
         (workdir / "prompts.json").write_text(json.dumps(self.prompts))
         self.runs = 0
 
-    def run(self, endpoint: str | None = None, *, again: bool = False) -> list[dict[str, Any]]:
+    def run(self, endpoint: str | None = None, *, again: bool = False,
+            connector: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         self.runs += 1
         out = self.workdir / f"run-{self.runs}.json"
         args = ["generate", str(self.model), str(self.workdir / "prompts.json"), str(out)]
         args += ["--endpoint", endpoint] if endpoint else []
         args += ["--again"] if again else []
+        args += ["--connector", json.dumps(connector)] if connector else []
         run_kit(*args, log=self.workdir / f"run-{self.runs}.log")
         results: list[dict[str, Any]] = json.loads(out.read_text())
         return results
@@ -158,6 +160,30 @@ def test_loads_that_fail_their_checksum_are_recomputed_never_used(
     assert refused > 0, "no load was refused"
     assert same_output(computed, baseline)
     assert same_output(recomputed, baseline), (recomputed, baseline)
+
+
+def test_a_sidecar_too_slow_for_the_engine_never_changes_its_output(
+    engines: tuple[Engines, dict[str, Any]],
+) -> None:
+    """Every save reaches its copy only after the engine's timeout (a stalled sidecar):
+    the engine cancels them and holds their blocks until the sidecar answers, so no
+    copy reads blocks vLLM reused. The engine's output equals the baseline, and so does
+    a second engine's on the same sidecar, loading whatever the first stored."""
+    runner, baseline = engines
+    slow = {"faults": {"points": {"stage.transfer": {"delay_ms": 1500}}}}
+    with run_sidecar_process(slow, metrics=True) as sidecar:
+        (first,) = runner.run(sidecar.endpoint, connector={"timeout_s": 0.5})
+        (second,) = runner.run(sidecar.endpoint, connector={"timeout_s": 0.5})
+        counted = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for s in sidecar.metrics()}
+    missed = counted[("kvsidecar_deadlines_missed", ())]
+    cancelled = counted.get(("kvsidecar_cancels_total", (("request", "open"),)), 0.0)
+    print(f"\n{runner.model.name} on a slow sidecar: deadlines missed {missed:.0f}, cancels "
+          f"of open requests {cancelled:.0f}; the second engine loaded "
+          f"{second['num_cached_tokens']} tokens")
+    assert missed + cancelled > 0, "no save outlived the engine's timeout"
+    assert same_output(first, baseline), (first, baseline)
+    assert same_output(second, baseline), (second, baseline)
 
 
 @pytest.mark.mooncake

@@ -224,8 +224,9 @@ async def test_loads_and_lookups_received_behind_saves_are_answered_before_them(
     sidecar: SidecarProcess,
 ) -> None:
     """Saves, then a lookup and a load, all waiting at the socket at once (sent while
-    the sidecar was stopped): the lookup and the load are answered first, then every
-    save, each with all its blocks stored, and the load lands byte for byte."""
+    the sidecar was stopped): the lookup and the load are answered before the saves (but
+    the first, which may be read before the rest reached the socket), every save with all
+    its blocks stored, and the load lands byte for byte."""
     layout = {"model": "m", "groups": [
         {"kind": "full_attention", "block_size": 16, "layers": ["l0", "l1"],
          "page_bytes": 4096}]}
@@ -262,8 +263,13 @@ async def test_loads_and_lookups_received_behind_saves_are_answered_before_them(
                     os.kill(sidecar.pid, signal.SIGCONT)
             finally:
                 os.kill(sidecar.pid, signal.SIGCONT)
-    assert answered[:2] in (["lookup", "load"], ["load", "lookup"]), answered
-    assert sorted(answered[2:]) == [f"save {index}" for index in range(8)]
+    # The first save may be read before ZMQ's I/O thread, woken with the sidecar, has
+    # queued the frames behind it: nothing then waits behind it, and it is served at once.
+    # Every later save finds the others waiting and is held back behind the lookup and
+    # the load (served in turn, they would come last).
+    assert {"lookup", "load"} <= set(answered[:3]), answered
+    assert sorted(a for a in answered if a.startswith("save")) == [
+        f"save {index}" for index in range(8)]
     for block in range(3):
         assert engine.same_block(0, 1 + block, engine, 41 + block)
 

@@ -99,7 +99,7 @@ def reset_local_cache(llm: object, timeout_s: float = 30.0) -> None:
 
 
 def generate(model: Path, prompts_file: Path, out: Path, endpoint: str | None,
-             again: bool, max_tokens: int) -> None:
+             again: bool, max_tokens: int, connector: dict[str, object] | None = None) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -111,7 +111,7 @@ def generate(model: Path, prompts_file: Path, out: Path, endpoint: str | None,
             kv_connector_module_path="transport.vllm_connector",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"endpoint": endpoint},
+            kv_connector_extra_config={"endpoint": endpoint, **(connector or {})},
         )
     llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", block_size=32,
               max_model_len=2048, enable_prefix_caching=True, enforce_eager=True, seed=0,
@@ -152,12 +152,14 @@ def main() -> None:
     run.add_argument("--endpoint")
     run.add_argument("--again", action="store_true")
     run.add_argument("--max-tokens", type=int, default=8)
+    run.add_argument("--connector", type=json.loads, default={},
+                     help="more of kv_connector_extra_config, as JSON")
     args = parser.parse_args()
     if args.command == "model":
         write_model(args.directory, args.kind, args.layers, args.hidden)
     else:
         generate(args.model, args.prompts, args.out, args.endpoint, args.again,
-                 args.max_tokens)
+                 args.max_tokens, args.connector)
 
 
 if __name__ == "__main__":
