@@ -147,19 +147,6 @@ class CopyThreads:
             progress = numpy.zeros((runs, 2), dtype=numpy.int64)
             await self._threads.run_each([functools.partial(copy, progress, 0)] * threads)
 
-    async def run_split(self, call: Callable[[numpy.ndarray | None], object], count: int,
-                        size: int) -> None:
-        """``call(progress)`` over a batch of ``count`` values of ``size`` bytes: on the
-        event loop if small (``progress`` None), else by the worker threads, a large
-        batch shared value by value (one ``progress``, int64 ``[2]``)."""
-        nbytes = count * size
-        if not self.waits(nbytes):
-            call(None)
-            return
-        threads = min(self._threads.total, count) if nbytes >= self._split_bytes else 1
-        progress = numpy.zeros(2, dtype=numpy.int64) if threads > 1 else None
-        await self._threads.run_each([functools.partial(call, progress)] * threads)
-
     async def _shared(self, copy: Copy, run_count: int, count: int, size: int,
                       alone: Callable[[], bool]) -> None:
         """Every value copied by whichever of the event loop's thread and all worker
@@ -302,28 +289,29 @@ async def verify_and_scatter(
     return list(map(bool, intact))
 
 
-async def still_as_copied(copy: CopyThreads, geometry: StoreGroupGeometry,
-                          block_ids: Sequence[int], runs: Sequence[Run]) -> list[bool]:
-    """Whether each engine block still holds what its value (of ``runs``, one per block,
-    sealed by ``gather_and_seal``) was copied from: its pages hashed again where they
-    lie, against the value's checksum. A block the engine wrote during the copy, over a
-    part already copied, differs. Values without checksums cannot tell: all True."""
-    seed = geometry.checksum_seed
-    if seed is None or not block_ids:
-        return [True] * len(block_ids)
-    pages = page_addresses(geometry, block_ids)
-    digests = numpy.empty(len(block_ids), dtype=numpy.uint64)
-    sizes = geometry.segment_table[3]
-    await copy.run_split(
-        lambda progress: _blockcopy.digests(pages, sizes, seed, digests, progress),
-        len(block_ids), geometry.value_bytes)
-    sealed = numpy.empty(len(block_ids), dtype=numpy.uint64)
-    payload = geometry.value_bytes
+def still_as_copied(geometry: StoreGroupGeometry, block_ids: Sequence[int],
+                    runs: Sequence[Run]) -> list[bool]:
+    """Whether each engine block still holds, in its first and last pages, what its
+    value (of ``runs``, one per block) was copied from: those pages hashed again where
+    they lie, against the same pages of the value. A block the engine wrote during the
+    copy over a part already copied (a forward writes every page) differs; the sample
+    costs a small part of a full second pass, which cost as much as the copy itself."""
+    if not block_ids:
+        return []
+    segments = sorted({0, len(geometry.page_sizes) - 1})
+    offsets, sizes = geometry.segment_table[2][segments], geometry.segment_table[3][segments]
+    pages = numpy.ascontiguousarray(page_addresses(geometry, block_ids)[:, segments])
+    rows = numpy.empty(len(block_ids), dtype=numpy.int64)
     for run in runs:
-        rows = run.rows.numpy()
-        sealed[run.first : run.first + run.count] = (
-            rows[:, payload : payload + CHECKSUM_BYTES].copy().view(numpy.uint64)[:, 0])
-    return [bool(same) for same in digests == sealed]
+        rows[run.first : run.first + run.count] = (
+            run.address + run.stride * numpy.arange(run.count, dtype=numpy.int64))
+    copied = numpy.ascontiguousarray(rows[:, None] + offsets[None, :])
+    now = numpy.empty(len(block_ids), dtype=numpy.uint64)
+    then = numpy.empty(len(block_ids), dtype=numpy.uint64)
+    # Here, not in a worker thread: a hop there costs more than these few pages.
+    _blockcopy.digests(pages, sizes, 0, now)
+    _blockcopy.digests(copied, sizes, 0, then)
+    return [bool(same) for same in now == then]
 
 
 class CpuCopyEngine:
@@ -358,7 +346,7 @@ class CpuCopyEngine:
 
     async def unchanged(self, geometry: StoreGroupGeometry, block_ids: Sequence[int],
                         runs: Sequence[Run]) -> list[bool]:
-        return await still_as_copied(self._copy, geometry, block_ids, runs)
+        return still_as_copied(geometry, block_ids, runs)
 
     def _streams(self, geometry: StoreGroupGeometry, block_ids: Sequence[int]) -> bool:
         return (self._stream_bytes is not None
