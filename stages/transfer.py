@@ -4,9 +4,9 @@ Requests under store pressure skip without copying; a save waits while loads are
 flight (for at most ``yield_to_loads_ms``), so loads get the cores first. No copy of a
 request starts once it is stopped or past its deadline (``JobTracker.enter``); a copy
 started is finished, and its values are dropped if its request was stopped meanwhile.
-After the copy each block is hashed again where it lies: a block the engine wrote during
-the copy (breaking the fence) no longer matches its value, which may be torn, and the
-batch is dropped (``CHANGED``), never stored.
+After the copy each block is checked where it lies (``CopyEngine.unchanged``): a block
+the engine wrote during the copy (breaking the fence) may be torn, and the batch is
+dropped (``CHANGED``), never stored.
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ def _store(now: Snapshot) -> Table:
                                             f"{slots.get((lane, 'total'), 0):.0f} slots in use")
     table.add_row("withheld slots", f"{now.total('kvsidecar_staging_withheld_slots'):.0f}")
     for name, what in (("kvsidecar_sessions", "engines"), ("kvsidecar_open_jobs", "open jobs"),
-                       ("kvsidecar_copies_in_flight", "copies of engine memory in flight"),
+                       ("kvsidecar_copies_in_flight", "copies in flight"),
                        ("kvsidecar_sessions_reaped_total", "engines reaped")):
         table.add_row(what, f"{now.total(name):.0f}")
     return table
