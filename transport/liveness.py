@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pipeline.core.errors import ConfigError
 
-__all__ = ["LOCK_SUFFIX", "hold_endpoint", "lock_path", "sidecar_gone"]
+__all__ = ["hold_endpoint", "lock_path", "sidecar_gone"]
 
 LOCK_SUFFIX = ".lock"
 LOCK_WAIT_S = 2.0
@@ -35,15 +35,21 @@ def lock_path(endpoint: str) -> Path | None:
     path = Path(endpoint.removeprefix("ipc://"))
     if not path.is_absolute():
         return None
-    return path.with_name(path.name + LOCK_SUFFIX)
+    return _lock_file(path)
+
+
+def _lock_file(socket_path: Path) -> Path:
+    """The lock beside a socket file."""
+    return socket_path.with_name(socket_path.name + LOCK_SUFFIX)
 
 
 @contextlib.contextmanager
-def hold_endpoint(path: Path) -> Iterator[None]:
-    """Hold ``path``'s exclusive lock while inside; ``ConfigError`` if another process
-    holds it (another sidecar serves the endpoint). The file is created owner-only,
+def hold_endpoint(socket_path: Path) -> Iterator[None]:
+    """Hold the exclusive lock beside ``socket_path`` while inside; ``ConfigError`` if
+    another process holds it (another sidecar serves the endpoint). It is created owner-only,
     never through a symbolic link, and left in place: removing it would let a second
     sidecar lock a new file while the first still holds the old one."""
+    path = _lock_file(socket_path)
     flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
     try:
         fd = os.open(path, flags, 0o600)

@@ -33,7 +33,7 @@ from zmq.utils.monitor import parse_monitor_message
 from pipeline.core.config import ServerConfig, runtime_dir
 from pipeline.core.errors import ConfigError, TransportError
 from pipeline.core.tenancy import INSECURE, Peer, Tenancy
-from transport.liveness import LOCK_SUFFIX, hold_endpoint
+from transport.liveness import hold_endpoint
 from transport.sockets import FastSocket
 
 __all__ = [
@@ -402,7 +402,7 @@ def hold_endpoint_of(config: ServerConfig) -> Iterator[None]:
     path = Path(endpoint.removeprefix("ipc://")).absolute()
     if path.parent == runtime_dir():
         private_directory(path.parent)
-    with hold_endpoint(path.with_name(path.name + LOCK_SUFFIX)):
+    with hold_endpoint(path):
         yield
 
 
