@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
@@ -109,9 +110,13 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("vllm.config.load_failures_fail_requests",
                             hint="set kv_load_failure_policy to 'recompute' so that vLLM "
                                  "recomputes blocks the sidecar cannot load")
+            parallel = vllm_config.parallel_config
             self._scheduler = SchedulerSide(
                 config, layout, hash_algo=hash_algo,
                 load=transfer.is_kv_consumer, save=transfer.is_kv_producer,
+                num_blocks=kv_cache_config.num_blocks,
+                workers=int(getattr(parallel, "world_size", 0) or (
+                    parallel.tensor_parallel_size * parallel.pipeline_parallel_size)),
             )
         else:
             self._worker = WorkerSide(config, layout, hash_algo=hash_algo,
@@ -126,7 +131,7 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        self._sched.bind_block_ids(kv_cache_manager.get_block_ids)
+        self._sched.bind_kv_cache_manager(kv_cache_manager)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -146,6 +151,9 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
 
     def has_pending_block_frees(self) -> bool:
         return self._sched.has_pending_block_frees()
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched.has_pending_push_work()
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -171,10 +179,6 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._work.register_kv_caches(kv_caches)
-
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        assert isinstance(kv_connector_metadata, StepPlan)
-        self._work.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._work.start_load_kv(self._plan())
@@ -206,6 +210,9 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
             finished_recving=results.finished_recving,
             failed_recving=results.failed_recving,
         )
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._work.saves_done()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work.block_ids_with_load_errors()

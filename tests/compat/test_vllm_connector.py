@@ -23,6 +23,7 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1 import kv_cache_interface as kvi
+from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
@@ -32,12 +33,15 @@ from pipeline.core.layout import GroupKind
 from pipeline.testing import SidecarProcess, run_sidecar_process
 from tests.kit import random_tokens
 from transport.vllm.layout import layout_from_vllm, store_namespace
-from transport.vllm.plan import StepPlan
+from transport.vllm.plan import SavesDone, StepPlan
 from transport.vllm_connector import KVSidecarConnector
 
 pytestmark = pytest.mark.vllm
 
 NUM_BLOCKS = 24
+POOL_BLOCKS = 4096
+"""The test's vLLM block pool: it only counts references (block ids index the
+tensors, and the test hands them out itself)."""
 ATTN = {"num_kv_heads": 1, "head_size": 64, "dtype": torch.bfloat16}
 
 
@@ -206,14 +210,14 @@ class Engine:
     """One vLLM engine's two connector sides and the bits of vLLM's loop around them."""
 
     def __init__(self, endpoint: str, config: kvi.KVCacheConfig, hash_algo: str,
-                 **extra: Any) -> None:
+                 pool_blocks: int = POOL_BLOCKS, **extra: Any) -> None:
         self.config = config
         self.tensors = engine_tensors(config)
         self.block_ids: dict[str, tuple[list[int], ...]] = {}
-        self.reported: dict[str, set[str]] = {"finished_sending": set(),
-                                              "finished_recving": set()}
+        self.reported: dict[str, set[str]] = {"finished_recving": set()}
         """Every request the worker reported in each field, from any step: a transfer may
         finish within the step that started it, as vLLM's loop sees too."""
+        self.pool = BlockPool(pool_blocks, enable_caching=False, hash_block_size=32)
         self.next_block = [1] * len(config.kv_cache_groups)
         self.worker = KVSidecarConnector(vllm_config(endpoint, hash_algo=hash_algo, **extra),
                                          KVConnectorRole.WORKER, config)
@@ -221,7 +225,7 @@ class Engine:
         self.scheduler = KVSidecarConnector(vllm_config(endpoint, hash_algo=hash_algo, **extra),
                                             KVConnectorRole.SCHEDULER, config)
         self.scheduler.bind_kv_cache_manager(SimpleNamespace(
-            get_block_ids=lambda req_id: self.block_ids[req_id], block_pool=None))
+            get_block_ids=lambda req_id: self.block_ids[req_id], block_pool=self.pool))
         assert self.scheduler._sched.link.wait_connected(10) is not None
 
     def allocate(self, req_id: str, num_tokens: int) -> KVCacheBlocks:
@@ -233,6 +237,19 @@ class Engine:
             self.next_block[gid] += count
         self.block_ids[req_id] = tuple(ids)
         return KVCacheBlocks(tuple([KVCacheBlock(i) for i in group] for group in ids))
+
+    def allocate_from_pool(self, req_id: str, num_tokens: int | None = None) -> KVCacheBlocks:
+        """Blocks as vLLM hands them out: from the pool, for each group in turn (None:
+        every free block, to the first group)."""
+        groups: list[list[KVCacheBlock]] = []
+        for g in self.config.kv_cache_groups:
+            if num_tokens is None:
+                count = self.pool.get_num_free_blocks() if not groups else 0
+            else:
+                count = -(-num_tokens // g.kv_cache_spec.block_size)
+            groups.append(self.pool.get_new_blocks(count))
+        self.block_ids[req_id] = tuple([b.block_id for b in group] for group in groups)
+        return KVCacheBlocks(tuple(groups))
 
     def lookup(self, request: Request) -> tuple[int, bool]:
         deadline = time.monotonic() + 10
@@ -253,12 +270,26 @@ class Engine:
         self.worker.start_load_kv(None)
         self.worker.wait_for_save()
         results = self.worker.get_transfer_results(set(finished))
+        saves_done = self.worker.build_connector_worker_meta()
         self.worker.clear_connector_metadata()
         for field, reported in self.reported.items():
             reported |= getattr(results, field)
         self.scheduler.update_connector_output(SimpleNamespace(
-            finished_recving=results.finished_recving, finished_sending=results.finished_sending))
+            finished_recving=results.finished_recving, finished_sending=None,
+            kv_connector_worker_meta=saves_done))
         return plan, results
+
+    def held_blocks(self) -> int:
+        """Blocks the scheduler side holds out of the pool for saves in flight."""
+        return self.scheduler._sched._held_blocks
+
+    def until_saved(self) -> None:
+        """Step until every save is over, and its blocks are back in the pool."""
+        deadline = time.monotonic() + 10
+        while self.held_blocks():
+            assert time.monotonic() < deadline, "the saves never ended"
+            time.sleep(0.01)
+            self.step({})
 
     def until(self, field: str, req_id: str, finished: AbstractSet[str] = frozenset()) -> None:
         deadline = time.monotonic() + 10
@@ -308,7 +339,7 @@ def test_lora_salt_and_multimodal_keys_reach_the_store_as_vllm_hashed_them(
         a.scheduler.update_state_after_alloc(req, a.allocate("k-1", 200), 0)
         a.step({"k-1": 200})
         a.scheduler.request_finished_all_groups(req, a.block_ids["k-1"])
-        a.until("finished_sending", "k-1", finished={"k-1"})
+        a.until_saved()
         assert b.lookup(request("k-2", prompt, 32, "sha256_cbor", **keyed)) == (192, True)
         assert b.lookup(request("k-3", prompt, 32, "sha256_cbor")) == (0, False)
         salted = {**keyed, "cache_salt": "tenant-b"}
@@ -343,10 +374,10 @@ def test_a_prompt_saved_by_one_engine_loads_byte_exactly_into_another(
         a.scheduler.update_state_after_alloc(req_a, a.allocate("a-1", prompt_tokens), 0)
         plan, _ = a.step({"a-1": prompt_tokens})
         assert [s.request_id for s in plan.saves] == ["a-1"]
-        assert a.scheduler.request_finished_all_groups(req_a, a.block_ids["a-1"]) == (True, None)
-        assert a.scheduler.has_pending_block_frees()  # held for the save, freed soon
-        a.until("finished_sending", "a-1", finished={"a-1"})
+        # Its finish is not delayed: the save holds the blocks it reads.
+        assert a.scheduler.request_finished_all_groups(req_a, a.block_ids["a-1"]) == (False, None)
         assert not a.scheduler.has_pending_block_frees()
+        a.until_saved()
 
         req_b = request("b-1", prompt, hbs, algo)
         hit, is_async = b.lookup(req_b)
@@ -392,15 +423,15 @@ def test_a_sidecar_restart_under_running_engines_fails_softly_then_serves_again(
         a = Engine(endpoint, config, "sha256", timeout_s=2, retry_after_s=1)
         b = Engine(endpoint, config, "sha256", timeout_s=2, retry_after_s=1)
     try:
-        # The sidecar is gone: A's save fails, and is still reported finished.
+        # The sidecar is gone: A's save fails, and is still reported over.
         req_a = request("a-1", prompt, 32, "sha256")
         started = time.monotonic()
         assert a.lookup(req_a) == (0, False)
         assert time.monotonic() - started < 5
         a.scheduler.update_state_after_alloc(req_a, a.allocate("a-1", 200), 0)
         a.step({"a-1": 200})
-        assert a.scheduler.request_finished_all_groups(req_a, a.block_ids["a-1"])[0]
-        a.until("finished_sending", "a-1", finished={"a-1"})
+        assert not a.scheduler.request_finished_all_groups(req_a, a.block_ids["a-1"])[0]
+        a.until_saved()
         with run_sidecar_process(on_endpoint):
             deadline = time.monotonic() + 20
             hit = 0
@@ -410,7 +441,7 @@ def test_a_sidecar_restart_under_running_engines_fails_softly_then_serves_again(
                 a.scheduler.update_state_after_alloc(req, a.allocate(req.request_id, 200), 0)
                 a.step({req.request_id: 200})
                 a.scheduler.request_finished_all_groups(req, a.block_ids[req.request_id])
-                a.until("finished_sending", req.request_id, finished={req.request_id})
+                a.until_saved()
                 hit, _ = b.lookup(request(f"b-{time.monotonic()}", prompt, 32, "sha256"))
                 time.sleep(0.2)
             assert hit == 192
@@ -419,82 +450,145 @@ def test_a_sidecar_restart_under_running_engines_fails_softly_then_serves_again(
         b.close()
 
 
-def test_a_preempted_requests_saves_finish_before_the_next_forward(
-    sidecar: SidecarProcess,
+@pytest.mark.parametrize(("name", "prompt_tokens"), [("dense", 200),
+                                                   ("sliding_window_hybrid", 300)])
+def test_blocks_vllm_frees_while_their_save_runs_are_not_reused_and_no_forward_waits(
+    name: str, prompt_tokens: int, monkeypatch: Any,
 ) -> None:
-    """vLLM frees a preempted request's blocks at once: the next step's
-    handle_preemptions waits for its saves, and its finish later needs no delay."""
-    init_none_hash(get_hash_fn_by_name("sha256"))
-    engine = Engine(sidecar.endpoint, CONFIGS["dense"], "sha256")
-    try:
-        req = request("p-1", random_tokens(200, seed=12), 32, "sha256")
-        assert engine.lookup(req) == (0, False)
-        engine.scheduler.update_state_after_alloc(req, engine.allocate("p-1", 200), 0)
-        plan, _ = engine.step({"p-1": 200})
-        (save,) = plan.saves
-        assert not save.fence  # full attention: the running request keeps its blocks
-        saves = engine.worker._work._saves["p-1"]
-        plan, _ = engine.step({}, preempted={"p-1"})
-        assert plan.preempted == ["p-1"]
-        assert all(s.future.done() for s in saves)  # waited for before the forward
-        assert engine.scheduler.request_finished_all_groups(req, ([],)) == (False, None)
-    finally:
-        engine.close()
-
-
-def test_fenced_blocks_are_saved_from_a_snapshot_and_no_forward_waits(monkeypatch: Any) -> None:
-    """A save of sliding-window blocks (vLLM reuses them as the window moves on) is made
-    from a snapshot taken after the forward: with the sidecar stopped, the next step's
-    forward does not wait for it, and writes those blocks at once; once the sidecar
-    runs again, a second engine loads the bytes the blocks held when they were saved."""
+    """vLLM frees a save's blocks while the sidecar (stopped) has yet to read them: a
+    preempted request's (dense), or those a sliding window moved past. The pool hands
+    none of them to another request, the next forward does not wait, and every block
+    it did hand out is overwritten at once; once the sidecar runs again, the save ends,
+    its blocks return to the pool, and a second engine loads the bytes they held."""
     import os
     import signal
 
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     init_none_hash(get_hash_fn_by_name("sha256"))
-    config = CONFIGS["sliding_window_hybrid"]
-    swa = config.kv_cache_groups[0].layer_names
-    prompt = random_tokens(300, seed=31)
+    config = CONFIGS[name]
+    prompt = random_tokens(prompt_tokens, seed=31)
     with run_sidecar_process() as sidecar:
-        a = Engine(sidecar.endpoint, config, "sha256", timeout_s=5)
+        a = Engine(sidecar.endpoint, config, "sha256", pool_blocks=NUM_BLOCKS, timeout_s=5)
         b = Engine(sidecar.endpoint, config, "sha256")
         try:
             req_a = request("a-1", prompt, 32, "sha256")
             assert a.lookup(req_a) == (0, False)
-            a.scheduler.update_state_after_alloc(req_a, a.allocate("a-1", 300), 0)
+            blocks = a.allocate_from_pool("a-1", prompt_tokens)
+            a.scheduler.update_state_after_alloc(req_a, blocks, 0)
             os.kill(sidecar.pid, signal.SIGSTOP)
             try:
-                plan, _ = a.step({"a-1": 300})
+                plan, _ = a.step({"a-1": prompt_tokens})
                 (save,) = plan.saves
-                assert save.fence
-                saved = {layer: a.tensors[layer].clone() for layer in swa}
+                held = {block for ids in save.block_ids for block in ids if block}
+                saved = {layer: a.tensors[layer].clone() for layer in a.tensors}
+                if name == "dense":  # preempted: vLLM frees all of its blocks
+                    freed = [block for group in blocks.blocks for block in group]
+                else:  # the window moved on: vLLM frees the blocks before it
+                    freed = list(blocks.blocks[0][: (prompt_tokens - 64) // 32])
+                a.pool.free_blocks(reversed(freed))
+                reused = a.allocate_from_pool("c-1")  # all vLLM can hand out now
+                assert held.isdisjoint(block.block_id for block in reused.blocks[0])
                 started = time.monotonic()
                 a.step({})  # the next forward: nothing to wait for
                 waited = time.monotonic() - started
-                for layer in swa:  # ... which writes the sliding-window blocks
-                    a.tensors[layer][a.block_ids["a-1"][0]] = 0
+                for tensor in a.tensors.values():  # ... which writes every block it got
+                    tensor[a.block_ids["c-1"][0]] = 0
             finally:
                 os.kill(sidecar.pid, signal.SIGCONT)
             assert waited < 1.0, f"the forward waited {waited:.2f} s for the sidecar"
-            assert a.scheduler.request_finished_all_groups(req_a, a.block_ids["a-1"]) == (
-                True, None)
-            a.until("finished_sending", "a-1", finished={"a-1"})
+            assert a.held_blocks() == len(held)
+            a.until_saved()
+            freed_ids = {block.block_id for block in freed}  # back in the pool, or a-1's
+            assert all(a.pool.blocks[block].ref_cnt == (block not in freed_ids)
+                       for block in held)
 
             req_b = request("b-1", prompt, 32, "sha256")
             hit, _ = b.lookup(req_b)
-            assert hit == 288
-            b.scheduler.update_state_after_alloc(req_b, b.allocate("b-1", 300), hit)
+            assert hit == prompt_tokens // 32 * 32
+            b.scheduler.update_state_after_alloc(req_b, b.allocate("b-1", prompt_tokens), hit)
             b.step({})
             b.until("finished_recving", "b-1")
             assert b.worker.get_block_ids_with_load_errors() == set()
             window = range(max(0, hit - 64 + 1) // 32, hit // 32)
-            for j in window:
-                for layer in swa:
-                    assert torch.equal(b.tensors[layer][b.block_ids["b-1"][0][j]],
-                                       saved[layer][a.block_ids["a-1"][0][j]]), j
+            for gid, g in enumerate(config.kv_cache_groups):
+                swa = isinstance(g.kv_cache_spec, kvi.SlidingWindowSpec)
+                for j, block in enumerate(save.block_ids[gid]):
+                    if block and (j in window or not swa):  # what a load writes
+                        for layer in g.layer_names:
+                            assert torch.equal(b.tensors[layer][b.block_ids["b-1"][gid][j]],
+                                               saved[layer][block]), (gid, j)
         finally:
             a.close()
             b.close()
+
+
+def test_blocks_held_for_saves_are_bounded_and_a_save_past_the_bound_is_skipped(
+    monkeypatch: Any,
+) -> None:
+    """A stopped sidecar answers no save: once ``pinned_fraction`` of the pool is held,
+    further saves are skipped (counted), not planned; the held blocks come back when
+    the sidecar answers."""
+    import os
+    import signal
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    init_none_hash(get_hash_fn_by_name("sha256"))
+    with run_sidecar_process() as sidecar:
+        a = Engine(sidecar.endpoint, CONFIGS["dense"], "sha256", timeout_s=5,
+                   pinned_fraction=0.5)  # 12 of 24 blocks; each save here holds 6
+        try:
+            os.kill(sidecar.pid, signal.SIGSTOP)
+            try:
+                planned = []
+                for i in range(3):
+                    req = request(f"r-{i}", random_tokens(200, seed=40 + i), 32, "sha256")
+                    a.scheduler.update_state_after_alloc(req, a.allocate(req.request_id, 200), 0)
+                    plan, _ = a.step({req.request_id: 200})
+                    planned.append(len(plan.saves))
+            finally:
+                os.kill(sidecar.pid, signal.SIGCONT)
+            assert planned == [1, 1, 0]
+            assert a.scheduler._sched.skipped_saves == 1
+            assert a.held_blocks() == 12
+            a.until_saved()
+        finally:
+            a.close()
+
+
+def test_a_saves_blocks_are_held_until_every_worker_reports_it(sidecar: SidecarProcess) -> None:
+    """At tensor parallel 2 each worker reads its own shard: the blocks go back to the
+    pool only once both have reported the save over, as vLLM sums their reports."""
+    engine = Engine(sidecar.endpoint, CONFIGS["dense"], "sha256")
+    try:
+        scheduler = KVSidecarConnector(vllm_config(sidecar.endpoint, tp_size=2),
+                                       KVConnectorRole.SCHEDULER, CONFIGS["dense"])
+        scheduler.bind_kv_cache_manager(SimpleNamespace(
+            get_block_ids=lambda req_id: engine.block_ids[req_id], block_pool=engine.pool))
+        req = request("t-1", random_tokens(100, seed=8), 32, "sha256")
+        scheduler.update_state_after_alloc(req, engine.allocate("t-1", 100), 0)
+        plan = scheduler.build_connector_meta(SimpleNamespace(
+            num_scheduled_tokens={"t-1": 100}, scheduled_spec_decode_tokens={}))
+        assert isinstance(plan, StepPlan)
+        (save,) = plan.saves
+        held = [engine.pool.blocks[block] for block in save.block_ids[0] if block]
+        assert [block.ref_cnt for block in held] == [1, 1, 1]
+
+        def report(*done: SavesDone | None) -> None:  # as vLLM sums what workers report
+            merged = None
+            for other in filter(None, done):
+                merged = other if merged is None else merged.aggregate(other)
+            scheduler.update_connector_output(SimpleNamespace(
+                finished_recving=None, finished_sending=None, kv_connector_worker_meta=merged))
+
+        report(SavesDone({save.save_id: 1}), None)  # one worker done, the other not yet
+        assert [block.ref_cnt for block in held] == [1, 1, 1]
+        assert scheduler.has_pending_push_work()  # vLLM steps on, idle or not
+        report(None, SavesDone({save.save_id: 1, save.save_id + 7: 1}))
+        assert [block.ref_cnt for block in held] == [0, 0, 0]
+        assert not scheduler.has_pending_push_work()
+        scheduler.shutdown()
+    finally:
+        engine.close()
 
 
 def test_a_scheduler_just_started_defers_its_first_lookups_then_misses_without_a_sidecar(

@@ -20,7 +20,7 @@ import torch
 
 from pipeline.core.errors import TransportError
 from pipeline.testing import SidecarProcess, run_sidecar_process
-from tests.kit import KVEngine, random_tokens
+from tests.kit import KVEngine, engine_process, mapped_kv, random_tokens
 from transport.client import LoadResult, SaveResult
 
 LAYOUT = {"model": "lifetimes", "groups": [
@@ -228,3 +228,83 @@ async def test_a_block_written_during_its_save_is_never_stored_torn() -> None:
     print(f"the save answered {reasons}; a fresh engine then hit {hit} tokens")
     assert reasons[3] == "changed_during_copy", reasons
     assert saved[0].stored == 0 and hit == 0, reasons
+
+
+async def test_a_shutdown_answers_a_save_only_once_its_copy_has_returned() -> None:
+    """A shutdown whose drain runs out while a save's copy is held (fault point
+    ``transfer.copied``) stops the save, as a cancel does: its answer comes only once the
+    copy has returned, and stores nothing of what the copy read."""
+    engine = KVEngine(LAYOUT)
+    tokens = random_tokens(4 * 16, seed=7)
+    fill(engine, [1, 2, 3, 4], ord("P"))
+    overrides = {"faults": {"points": {"transfer.copied": {"delay_ms": 1500}}},
+                 "server": {"drain_timeout_s": 0.2}}
+    outcome: SaveResult | TransportError | None = None
+    with run_sidecar_process(overrides) as sidecar:
+        with anyio.fail_after(TIMEOUT):
+            async with await engine.connect(sidecar.endpoint) as client:
+                started = time.monotonic()
+                async with anyio.create_task_group() as group:
+                    async def save() -> None:
+                        nonlocal outcome
+                        try:
+                            outcome = await client.save("p", tokens, [[1, 2, 3, 4]])
+                        except TransportError as exc:
+                            outcome = exc
+
+                    group.start_soon(save)
+                    await anyio.sleep(0.5)  # copied, held before its check
+                    os.kill(sidecar.pid, signal.SIGTERM)
+                answered_after = time.monotonic() - started
+        log = sidecar.final_log()
+    figures = f"answered after {answered_after:.2f} s: {outcome!r}"
+    print(figures)
+    assert answered_after >= 1.4, f"answered while its copy was held; {figures}\n{log}"
+    assert isinstance(outcome, SaveResult) and outcome.stored == 0, figures
+
+
+REAPED_ENGINE = """
+import sys, anyio
+from tests.kit import KVEngine, random_tokens
+from tests.integration.test_request_lifetimes import LAYOUT, fill
+
+async def main():
+    engine = KVEngine(LAYOUT)
+    fill(engine, [1, 2, 3, 4], ord("P"))
+    async with await engine.connect(sys.argv[1]) as client:
+        print("registered", flush=True)
+        await client.save("p", random_tokens(4 * 16, seed=8), [[1, 2, 3, 4]])
+
+anyio.run(main)
+"""
+
+
+def test_an_engine_killed_while_its_save_is_copied_is_unmapped_only_after_the_copy() -> None:
+    """An engine SIGKILLed while its save's copy is held is reaped at once, but its
+    memory stays mapped until the copy returns; the save is then stopped, nothing of it
+    is stored, and the sidecar serves on."""
+    overrides = {"faults": {"points": {"transfer.copied": {"delay_ms": 2500}}}}
+    with run_sidecar_process(overrides) as sidecar:
+        with engine_process(REAPED_ENGINE, sidecar.endpoint) as engine:
+            time.sleep(0.5)  # its save copied, held before its check
+            mapped = mapped_kv(sidecar.pid)
+            assert mapped, "the engine's memory should be mapped"
+            engine.kill()
+            engine.wait()
+            sidecar.wait_log(lambda log: '"session.owner_exited"' in log, 5.0)
+            held_while_copying = mapped_kv(sidecar.pid) & mapped
+            deadline = time.monotonic() + 15
+            while mapped_kv(sidecar.pid) & mapped:
+                assert time.monotonic() < deadline, "the mapping was never released"
+                time.sleep(0.1)
+        assert held_while_copying, "unmapped while a copy of it was in flight"
+
+        async def fresh_engine() -> tuple[int, int]:
+            fresh = KVEngine(LAYOUT)
+            with anyio.fail_after(TIMEOUT):
+                async with await fresh.connect(sidecar.endpoint) as client:
+                    hit = await client.lookup(random_tokens(4 * 16, seed=8))
+                    saved = await client.save("q", random_tokens(2 * 16, seed=9), [[1, 2]])
+            return hit, saved.stored
+
+        assert anyio.run(fresh_engine) == (0, 2)

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -19,7 +16,14 @@ from hypothesis import strategies as st
 
 from pipeline.core.messages import ErrorReply, decode_sidecar_message
 from pipeline.testing import SidecarProcess, run_sidecar_process
-from tests.kit import KVEngine, hybrid_layout, random_tokens, shm_names
+from tests.kit import (
+    KVEngine,
+    engine_process,
+    hybrid_layout,
+    mapped_kv,
+    random_tokens,
+    shm_names,
+)
 from transport.client import SaveResult
 
 TIMEOUT = 30
@@ -235,12 +239,6 @@ ENGINE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _mapped_kv(pid: int) -> set[str]:
-    """The inodes of shared KV memory mapped into process ``pid``."""
-    with open(f"/proc/{pid}/maps") as maps:
-        return {line.split()[4] for line in maps if "/memfd:kvsidecar" in line}
-
-
 @pytest.mark.parametrize(
     ("stop", "heartbeat_timeout_s", "event"),
     [(signal.SIGKILL, 60.0, b"session.owner_exited"), (signal.SIGSTOP, 1.0, b"session.reaped")],
@@ -256,27 +254,17 @@ def test_an_engine_gone_mid_save_is_dropped_and_leaves_no_memory(
     names = shm_names()
     overrides = {"server": {"heartbeat_timeout_s": heartbeat_timeout_s}}
     with run_sidecar_process(overrides) as sidecar:
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        engine = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, sidecar.endpoint],
-                                  stdout=subprocess.PIPE, text=True, cwd=root)
-        try:
-            assert engine.stdout is not None
-            assert engine.stdout.readline().strip() == "registered"
+        with engine_process(ENGINE_SCRIPT, sidecar.endpoint) as engine:
             time.sleep(0.5)  # mid-stream
-            assert _mapped_kv(sidecar.pid), "the engine's tensors should be mapped"
+            assert mapped_kv(sidecar.pid), "the engine's tensors should be mapped"
             engine.send_signal(stop)
             deadline = time.monotonic() + 15
             while event not in sidecar.log_path.read_bytes():
                 assert time.monotonic() < deadline, sidecar.log()
                 time.sleep(0.1)
-            while _mapped_kv(sidecar.pid):
+            while mapped_kv(sidecar.pid):
                 assert time.monotonic() < deadline, "mappings not released"
                 time.sleep(0.1)
-        finally:
-            engine.kill()
-            engine.wait()
-            if engine.stdout is not None:
-                engine.stdout.close()
         assert shm_names() <= names
 
         async def next_engine() -> None:

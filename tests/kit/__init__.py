@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import subprocess
 import sys
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,8 @@ from transport.client import EngineClient
 from transport.tensors import shared_kv_caches
 
 __all__ = [
-    "DIGEST_CASES", "KVEngine", "StallProxy", "hybrid_layout", "random_tokens", "shm_names",
-    "stall_proxy", "views_at",
+    "DIGEST_CASES", "KVEngine", "StallProxy", "engine_process", "hybrid_layout", "mapped_kv",
+    "random_tokens", "shm_names", "stall_proxy", "views_at",
 ]
 
 DIGEST_CASES = [(248, 0, 0), (1024, 8, 2**64 - 1), (1088, 56, 0x9F9F9F9F9F9F9F9F),
@@ -46,6 +47,31 @@ def views_at(runs: list[Run], count: int) -> list[torch.Tensor | None]:
 def shm_names() -> set[str]:
     """Names in /dev/shm that shared KV memory (ours, or torch's) would leave behind."""
     return {name for name in os.listdir("/dev/shm") if name.startswith(("kvsidecar", "torch_"))}
+
+
+def mapped_kv(pid: int) -> set[str]:
+    """The inodes of shared KV memory mapped into process ``pid``."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {line.split()[4] for line in maps if "/memfd:kvsidecar" in line}
+
+
+@contextlib.contextmanager
+def engine_process(script: str, endpoint: str) -> Iterator[subprocess.Popen[str]]:
+    """An engine in a process of its own, running ``script`` (given the endpoint as
+    ``argv[1]``) from the repository root; entered once it prints ``registered``, and
+    killed on the way out."""
+    root = Path(__file__).resolve().parents[2]
+    engine = subprocess.Popen([sys.executable, "-c", script, endpoint],
+                              stdout=subprocess.PIPE, text=True, cwd=root)
+    try:
+        assert engine.stdout is not None
+        assert engine.stdout.readline().strip() == "registered"
+        yield engine
+    finally:
+        engine.kill()
+        engine.wait()
+        if engine.stdout is not None:
+            engine.stdout.close()
 
 
 def random_tokens(count: int, seed: int = 0) -> list[int]:

@@ -89,8 +89,8 @@ def write_model(directory: Path, kind: str, layers: int | None = None, hidden: i
 
 
 def reset_local_cache(llm: object, timeout_s: float = 30.0) -> None:
-    """Empty vLLM's own prefix cache. It refuses while a finished request's blocks are
-    still held for its save; the engine frees them as soon as the save is reported."""
+    """Empty vLLM's own prefix cache. It refuses while blocks are held for saves in
+    flight; the engine steps on and frees them as soon as the saves are reported."""
     deadline = time.monotonic() + timeout_s
     while not llm.reset_prefix_cache():  # type: ignore[attr-defined]
         if time.monotonic() > deadline:

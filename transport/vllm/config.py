@@ -41,11 +41,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     store_tp_size: Annotated[int, msgspec.Meta(gt=0)] | None = None
     """As vLLM's MooncakeStoreConnector takes it: its keys then carry vLLM's
     ``store_namespace`` (sidecar ``store.value_format: vllm``)."""
-    snapshot_blocks: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 64
-    """Blocks of snapshot memory per layer of a group whose blocks vLLM reuses while the
-    request runs (sliding window, chunked local, Mamba), on CPU: their saves are made
-    from a copy taken right after the forward, so no forward waits on the sidecar for
-    them (0: none; such saves then hold the next forward until they are answered)."""
+    pinned_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.25
+    """At most this share of the engine's KV blocks is held out of vLLM's free pool for
+    saves the sidecar has not answered; past it a save is skipped (a cache fill lost),
+    so a stalled sidecar costs the engine a bounded share of its blocks."""
     min_load_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Load policy: a hit of fewer tokens than this (beyond the engine's own prefix
     cache) is recomputed instead of loaded."""

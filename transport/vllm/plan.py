@@ -1,7 +1,8 @@
-"""What the scheduler side tells the workers each step: the loads and saves to issue.
+"""What the two sides tell each other: each step's loads and saves, and saves done.
 
-vLLM carries it from the engine-core process to every worker inside its
-``SchedulerOutput`` (pickled by vLLM's executor), so it holds only plain data.
+vLLM carries a ``StepPlan`` from the engine-core process to every worker inside its
+``SchedulerOutput``, and each worker's ``SavesDone`` back inside its
+``KVConnectorOutput`` (both pickled by vLLM's executor), so they hold only plain data.
 """
 
 from __future__ import annotations
@@ -9,9 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
-__all__ = ["LoadPlan", "SavePlan", "StepPlan"]
+__all__ = ["LoadPlan", "SavePlan", "SavesDone", "StepPlan"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -35,16 +39,28 @@ class LoadPlan(_Blocks):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SavePlan(_Blocks):
-    fence: bool
-    """Some of the blocks belong to a group whose blocks vLLM frees while the request
-    runs (sliding window, chunked local, Mamba): the worker saves those from a snapshot,
-    or else the next step's forward waits for this save, since it may write into them."""
+    save_id: int
+    """Its blocks are held out of vLLM's free pool until every worker has reported this
+    id in ``SavesDone``."""
 
 
 @dataclasses.dataclass(slots=True)
 class StepPlan(KVConnectorMetadata):
     loads: list[LoadPlan] = dataclasses.field(default_factory=list)
     saves: list[SavePlan] = dataclasses.field(default_factory=list)
-    preempted: list[str] = dataclasses.field(default_factory=list)
-    """Requests preempted since the last step: vLLM freed their blocks, so their saves
-    in flight must finish before this step's forward may overwrite them."""
+
+
+@dataclasses.dataclass(slots=True)
+class SavesDone(KVConnectorWorkerMetadata):
+    """Saves over since a worker last reported: the sidecar no longer reads their blocks
+    (answered, cancelled and confirmed, or proven gone), whatever their outcome."""
+
+    reports: dict[int, int]
+    """``save_id`` -> how many workers report it (vLLM sums the workers' reports)."""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> SavesDone:
+        assert isinstance(other, SavesDone)
+        reports = dict(self.reports)
+        for save_id, count in other.reports.items():
+            reports[save_id] = reports.get(save_id, 0) + count
+        return SavesDone(reports)

@@ -9,9 +9,17 @@ while the worker loads into its freshly allocated blocks, and is scheduled once 
 load is reported. A failed load is reported per request, so vLLM recomputes; that is
 the one failure path vLLM supports for hybrid (several-group) layouts.
 
-Blocks stay allocated while a save or load of theirs may still touch them: a finished
-request with a save planned, or a load in flight, is freed only when the worker says
-so (``request_finished_all_groups`` returns True exactly then).
+A finished request whose load is in flight keeps its blocks until the worker reports
+the load (``request_finished_all_groups`` returns True exactly then).
+
+A save's blocks are held out of vLLM's free pool while the sidecar may read them: the
+plan takes a reference on each (``BlockPool.touch``), and drops it once every worker
+has reported the save over (``SavesDone``). vLLM may free them meanwhile, as a request
+finishes or is preempted, a sliding window moves on, or Mamba state is superseded, but
+cannot hand them to another request, so no forward ever waits on the sidecar and no
+save reads a block being rewritten. Held blocks are bounded by ``pinned_fraction`` of
+the pool: past it a save is skipped (a cache fill lost, logged and counted), so a
+stalled sidecar holds a bounded share of the engine's blocks.
 """
 
 from __future__ import annotations
@@ -25,21 +33,16 @@ from typing import Any
 import structlog
 
 from pipeline.core.errors import RequestRejected, TransportError
-from pipeline.core.layout import GroupKind, KVCacheLayout
+from pipeline.core.layout import KVCacheLayout
 from transport.client import InlineLookupClient, PendingLookup
 from transport.vllm.config import ConnectorConfig
 from transport.vllm.layout import request_keys, vllm_block_hasher
 from transport.vllm.link import SidecarLink
-from transport.vllm.plan import LoadPlan, SavePlan, StepPlan
+from transport.vllm.plan import LoadPlan, SavePlan, SavesDone, StepPlan
 
-__all__ = ["FENCED_KINDS", "SchedulerSide", "prefix"]
+__all__ = ["SchedulerSide", "prefix"]
 
 log = structlog.get_logger("kvsidecar.vllm")
-
-FENCED_KINDS = frozenset(
-    {GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL_ATTENTION, GroupKind.MAMBA}
-)
-"""Groups whose blocks vLLM frees while their request still runs."""
 
 
 def prefix(request: Any, tokens: int, hash_block_size: int) -> tuple[list[int], list[bytes]]:
@@ -57,23 +60,28 @@ def prefix(request: Any, tokens: int, hash_block_size: int) -> tuple[list[int], 
 class _Tracked:
     request: Any
     saved_tokens: int = 0
-    """Tokens whose full blocks have been planned for saving."""
-    has_saves: bool = False
-    """A save was planned since the request last started (its blocks need the worker's
-    word before they are freed)."""
+    """Tokens whose full blocks have been planned for saving (or skipped)."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Held:
+    blocks: list[Any]
+    """vLLM's ``KVCacheBlock``s of one save, each referenced once by it."""
+    reports: int = 0
 
 
 class SchedulerSide:
     def __init__(
         self, config: ConnectorConfig, layout: KVCacheLayout, *, hash_algo: str,
-        load: bool, save: bool,
+        load: bool, save: bool, num_blocks: int, workers: int,
     ) -> None:
+        """``num_blocks``: vLLM's KV block pool; ``workers``: how many workers report
+        each save (vLLM's world size)."""
         self._config = config
         self._layout = layout
         self._hbs = layout.hash_block_size
         self._load = load
         self._save = save
-        self._fenced = [g.kind in FENCED_KINDS for g in layout.groups]
         self._stored = set(layout.prefix_cacheable_group_ids)
         self._requests: dict[str, _Tracked] = {}
         self._lookups: dict[str, PendingLookup] = {}
@@ -84,6 +92,15 @@ class SchedulerSide:
         self._delayed: set[str] = set()
         """Finished requests whose blocks wait for the worker's word."""
         self._block_ids: Any = None  # the KV cache manager's get_block_ids, once bound
+        self._pool: Any = None  # and its BlockPool
+        self._workers = workers
+        self._held: dict[int, _Held] = {}
+        """Saves in flight by ``save_id``, with the blocks they hold."""
+        self._held_blocks = 0
+        self._hold_limit = int(config.pinned_fraction * num_blocks)
+        self._next_save_id = 0
+        self.skipped_saves = 0
+        """Saves not made: too many blocks were held for saves in flight."""
         # Lookups wait in this thread, vLLM's scheduler's, with no hop to another.
         self.link = SidecarLink(config, "scheduler", InlineLookupClient, lambda: {
             "layout": layout,
@@ -97,8 +114,11 @@ class SchedulerSide:
         if load:
             self.link.client()  # start connecting now, not at the first request
 
-    def bind_block_ids(self, get_block_ids: Any) -> None:
-        self._block_ids = get_block_ids
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """vLLM's cache manager: the blocks of each request, and the pool saves hold
+        blocks of (no save is planned before this)."""
+        self._block_ids = kv_cache_manager.get_block_ids
+        self._pool = kv_cache_manager.block_pool
 
     # -- lookups ------------------------------------------------------------------------
 
@@ -164,14 +184,7 @@ class SchedulerSide:
         plan = StepPlan(loads=self._planned_loads)
         self._planned_loads = []
         self._loading.update(load.request_id for load in plan.loads)
-        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
-            plan.preempted.append(req_id)
-            tracked = self._requests.get(req_id)
-            if tracked is not None:
-                # The worker waits for its saves before the next forward; from here on
-                # nothing of it is in flight, so a finish needs no delay for them.
-                tracked.has_saves = False
-        if self._save and self._block_ids is not None:
+        if self._save and self._pool is not None:
             spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
             for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
                 tracked = self._requests.get(req_id)
@@ -191,7 +204,6 @@ class SchedulerSide:
             return None
         block_ids = self._block_ids(request.request_id)
         planned: list[list[int]] = []
-        fence = False
         for group_id, (group, ids) in enumerate(zip(self._layout.groups, block_ids, strict=True)):
             first = tracked.saved_tokens // group.block_size
             last = full // group.block_size
@@ -200,14 +212,25 @@ class SchedulerSide:
                 continue
             # Blocks already planned are left out (0); dedup would skip them anyway.
             planned.append([0] * first + list(ids[first:last]))
-            fence = fence or self._fenced[group_id]
         tracked.saved_tokens = full
-        if not any(planned):
+        held = [self._pool.blocks[block] for ids in planned for block in ids if block]
+        if not held:
             return None
-        tracked.has_saves = True
+        if self._held_blocks and self._held_blocks + len(held) > self._hold_limit:
+            self.skipped_saves += 1
+            log.warning("vllm.save.skipped", request_id=request.request_id,
+                        held_blocks=self._held_blocks, skipped_saves=self.skipped_saves,
+                        reason="pinned_fraction of the engine's blocks are held for saves "
+                               "the sidecar has not answered")
+            return None
+        self._pool.touch(held)
+        save_id = self._next_save_id
+        self._next_save_id += 1
+        self._held[save_id] = _Held(held)
+        self._held_blocks += len(held)
         tokens, hashes = prefix(request, full, self._hbs)
         return SavePlan(request.request_id, tokens, hashes, tuple(planned),
-                        request_keys(request), fence=fence)
+                        request_keys(request), save_id=save_id)
 
     def _only_stored(self, block_ids: Any) -> tuple[list[int], ...]:
         # Groups that are never stored (the ring) travel empty.
@@ -222,22 +245,37 @@ class SchedulerSide:
         for req_id in connector_output.finished_recving or ():
             self._loading.discard(req_id)
             self._delayed.discard(req_id)
-        for req_id in connector_output.finished_sending or ():
-            self._delayed.discard(req_id)
+        done = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(done, SavesDone):
+            for save_id, count in done.reports.items():
+                held = self._held.get(save_id)
+                if held is None:
+                    continue
+                held.reports += count
+                if held.reports >= self._workers:
+                    del self._held[save_id]
+                    self._held_blocks -= len(held.blocks)
+                    self._pool.free_blocks(reversed(held.blocks))
 
     def has_pending_block_frees(self) -> bool:
         """Finished requests' blocks the worker will free soon (vLLM may wait for them
-        rather than preempt)."""
+        rather than preempt). Blocks held for saves are not counted: a stalled sidecar
+        would hold vLLM's scheduling with them."""
         return bool(self._delayed)
+
+    def has_pending_push_work(self) -> bool:
+        """Blocks are held for saves: vLLM keeps stepping, idle or not, since a save's
+        end reaches this side only with a step's output."""
+        return bool(self._held)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        tracked = self._requests.pop(req_id, None)
+        self._requests.pop(req_id, None)
         self._matched.pop(req_id, None)
         lookup = self._lookups.pop(req_id, None)
         if lookup is not None:
             lookup.cancel()
-        delay = req_id in self._loading or (tracked is not None and tracked.has_saves)
+        delay = req_id in self._loading
         if delay:
             self._delayed.add(req_id)
         return delay, None
