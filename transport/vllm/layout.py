@@ -61,6 +61,10 @@ def _group(group_id: int, group: Any) -> KVCacheGroup:
         if len(names) != 1:
             raise LayoutError(f"group {group_id}: mixes vLLM specs {sorted(names)}")
         spec, spec_name, page_bytes = inner, names.pop(), 0
+    elif spec_name == "MambaSpec":
+        # Mamba state is padded to the attention page (``page_size_padded``): the page
+        # stored is the state itself, each layer's views of it, without the padding.
+        page_bytes = int(spec.state_content_size_bytes)
     else:
         page_bytes = int(spec.page_size_bytes)
     kind = _KINDS.get(spec_name)

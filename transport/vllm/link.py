@@ -3,7 +3,9 @@
 vLLM calls the connector from its engine loop; a sidecar that is down or slow must
 never hold that loop. Until the link is up, and for ``retry_after_s`` after a call
 failed, ``client()`` is None and the connector recomputes instead of asking. Once up,
-the client itself re-registers when a restarted sidecar has forgotten it.
+the client itself re-registers when a restarted sidecar has forgotten it. A sidecar
+that refuses the registration itself (the layout, the tensors, the protocol version)
+is not asked again: ``refused`` says why.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any, Generic, TypeVar
 
 import structlog
 
-from pipeline.core.errors import KVSidecarError
+from pipeline.core.errors import KVSidecarError, RequestRejected
+from pipeline.core.messages import ErrorCode
 from transport.client import BlockingEngineClient, InlineLookupClient
 from transport.vllm.config import ConnectorConfig
 
@@ -24,6 +27,9 @@ __all__ = ["SidecarLink"]
 log = structlog.get_logger("kvsidecar.vllm")
 
 C = TypeVar("C", BlockingEngineClient, InlineLookupClient)
+
+REFUSALS = frozenset({ErrorCode.BAD_LAYOUT, ErrorCode.BAD_TENSORS, ErrorCode.BAD_VERSION})
+"""Registration errors that asking again cannot mend."""
 
 
 class SidecarLink(Generic[C]):
@@ -42,6 +48,8 @@ class SidecarLink(Generic[C]):
         self._thread: threading.Thread | None = None
         self._down_until = 0.0
         self._closed = False
+        self.refused: RequestRejected | None = None
+        """Why the sidecar refused this side's registration, if it did."""
 
     def client(self) -> C | None:
         """The connected client, or None (then a connection is being made, or the
@@ -80,10 +88,17 @@ class SidecarLink(Generic[C]):
                 **self._connect_kwargs(),
                 **self._curve,
             )
-        except (KVSidecarError, OSError) as exc:
+        except RequestRejected as exc:
+            if exc.code not in REFUSALS:
+                self._connect_failed(exc)
+                return
             with self._lock:
-                self._thread = None
-            self.failed(exc)
+                self._thread, self._closed, self.refused = None, True, exc
+            log.error("vllm.sidecar.refused", side=self._name, error=str(exc),
+                      hint="this engine runs without the sidecar's hits")
+            return
+        except (KVSidecarError, OSError) as exc:
+            self._connect_failed(exc)
             return
         with self._lock:
             self._thread = None
@@ -98,10 +113,16 @@ class SidecarLink(Generic[C]):
         log.info("vllm.sidecar.registered", side=self._name, endpoint=self._config.endpoint,
                  store_groups=registered.store_group_ids if registered else None)
 
+    def _connect_failed(self, error: BaseException) -> None:
+        with self._lock:
+            self._thread = None
+        self.failed(error)
+
     def wait_connected(self, timeout_s: float) -> C | None:
-        """Wait up to ``timeout_s`` for the connection (tests and start-up checks)."""
+        """Wait up to ``timeout_s`` for the connection (tests and start-up checks); None
+        at once once the registration was refused."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.refused is None:
             client = self.client()
             if client is not None:
                 return client

@@ -117,9 +117,17 @@ class WorkerSide:
             "block_hasher": vllm_block_hasher(self._hash_algo),
             "engine_id": f"vllm-worker-{os.getpid()}-{uuid.uuid4().hex[:8]}",
         })
-        if self.link.wait_connected(self._config.connect_timeout_s) is None:
+        if self.link.wait_connected(self._config.connect_timeout_s) is not None:
+            return
+        refused = self.link.refused
+        if refused is None:
             log.warning("vllm.register.sidecar_not_ready", endpoint=self._config.endpoint)
-
+        elif self._config.on_refused_layout == "fail":
+            raise LayoutError(
+                f"the sidecar at {self._config.endpoint} refused this engine's KV cache: "
+                f"{refused} (kv_connector_extra_config on_refused_layout: continue runs "
+                "the engine without it)"
+            ) from refused
     # -- per step ---------------------------------------------------------------------
 
     def start_load_kv(self, plan: StepPlan) -> None:
