@@ -8,6 +8,7 @@ carries it. Only vLLM's scheduler loop itself is played by the test.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
@@ -679,8 +680,8 @@ def test_a_kv_cache_the_sidecar_refuses_stops_the_engine_unless_asked_to_go_on(
                                 KVConnectorRole.WORKER, config)
     try:
         if policy == "fail":
-            with pytest.raises(LayoutError, match="bad_tensors: group 0: layer "
-                                                  "'model.layers.linear_attn.0'"):
+            with pytest.raises(LayoutError, match=re.escape(
+                    "bad_tensors: group 0: layer 'model.layers.linear_attn.0'")):
                 worker.register_kv_caches(tensors)
         else:
             started = time.monotonic()
@@ -691,3 +692,38 @@ def test_a_kv_cache_the_sidecar_refuses_stops_the_engine_unless_asked_to_go_on(
             assert link.client() is None
     finally:
         worker.shutdown()
+
+
+def test_saves_a_step_could_not_send_are_reported_over(
+    sidecar: SidecarProcess, monkeypatch: Any,
+) -> None:
+    """A save that fails to be sent, and the step's saves after it, never reach the
+    sidecar: they are reported over at once, so their blocks go back to the pool."""
+    engine = Engine(sidecar.endpoint, CONFIGS["dense"], "sha256")
+    try:
+        for req_id in ("s-1", "s-2"):
+            req = request(req_id, random_tokens(100, seed=len(req_id) + int(req_id[-1])),
+                          32, "sha256")
+            engine.scheduler.update_state_after_alloc(req, engine.allocate(req_id, 100), 0)
+        plan = engine.scheduler.build_connector_meta(SimpleNamespace(
+            num_scheduled_tokens={"s-1": 100, "s-2": 100}, scheduled_spec_decode_tokens={}))
+        assert isinstance(plan, StepPlan) and len(plan.saves) == 2
+        assert engine.held_blocks() == 6
+        client = engine.worker._work.link.client()  # type: ignore[union-attr]
+
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("the socket is gone")
+
+        monkeypatch.setattr(client, "start_save", refuse)
+        engine.worker.bind_connector_metadata(plan)
+        with pytest.raises(RuntimeError):
+            engine.worker.wait_for_save()
+        engine.worker.clear_connector_metadata()
+        done = engine.worker.build_connector_worker_meta()
+        assert isinstance(done, SavesDone)
+        assert done.reports == {save.save_id: 1 for save in plan.saves}
+        engine.scheduler.update_connector_output(SimpleNamespace(
+            finished_recving=None, finished_sending=None, kv_connector_worker_meta=done))
+        assert engine.held_blocks() == 0
+    finally:
+        engine.close()

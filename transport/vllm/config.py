@@ -49,7 +49,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A sidecar that refuses this engine's layout or tensors (a group it cannot serve):
     ``fail`` stops the engine at start-up with the sidecar's reason; ``continue`` runs
     it without the sidecar, logged as an error. A sidecar that is not up yet never stops
-    the engine."""
+    the engine; one that comes up later and refuses is logged (``vllm.sidecar.refused``)
+    and not asked again."""
     min_load_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Load policy: a hit of fewer tokens than this (beyond the engine's own prefix
     cache) is recomputed instead of loaded."""

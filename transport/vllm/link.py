@@ -4,8 +4,8 @@ vLLM calls the connector from its engine loop; a sidecar that is down or slow mu
 never hold that loop. Until the link is up, and for ``retry_after_s`` after a call
 failed, ``client()`` is None and the connector recomputes instead of asking. Once up,
 the client itself re-registers when a restarted sidecar has forgotten it. A sidecar
-that refuses the registration itself (the layout, the tensors, the protocol version)
-is not asked again: ``refused`` says why.
+that refuses the registration itself (the layout, the tensors, the protocol version),
+twice in a row, is not asked again: ``refused`` says why.
 """
 
 from __future__ import annotations
@@ -81,25 +81,29 @@ class SidecarLink(Generic[C]):
                         retry_after_s=self._config.retry_after_s)
 
     def _connect(self) -> None:
-        try:
-            client = self._opens(
-                self._config.endpoint,
-                timeout_s=self._config.connect_timeout_s,
-                **self._connect_kwargs(),
-                **self._curve,
-            )
-        except RequestRejected as exc:
-            if exc.code not in REFUSALS:
+        for attempt in (1, 2):
+            try:
+                client = self._opens(
+                    self._config.endpoint,
+                    timeout_s=self._config.connect_timeout_s,
+                    **self._connect_kwargs(),
+                    **self._curve,
+                )
+                break
+            except RequestRejected as exc:
+                if exc.code not in REFUSALS:
+                    self._connect_failed(exc)
+                    return
+                if attempt == 1:
+                    continue  # a handover cut off by a sidecar restart: once more
+                with self._lock:
+                    self._thread, self._closed, self.refused = None, True, exc
+                log.error("vllm.sidecar.refused", side=self._name, error=str(exc),
+                          hint="this engine runs without the sidecar's hits")
+                return
+            except (KVSidecarError, OSError) as exc:
                 self._connect_failed(exc)
                 return
-            with self._lock:
-                self._thread, self._closed, self.refused = None, True, exc
-            log.error("vllm.sidecar.refused", side=self._name, error=str(exc),
-                      hint="this engine runs without the sidecar's hits")
-            return
-        except (KVSidecarError, OSError) as exc:
-            self._connect_failed(exc)
-            return
         with self._lock:
             self._thread = None
             if self._closed:

@@ -147,7 +147,7 @@ class WorkerSide:
     def wait_for_save(self, plan: StepPlan) -> None:
         """Hand the step's saves over; the forward never waits for them."""
         client = self.link.client() if self.link is not None else None
-        for save in plan.saves:
+        for index, save in enumerate(plan.saves):
             if client is None:
                 self._saved.append(save.save_id)  # a cache fill skipped
                 continue
@@ -158,7 +158,9 @@ class WorkerSide:
                     **save.keys,
                 )
             except BaseException:
-                self._saved.append(save.save_id)  # never sent: nothing reads its blocks
+                # This save and the step's later ones were never sent: nothing reads
+                # their blocks.
+                self._saved.extend(later.save_id for later in plan.saves[index:])
                 raise
             self._saving[save.save_id] = (save.request_id, future)
 
