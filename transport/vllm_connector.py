@@ -110,13 +110,11 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("vllm.config.load_failures_fail_requests",
                             hint="set kv_load_failure_policy to 'recompute' so that vLLM "
                                  "recomputes blocks the sidecar cannot load")
-            parallel = vllm_config.parallel_config
             self._scheduler = SchedulerSide(
                 config, layout, hash_algo=hash_algo,
                 load=transfer.is_kv_consumer, save=transfer.is_kv_producer,
                 num_blocks=kv_cache_config.num_blocks,
-                workers=int(getattr(parallel, "world_size", 0) or (
-                    parallel.tensor_parallel_size * parallel.pipeline_parallel_size)),
+                workers=int(vllm_config.parallel_config.world_size),
             )
         else:
             self._worker = WorkerSide(config, layout, hash_algo=hash_algo,
@@ -200,16 +198,10 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
-        results = self._work.transfer_results(finished_req_ids)
-        return results.finished_sending or None, results.finished_recving or None
+        return None, self._work.transfer_results().finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        results = self._work.transfer_results(finished_req_ids)
-        return KVConnectorTransferResults(
-            finished_sending=results.finished_sending,
-            finished_recving=results.finished_recving,
-            failed_recving=results.failed_recving,
-        )
+        return self._work.transfer_results()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._work.saves_done()

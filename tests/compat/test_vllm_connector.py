@@ -114,6 +114,7 @@ def vllm_config(endpoint: str, *, hash_algo: str = "sha256", block_size: int = 3
                 tp_size: int = 1, num_kv_heads: int = 4, **extra: Any) -> Any:
     return SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=1,
+                                        world_size=tp_size,
                                         decode_context_parallel_size=1,
                                         prefill_context_parallel_size=1),
         kv_transfer_config=KVTransferConfig(

@@ -21,7 +21,6 @@ every ``HELD_LOG_S``); the rest of the engine goes on.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import uuid
 from collections.abc import Iterable, Mapping
@@ -31,6 +30,7 @@ from typing import Any
 
 import structlog
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from pipeline.core.errors import LayoutError, TransportError
 from pipeline.core.layout import KVCacheLayout
@@ -41,16 +41,9 @@ from transport.vllm.layout import vllm_block_hasher
 from transport.vllm.link import SidecarLink
 from transport.vllm.plan import LoadPlan, SavesDone, StepPlan
 
-__all__ = ["TransferResults", "WorkerSide"]
+__all__ = ["WorkerSide"]
 
 log = structlog.get_logger("kvsidecar.vllm")
-
-
-@dataclasses.dataclass(slots=True)
-class TransferResults:
-    finished_sending: set[str] = dataclasses.field(default_factory=set)
-    finished_recving: set[str] = dataclasses.field(default_factory=set)
-    failed_recving: set[str] = dataclasses.field(default_factory=set)
 
 
 def kv_cache_shape(tensors: Iterable[torch.Tensor], num_blocks: int) -> KVCacheShape:
@@ -179,10 +172,11 @@ class WorkerSide:
         done, self._saved = SavesDone(dict.fromkeys(self._saved, 1)), []
         return done
 
-    def transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
+    def transfer_results(self) -> KVConnectorTransferResults:
         """Loads over since the last call. A finished request's blocks wait only for
-        its load (the scheduler side delays its free for nothing else)."""
-        results = TransferResults()
+        its load (the scheduler side delays its free for nothing else): no request is
+        ever reported ``finished_sending``."""
+        results = KVConnectorTransferResults()
         for req_id, (load, future) in list(self._loads.items()):
             if future.done():
                 del self._loads[req_id]
