@@ -83,8 +83,9 @@ def matrix(block: int) -> dict[str, Prompt]:
 
 def served(cells: dict[str, Prompt]) -> dict[str, Prompt]:
     """The prompts B and C serve: A's, but ``other_salt`` under another salt."""
-    tokens = cells["other_salt"]["tokens"]  # type: ignore[call-overload]
-    return {**cells, "other_salt": {"tokens": tokens, "cache_salt": OTHER_SALT}}
+    salted = cells["other_salt"]
+    assert isinstance(salted, dict)
+    return {**cells, "other_salt": {**salted, "cache_salt": OTHER_SALT}}
 
 
 def max_logprob_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
