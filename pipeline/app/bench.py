@@ -30,7 +30,7 @@ from pipeline.app.bench_report import markdown_table, ratios, write_plots
 from pipeline.core.config import load_config
 from pipeline.core.errors import KVSidecarError
 
-__all__ = ["Step", "run_bench", "steps"]
+__all__ = ["Step", "git_revision", "machine_info", "run_bench", "steps"]
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
@@ -91,7 +91,9 @@ def _run_step(step: Step, log: Path, progress: Progress, task: Any) -> tuple[int
     return process.returncode, time.monotonic() - started
 
 
-def _git_revision() -> str:
+def git_revision() -> str:
+    """The checkout's short revision, ``-dirty`` with uncommitted changes."""
+
     def git(*args: str) -> str:
         try:
             return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
@@ -103,7 +105,8 @@ def _git_revision() -> str:
     return f"{revision}-dirty" if git("status", "--porcelain", "--untracked-files=no") else revision
 
 
-def _machine() -> dict[str, Any]:
+def machine_info() -> dict[str, Any]:
+    """This machine's CPU model and count, memory, platform, Python and torch."""
     model = platform.processor()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
@@ -162,8 +165,8 @@ def run_bench(*, quick: bool, out: Path, config: Path | None = None,
             progress.advance(overall)
 
     found = ratios(benchmarks)
-    machine = _machine()
-    revision = _git_revision()
+    machine = machine_info()
+    revision = git_revision()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     heading = (f"Measured {date} on {machine['cpus']} CPUs ({machine['cpu']}, "
                f"{machine['memory_gib']} GiB), revision {revision}"

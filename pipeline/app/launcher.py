@@ -22,7 +22,7 @@ from prometheus_client.samples import Sample
 from pipeline.app.status import read_metrics
 from pipeline.core.config import Config
 
-__all__ = ["SidecarProcess", "run_sidecar_process"]
+__all__ = ["SidecarProcess", "free_port", "run_sidecar_process"]
 
 
 class SidecarProcess:
@@ -76,7 +76,8 @@ class SidecarProcess:
             raise
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback now."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
@@ -118,7 +119,7 @@ def run_sidecar_process(
     """
     metrics_url = None
     if metrics:
-        port = _free_port()
+        port = free_port()
         overrides = _merge({"metrics": {"host": "127.0.0.1", "port": port}},
                            overrides or {})
         metrics_url = f"http://127.0.0.1:{port}/metrics"

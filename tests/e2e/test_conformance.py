@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from pipeline.app.status import Snapshot
 from pipeline.testing import SidecarProcess, run_sidecar_process
 from tests.kit import vllm_engine
 from tests.kit.conformance import (
@@ -35,6 +36,7 @@ from tests.kit.conformance import (
     Prompt,
     matrix,
     max_logprob_diff,
+    output_verdict,
     served,
     verdict,
 )
@@ -158,8 +160,8 @@ def judge(runs: Runs, name: str, loaded: list[dict[str, Any]],
         f"drafts {r['draft_tokens']}" for r, c in zip(loaded, reference, strict=True))
     print(f"\n{table}")
     for r, c in zip(loaded, reference, strict=True):
-        assert r["tokens"] == c["tokens"], f"output differs\n{table}"
-        assert max_logprob_diff(r, c) <= runs.family.tolerance, f"output differs\n{table}"
+        failure = output_verdict(r, c, runs.family.tolerance)
+        assert failure is None, f"output differs: {failure}\n{table}"
         if hits:
             assert r["num_cached_tokens"] == c["num_cached_tokens"] > 0, f"hits\n{table}"
 
@@ -182,11 +184,9 @@ def saved_and_loaded(runs: Runs, name: str, cells: tuple[str, ...], *flags: str,
 
 def lookup_tokens(sidecar: SidecarProcess) -> dict[str, float]:
     """The sidecar's counts of tokens looked up (``queried``) and hit (``hit``)."""
-    counts = {"queried": 0.0, "hit": 0.0}
-    for sample in sidecar.metrics():
-        if sample.name == "kvsidecar_lookup_tokens_total":
-            counts[sample.labels["kind"]] = sample.value
-    return counts
+    now = Snapshot(sidecar.metrics())
+    return {kind: now.total("kvsidecar_lookup_tokens_total", kind=kind)
+            for kind in ("queried", "hit")}
 
 
 @pytest.mark.parametrize("runs", ["llama"], indirect=True)
@@ -263,8 +263,7 @@ def test_a_failed_load_in_a_hybrid_is_recomputed(runs: Runs) -> None:
     loaded, reference, samples = saved_and_loaded(
         runs, "failed", ("one_token_past", "long"), overrides=failing, metrics=True)
     judge(runs, "failed", loaded, reference, hits=False)
-    blocks = {(s.labels["path"], s.labels["status"], s.labels["reason"]): s.value
-              for s in samples if s.name == "kvsidecar_blocks_total"}
+    blocks = Snapshot(samples).by("kvsidecar_blocks_total", "path", "status", "reason")
     print(f"block outcomes: {blocks}")
     assert blocks.get(("load", "failed", "checksum_mismatch"), 0) > 0, blocks
     assert blocks.get(("load", "loaded", ""), 0) > 0, "no block of the other group loaded"

@@ -16,7 +16,7 @@ import random
 from typing import Any
 
 __all__ = ["FAMILIES", "OTHER_SALT", "SALT", "Family", "Prompt", "matrix",
-           "max_logprob_diff", "served", "verdict"]
+           "max_logprob_diff", "output_verdict", "served", "verdict"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +104,13 @@ def verdict(cell: str, first: dict[str, Any], second: dict[str, Any],
         return f"loaded {got} tokens, expected {expected}"
     if got == 0 and cell not in ("shorter_than_a_block", "other_salt"):
         return "no hit"
+    return output_verdict(loaded, reference, tolerance)
+
+
+def output_verdict(loaded: dict[str, Any], reference: dict[str, Any],
+                   tolerance: float) -> str | None:
+    """Why ``loaded`` does not generate what ``reference`` did (None: it does): other
+    tokens, or logprobs further apart than ``tolerance``."""
     if loaded["tokens"] != reference["tokens"]:
         return "other tokens"
     if (diff := max_logprob_diff(loaded, reference)) > tolerance:
