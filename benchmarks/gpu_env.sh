@@ -14,6 +14,12 @@ else
   "$py" -m pip install -q --target "$site" $(benchmarks/gpu_wheels.sh --list)
 fi
 
+# xxHash's header, where the host has none: unpacked here beforehand with
+#   apt-get download libxxhash-dev && dpkg -x libxxhash-dev_*.deb .deps/xxhash
+if [ -d .deps/xxhash/usr/include ]; then
+  export CFLAGS="-I$PWD/.deps/xxhash/usr/include ${CFLAGS:-}"
+fi
+
 build_here() {  # DIR LOG: the tree's C extensions, built in place for this Python
   if ! (cd "$1" && "$py" -c 'from setuptools import setup; setup()' build_ext --inplace -q) \
       >"$2" 2>&1; then

@@ -22,12 +22,7 @@
 #include <string.h>
 #include <time.h>
 
-#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t, to keep one on the stack */
-#if defined(__x86_64__) || defined(__i386__)
-#include "xxh_x86dispatch.h" /* XXH3 names mapped to their dispatching versions */
-#else
-#include "xxhash.h"
-#endif
+#include "xxh3.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h> /* SSE2 in every x86-64 CPU; AVX where the CPU has it */
@@ -43,6 +38,12 @@ static int have_avx, use_avx;
    (sealcopy.c) where their pages allow; starts as the CPU allows (fused_seal() can turn
    it off, so that both ways are tested on any machine). */
 static int have_avx2, use_fused;
+
+/* The xxh3 calls: the baseline build, or the AVX2 one on a CPU that runs it (xxh3.h). */
+static kv_xxh3_calls xxh3 = {
+    XXH3_64bits_withSeed, XXH3_64bits_reset_withSeed, XXH3_64bits_update,
+    XXH3_64bits_digest,
+};
 
 __attribute__((target("avx"))) static void stream_avx(char *out, const char *in, size_t n) {
     for (; n >= 64; out += 64, in += 64, n -= 64) {
@@ -204,7 +205,7 @@ static uint64_t copy_in_chunks(char *row, const int64_t *pages, const int64_t *o
                                const int64_t *sizes, Py_ssize_t segments,
                                XXH3_state_t *state, unsigned long long seed, int stream) {
     if (state)
-        XXH3_64bits_reset_withSeed(state, seed);
+        xxh3.reset(state, seed);
     for (Py_ssize_t s = 0; s < segments; s++) {
         const char *page = (const char *)(uintptr_t)pages[s];
         char *out = row + offsets[s];
@@ -212,10 +213,10 @@ static uint64_t copy_in_chunks(char *row, const int64_t *pages, const int64_t *o
             size_t n = (size_t)(sizes[s] - done < CHUNK_BYTES ? sizes[s] - done : CHUNK_BYTES);
             copy_bytes(out + done, page + done, n, stream);
             if (state)
-                XXH3_64bits_update(state, page + done, n);
+                xxh3.update(state, page + done, n);
         }
     }
-    return state ? XXH3_64bits_digest(state) : 0;
+    return state ? xxh3.digest(state) : 0;
 }
 
 static PyObject *gather(PyObject *module, PyObject *args) {
@@ -312,7 +313,7 @@ static PyObject *scatter(PyObject *module, PyObject *args) {
         if (check) {
             uint64_t sealed;
             memcpy(&sealed, row + payload_bytes, CHECKSUM_BYTES);
-            ok[v] = XXH3_64bits_withSeed(row, payload_bytes, seed) == sealed;
+            ok[v] = xxh3.oneshot(row, payload_bytes, seed) == sealed;
         } else {
             ok[v] = 1;
         }
@@ -365,11 +366,11 @@ static PyObject *digests(PyObject *module, PyObject *args) {
     XXH3_INITSTATE(&state); /* as in gather() */
     for (Py_ssize_t next = 0, v; (v = claim(progress, &next, plan.values, 0, copied)) >= 0;
          copied++) {
-        XXH3_64bits_reset_withSeed(&state, seed);
+        xxh3.reset(&state, seed);
         for (Py_ssize_t s = 0; s < plan.segments; s++)
-            XXH3_64bits_update(&state, (const void *)(uintptr_t)pages[v * plan.segments + s],
+            xxh3.update(&state, (const void *)(uintptr_t)pages[v * plan.segments + s],
                                (size_t)sizes[s]);
-        uint64_t digest = XXH3_64bits_digest(&state);
+        uint64_t digest = xxh3.digest(&state);
         memcpy(digest_at + v * CHECKSUM_BYTES, &digest, CHECKSUM_BYTES);
         value_done(progress, 0);
     }
@@ -547,6 +548,8 @@ PyMODINIT_FUNC PyInit__blockcopy(void) {
     __builtin_cpu_init();
     have_avx = use_avx = __builtin_cpu_supports("avx");
     have_avx2 = use_fused = __builtin_cpu_supports("avx2");
+    if (have_avx2)
+        xxh3 = kv_xxh3_avx2;
 #endif
     return PyModule_Create(&module);
 }

@@ -2,10 +2,10 @@
    once, written to the value's row, and fed to xxh3 while it is still in registers.
 
    Hashing a value chunk by chunk beside its copy (blockcopy.c's way where this file
-   cannot serve) reads memory and hashes it one after the other: a save with checksums
-   took about half as long again as one without. Fused, the hash's arithmetic runs in
-   the time the copy waits on memory anyway. The arithmetic is xxHash's own (its AVX2
-   accumulate, scramble, secret and merge, from the vendored header); only the walk
+   cannot serve) reads memory and hashes it one after the other. Fused, the hash's
+   arithmetic runs in the time the copy waits on memory anyway. The arithmetic is
+   xxHash's own (its AVX2 accumulate, scramble, secret and merge, from the packaged
+   header, libxxhash-dev, inlined into this file); only the walk
    over the stripes is written here, and it follows XXH3_hashLong_internal_loop's: a
    value's stripes, pages back to back, are its input. So the digest is exactly
    XXH3_64bits_withSeed's over the value's payload, as the tests check.
@@ -22,7 +22,7 @@
 #define XXH_INLINE_ALL /* xxh3's internals, private to this file */
 #define XXH_DISPATCH_AVX2 1
 #define XXH_TARGET_AVX2 __attribute__((__target__("avx2")))
-#include "xxhash.h"
+#include <xxhash.h>
 
 #include "sealcopy.h"
 
@@ -70,7 +70,9 @@ XXH_TARGET_AVX2 uint64_t sealcopy_avx2(char *row, const int64_t *pages, const in
                 XXH3_scrambleAcc_avx2(acc, secret + XXH_SECRET_DEFAULT_SIZE - XXH_STRIPE_LEN);
         }
     }
-    return XXH3_finalizeLong_64b(acc, secret, payload_bytes);
+    /* XXH3_hashLong_64b_internal's ending, as 0.8.1 writes it out. */
+    return XXH3_mergeAccs(acc, secret + XXH_SECRET_MERGEACCS_START,
+                          (xxh_u64)payload_bytes * XXH_PRIME64_1);
 }
 
 #endif

@@ -334,3 +334,44 @@ def test_runs_in_host_memory_are_sealed_and_verified_as_the_python_reference(
     finally:
         if helpers is not None:
             helpers.close()
+
+
+GOLDEN = {
+    100: (0x5DA67EAC6D4093D5, 0xFE4AA7A0C42FFCC9),
+    240: (0xB6CFAF343FAB81E6, 0xF281FDA5479FBB70),
+    241: (0x956CAE592C67279E, 0x821253074E8F17C7),
+    1024: (0x70BD377D9574F4BB, 0xC8AFFE16724B1447),
+    12288: (0xC3B960DAB93BAB81, 0x8E1E3BE282F1F53C),
+    65536: (0x04404B28125B4786, 0xB4C1C25111AB3F1C),
+}
+"""xxh3-64 of ``golden_bytes(n)`` with seeds 0 and 2**64 - 59: the checksums stored
+values carry, fixed here so that no build of xxHash (packaged or vector width) can
+change what a stored checksum means."""
+
+
+def golden_bytes(n: int) -> torch.Tensor:
+    return torch.tensor([(i * 131 + 7) % 256 for i in range(n)], dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("fused", SEAL_PASSES)
+@pytest.mark.parametrize("n", sorted(GOLDEN))
+def test_checksums_are_the_fixed_xxh3_digests_on_every_path(
+    n: int, fused: bool, fused_seal: Callable[[bool], None],
+) -> None:
+    """Sealed in the copy's pass or chunk by chunk, checked before a load's copy, and
+    digested where the pages lie: every path gives the fixed digests."""
+    fused_seal(fused)
+    pages = [golden_bytes(n).view(1, n)]
+    offsets, sizes = layout(pages)
+    for seed, expected in zip((0, 2**64 - 59), GOLDEN[n], strict=True):
+        row = torch.zeros(1, n + CHECKSUM_BYTES, dtype=torch.uint8)
+        _blockcopy.gather(addresses(pages, [0]), row.data_ptr(), row.stride(0), offsets,
+                          sizes, True, seed, n, False)
+        assert int(row[0, n:].numpy().view(numpy.uint64)[0]) == expected
+        digest = numpy.zeros(1, dtype=numpy.uint64)
+        _blockcopy.digests(addresses(pages, [0]), sizes, seed, digest)
+        assert int(digest[0]) == expected
+        intact, target = bytearray(1), torch.zeros(1, n, dtype=torch.uint8)
+        _blockcopy.scatter(addresses([target], [0]), row.data_ptr(), row.stride(0), offsets,
+                           sizes, True, seed, n, intact, False)
+        assert intact == b"\x01" and torch.equal(target, pages[0])
