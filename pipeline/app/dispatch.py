@@ -1,22 +1,19 @@
 """The receive side: frames in, decoded and checked, handed to their path; replies out.
 
-Admission happens here: a request that cannot be served is refused before it is
-accepted, and under overload a save is answered at once (every block skipped) instead
-of queueing in front of completions that loads are waiting for. Such refusals are
-logged as one ``saves.refused`` line per engine per second, not a line each: under a
-flood the lines would cost the loop more than the refusals.
+Admission is one policy (``pipeline.state.admission.Admission``): loads and lookups go as
+they are read, a save read while other frames wait is held behind them, and under
+overload a save is answered at once (every block skipped) instead of queueing in front
+of completions that loads are waiting for. Such refusals are logged as one
+``saves.refused`` line per engine per second, not a line each: under a flood the lines
+would cost the loop more than the refusals.
+
+A request taken is sent into its path (``Graph.entrance``): the receive loop itself
+runs the stages that do not wait for it, and hands it to the first that does.
 
 One guard surrounds every message (``Receiver._answer``): whatever its handling raises,
 its sender is answered (an error reply, or for an accepted save or load its completion
 with every block failed), the failure is logged and counted as ``internal``, and the
 loop reads on. A peer's frame never ends the sidecar; ``internal`` is a bug to fix.
-
-Loads and lookups go first. A save received while other frames wait at the socket is
-held back (``MAX_DEFERRED_SAVES`` at most) until none does, and every other kind of
-message after it too, in order: the loads and lookups behind it are dispatched before
-it. A save is then run up to its copy in the receiver's own task while nothing waits
-(``Receiver._run_job``), where a save that found frames behind it used to be handed to
-its path's workers, a hand-off per stage.
 
 A ``Cancel`` is answered (``Cancelled``) once its request can no longer touch the
 engine's memory: at once if no such request is open, else after the request's
@@ -28,7 +25,6 @@ from __future__ import annotations
 import collections
 import math
 import time
-from collections.abc import Callable
 from typing import Protocol
 
 import anyio
@@ -40,7 +36,6 @@ from pipeline.app.metrics import Metrics
 from pipeline.backends.faults import Faults
 from pipeline.core.config import Config, LimitsConfig
 from pipeline.core.errors import LimitExceeded, ProtocolError, RequestRejected
-from pipeline.core.hashing import hashed_inline
 from pipeline.core.hitrule import blocks_to_load
 from pipeline.core.layout import NULL_BLOCK_ID
 from pipeline.core.messages import (
@@ -72,13 +67,12 @@ from pipeline.core.messages import (
 )
 from pipeline.core.outcomes import CANCELLED, INTERNAL, OVERLOADED
 from pipeline.core.tenancy import Peer
-from pipeline.runner import EdgeSendStream
+from pipeline.state.admission import Admission, SaveVerdict
 from pipeline.state.jobs import (
     Job,
     JobTracker,
     LookupRequest,
     Reply,
-    load_bytes,
     planned_blocks,
 )
 from pipeline.state.registry import SessionRegistry
@@ -94,10 +88,24 @@ log = structlog.get_logger("kvsidecar.service")
 INTERNAL_LOG_INTERVAL_S = 1.0
 """A peer's internal failures are logged once a second at most (the rest are counted)."""
 
-MAX_DEFERRED_SAVES = 16
-"""Saves (and the messages behind them) held back while loads and lookups are read past
-them; past this many, the oldest is dispatched before the next frame is read, so that a
-flood of saves meets the socket's own bound (``server.rcvhwm``) as before."""
+
+
+class Paths(Protocol):
+    """Where requests go (``pipeline.runner.Graph``)."""
+
+    def entrance(self, path: str, /) -> Entrance: ...
+
+    def room(self, path: str, /) -> int: ...
+
+
+class Entrance(Protocol):
+    async def send(self, item: Job | LookupRequest, /) -> None: ...
+
+    def close(self) -> None: ...
+
+
+Held = tuple[bytes, Peer, EngineMessage, float]
+"""A message held behind a save: its sender, itself and when it was received."""
 
 
 class Receiver:
@@ -110,19 +118,12 @@ class Receiver:
         registry: SessionRegistry,
         tracker: JobTracker,
         metrics: Metrics,
-        entrance: Callable[[str], EdgeSendStream[object]],
-        run_inline: RunInline | None = None,
-        load_copy_waits: Callable[[int], bool] = lambda nbytes: True,
+        paths: Paths,
         faults: Faults | None = None,
         desk: HandoverDesk | None = None,
         epoch: int = 0,
     ) -> None:
-        """``run_inline(path, item, whole=...)`` runs an item through its path in this
-        task, if the path can take it now (``Graph.run_inline``): given for a store whose
-        queries wait on nothing, requests that wait on nothing else either are run that
-        way, saves and loads up to a copy that waits on other threads.
-        ``load_copy_waits(nbytes)``: whether a load's copy of that many bytes is done by
-        other threads (``CopyEngine.waits``). ``desk``: where engines hand CPU memory
+        """``paths``: where taken requests go. ``desk``: where engines hand CPU memory
         over (None: nowhere). ``epoch``: this incarnation's, stamped on every reply."""
         self._config = config
         self._epoch = epoch
@@ -131,36 +132,29 @@ class Receiver:
         self._registry = registry
         self._tracker = tracker
         self._metrics = metrics
-        self._save_inbox = entrance("save")
-        self._load_inbox = entrance("load")
-        self._lookup_inbox = entrance("lookup")
-        self._run_inline = run_inline
-        self._load_copy_waits = load_copy_waits
+        self._paths = paths
+        receive = config.stages.receive
+        self.admission = Admission[Held](shed_saves=receive.overflow == "skip",
+                                         save_credits=receive.max_saves_per_engine)
         self._faults = faults if faults is not None and faults.enabled else None
         self.accepting = True
         self.last_receive = 0.0
-        self._refused: collections.Counter[str] = collections.Counter()
-        """Saves refused as overloaded since the last summary, by engine id."""
-        self._deferred: collections.deque[tuple[bytes, Peer, EngineMessage, float]] = (
-            collections.deque())
-        """Messages held back behind a save, in order, with when each was received."""
         self._internal_logged: dict[bytes, tuple[float, int]] = {}
         """Per peer: when its last internal failure was logged, and how many since."""
 
     def close_inboxes(self) -> None:
         """Stop feeding the paths: they drain what they hold, then end."""
         self.accepting = False
-        for inbox in (self._save_inbox, self._load_inbox, self._lookup_inbox):
-            inbox.close()
+        for path in ("save", "load", "lookup"):
+            self._paths.entrance(path).close()
 
     # -- replies ---------------------------------------------------------------------
 
     def log_refusals(self) -> None:
         """Log how many saves each engine had refused as overloaded since the last call."""
-        for engine_id, count in self._refused.items():
+        for engine_id, count in self.admission.refusals():
             log.info("saves.refused", engine_id=engine_id, saves=count,
                      reason=OVERLOADED.reason)
-        self._refused.clear()
 
     async def send_reply(self, reply: Reply, *, line: bool = True) -> None:
         """The sink of every path that answers engines; ``line``: log its request."""
@@ -186,13 +180,9 @@ class Receiver:
             log_request(reply, outcomes, sent_at)
 
     def _save_credits(self, session: EngineSession) -> int:
-        """How many more saves of this engine would be queued now, not refused."""
-        receive = self._config.stages.receive
-        if receive.overflow == "block":
-            return -1  # saves are never refused, only slowed down
-        inbox = self._save_inbox.statistics()
-        room = inbox.max_buffer_size - inbox.current_buffer_used
-        return int(max(0, min(receive.max_saves_per_engine - session.saves_in_flight, room)))
+        """How many more saves of this engine would be taken now (-1: never refused)."""
+        return self.admission.credits(saves_in_flight=session.saves_in_flight,
+                                      room=self._paths.room("save"))
 
     def _send(self, identity: bytes, message: SidecarMessage) -> None:
         self._socket.send(identity, encode(msgspec.structs.replace(message, epoch=self._epoch)))
@@ -228,11 +218,11 @@ class Receiver:
     # -- receiving --------------------------------------------------------------------
 
     async def run(self) -> None:
-        deferred = self._deferred
+        admission = self.admission
         while True:
-            if deferred and (len(deferred) >= MAX_DEFERRED_SAVES
-                             or not self._socket.waiting()):
-                await self._answer(*deferred.popleft())
+            held = admission.next_held(frames_waiting=self._socket.waiting())
+            if held is not None:
+                await self._answer(*held)
                 continue
             identity, peer, frames = await self._socket.receive()
             received_at = time.monotonic()
@@ -248,19 +238,12 @@ class Receiver:
                 log.info("server.frame.rejected", code=exc.code, error=str(exc)[:MAX_TEXT])
                 self._send_error(identity, exc.code, str(exc))
                 continue
-            if self._goes_now(message):
+            if admission.goes_now(is_save=isinstance(message, Save),
+                                  is_load_or_lookup=isinstance(message, Load | Lookup),
+                                  frames_waiting=self._socket.waiting()):
                 await self._answer(identity, peer, message, received_at)
             else:
-                deferred.append((identity, peer, message, received_at))
-
-    def _goes_now(self, message: EngineMessage) -> bool:
-        """Whether a message is dispatched as it is received: a load or a lookup always,
-        a save unless frames wait behind it, any other unless held back behind a save."""
-        if isinstance(message, Load | Lookup):
-            return True
-        if self._deferred:
-            return False
-        return not (isinstance(message, Save) and self._socket.waiting())
+                admission.hold((identity, peer, message, received_at))
 
     async def _answer(self, identity: bytes, peer: Peer, message: EngineMessage,
                       received_at: float) -> None:
@@ -313,8 +296,7 @@ class Receiver:
             if isinstance(job.message, Load):
                 self._tracker.accept(job)
                 self._injected_bug()
-                if not await self._run_job(job):
-                    await self._enqueue(self._load_inbox, job)
+                await self._enqueue("load", job)
             else:
                 await self._accept_save(job)
         except (RequestRejected, anyio.get_cancelled_exc_class()):
@@ -388,30 +370,7 @@ class Receiver:
                                 f"sidecar takes ({limits.max_request_blocks})")
 
     async def _lookup(self, request: LookupRequest) -> None:
-        """Answer a lookup here when it has little or nothing to hash (the engine sent its
-        block hashes, or the prompt is short enough to hash on the loop) and the lookup
-        path is idle; else hand it to the lookup path."""
-        message = request.message
-        if (not message.explain and _hashed_on_the_loop(message)
-                and self._run_inline is not None
-                and await self._run_inline("lookup", request)):
-            return
-        await self._enqueue(self._lookup_inbox, request)
-
-    async def _run_job(self, job: Job) -> bool:
-        """Run a save or load through its path here, True once done (or handed to its
-        copy), when its prompt is hashed on the loop: a load whole if its copy is done
-        on the loop too, else up to its copy. Handed to the path instead, a job waits at
-        each stage behind everything else ready on the event loop: under a flood of
-        saves, most of a load's time. A save runs up to its copy only while no other
-        request waits at the socket: a load behind it would wait for it."""
-        message = job.message
-        if self._run_inline is None or not _hashed_on_the_loop(message):
-            return False
-        if isinstance(message, Load):
-            whole = not self._load_copy_waits(load_bytes(job.session, message))
-            return await self._run_inline("load", job, whole=whole)
-        return not self._socket.waiting() and await self._run_inline("save", job, whole=False)
+        await self._enqueue("lookup", request)
 
     async def _register(self, identity: bytes, peer: Peer, message: Register) -> None:
         handed = None
@@ -447,16 +406,13 @@ class Receiver:
                         explain=True)
         if message.block_hashes is None or len(message.token_ids):
             _check_engine_hashes(session, lookup)
-        await self._enqueue(self._lookup_inbox,
-                            LookupRequest(session, lookup, reply_to=identity))
+        await self._enqueue("lookup", LookupRequest(session, lookup, reply_to=identity))
 
-    async def _enqueue(
-        self, inbox: EdgeSendStream[object], item: Job | LookupRequest
-    ) -> None:
-        """Hand a request to its path, waiting for room; if the shutdown closed the path
+    async def _enqueue(self, path: str, item: Job | LookupRequest) -> None:
+        """Send a request into its path, waiting for room; if the shutdown closed the path
         meanwhile, the request is refused as shutting down instead."""
         try:
-            await inbox.send(item)
+            await self._paths.entrance(path).send(item)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
             if isinstance(item, Job):
                 self._tracker.answered(item)
@@ -464,43 +420,20 @@ class Receiver:
             raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down") from exc
 
     async def _accept_save(self, job: Job) -> None:
-        """Queue a save, or under overload answer it at once with every block skipped.
+        """Take a save, or under overload answer it at once with every block skipped.
 
         The refusal is answered right here: it costs no stage, and it never queues in
         front of completions that loads are waiting for."""
-        receive = self._config.stages.receive
-        if receive.overflow == "block":
-            self._tracker.accept(job)
-            self._injected_bug()
-            if not await self._run_job(job):
-                await self._enqueue(self._save_inbox, job)
+        verdict = self.admission.on_save(saves_in_flight=job.session.saves_in_flight,
+                                         room=self._paths.room("save"))
+        if verdict is SaveVerdict.REFUSE:
+            self._tracker.refuse(job, OVERLOADED)
+            await self.send_reply(Reply(job.session, completion_message(job), job), line=False)
+            self.admission.refused(job.session.engine_id)
             return
-        if job.session.saves_in_flight < receive.max_saves_per_engine:
-            self._tracker.accept(job)
-            self._injected_bug()
-            if await self._run_job(job):
-                return
-            try:
-                self._save_inbox.send_nowait(job)
-                return
-            except anyio.WouldBlock:
-                self._tracker.answered(job)
-        self._tracker.refuse(job, OVERLOADED)
-        await self.send_reply(Reply(job.session, completion_message(job), job), line=False)
-        self._refused[job.session.engine_id] += 1
-
-
-class RunInline(Protocol):
-    """``Graph.run_inline``."""
-
-    async def __call__(self, path: str, item: object, *, whole: bool = True) -> bool: ...
-
-
-def _hashed_on_the_loop(message: Lookup | Save | Load) -> bool:
-    """Whether the request's blocks are hashed on the event loop, not in a thread: the
-    engine sent its hashes, or the prompt is short (``HashingStage``, ``LookupStage``)."""
-    return message.block_hashes is not None or hashed_inline(len(message.token_ids),
-                                                             message.keys)
+        self._tracker.accept(job)
+        self._injected_bug()
+        await self._enqueue("save", job)
 
 
 def _seq(message: object) -> int:

@@ -4,10 +4,13 @@
             (values moved in place: no dedup; the put checks what the store holds)
     load:   group_filter → hashing → batching → fetch → scatter
     lookup: lookup → sink
-    save.completion, load.completion: completion → sink   (every job settles here)
 
-Each entry names its stage, how it is built from the root's resources, and its config
-section; the runner wires them (``pipeline.runner.Graph``).
+Each entry names its stage, how it is built from the root's resources, its config
+section, and when it waits (``pipeline.runner``: a stage that does not wait for an item
+runs in the task that hands it over). With the embedded store, a request hashed on the
+event loop so runs in the receive loop up to its copy, and the worker that copies it
+commits it; a job is answered by whichever stage settles its last block
+(``AnswerWhereFinished``).
 """
 
 from __future__ import annotations
@@ -21,12 +24,32 @@ from rich.table import Table
 
 from pipeline.app.backends import moves_in_place
 from pipeline.core.config import Config
+from pipeline.core.hashing import hashed_inline
+from pipeline.core.messages import Load, Lookup, Save
 from pipeline.core.seams import BatchMemory, CopyEngine, Count
 from pipeline.core.store import KVStore
-from pipeline.runner import BatchSpec, Graph, PathSpec, StageSpec
+from pipeline.runner import (
+    ALWAYS,
+    BATCHING_WAITS,
+    NEVER,
+    BatchSpec,
+    Graph,
+    PathSpec,
+    StageSpec,
+    WaitRule,
+)
+from pipeline.runner.stages import Sink, finished_here
+from pipeline.state.admission import Admission
 from pipeline.state.events import KVEventLog
 from pipeline.state.history import BlockHistory
-from pipeline.state.jobs import JobTracker, StorePressure
+from pipeline.state.jobs import (
+    Job,
+    JobTracker,
+    LookupRequest,
+    StagedBatch,
+    StorePressure,
+    mark_done,
+)
 from stages.batching import BatchingStage
 from stages.commit import CommitStage
 from stages.completion import CompletionStage
@@ -38,9 +61,7 @@ from stages.lookup import LookupStage
 from stages.scatter import ScatterStage
 from stages.transfer import TransferStage
 
-__all__ = [
-    "LOAD_COMPLETION", "SAVE_COMPLETION", "Resources", "build_graph", "paths", "show_graph",
-]
+__all__ = ["AnswerWhereFinished", "Resources", "build_graph", "paths", "show_graph"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,47 +92,90 @@ class Resources:
 
 Spec = StageSpec[Resources]
 
-GROUP_FILTER = Spec("group_filter", lambda r: GroupFilterStage(r.tracker), "group_filter")
-HASHING = Spec("hashing", lambda r: HashingStage(r.tracker, r.hash_limiter), "hashing")
-BATCHING = BatchSpec[Resources](
-    "batching", lambda r: BatchingStage(r.config.stages.batching, r.slot_bytes), "batching"
-)
-COMPLETION = Spec("completion", lambda r: CompletionStage(r.tracker), "completion")
 
-SAVE = (
-    GROUP_FILTER,
-    HASHING,
-    Spec("dedup", lambda r: DedupStage(r.store, r.tracker), "dedup"),
-    BATCHING,
-    Spec("transfer", lambda r: TransferStage(
-        r.memory, r.save_copy, r.tracker, r.pressure,
-        yield_to_loads_s=r.config.stages.transfer.yield_to_loads_ms / 1000,
-        copied=r.moved("save", "copy"), after_copy=r.after_copy,
-    ), "transfer"),
-    Spec("commit", lambda r: CommitStage(
-        r.memory, r.store, r.tracker, r.pressure, r.events, stored=r.moved("save", "store"),
-        reads_engine=moves_in_place(r.config),
-    ), "commit"),
-)
-LOAD = (
-    GROUP_FILTER,
-    HASHING,
-    BATCHING,
-    Spec("fetch", lambda r: FetchStage(r.memory, r.tracker, fetched=r.moved("load", "store"),
-                                       writes_engine=moves_in_place(r.config)), "fetch"),
-    Spec("scatter", lambda r: ScatterStage(
-        r.store, r.load_copy, r.tracker, r.events, copied=r.moved("load", "copy"),
-    ), "scatter"),
-)
-LOOKUP = (Spec("lookup", lambda r: LookupStage(
-    r.store, r.value_sizes, r.history, probe_first=r.answers_at_once,
-), "lookup"),)
+def hashed_on_the_loop(message: Lookup | Save | Load) -> bool:
+    """Whether a request's blocks are hashed on the event loop, not in a thread: the
+    engine sent its hashes, or the prompt is short (``core.hashing.hashed_inline``)."""
+    return message.block_hashes is not None or hashed_inline(len(message.token_ids),
+                                                             message.keys)
 
-SAVE_COMPLETION, LOAD_COMPLETION = "save.completion", "load.completion"
-"""Finished jobs' lanes: a load's reply never queues behind a backlog of save replies.
-A finished job is answered by whoever finished it, while its lane is idle
-(``Graph.inline_first``): its reply does not wait behind everything else ready on the
-event loop."""
+
+HASHED_IN_A_THREAD = WaitRule[Resources](
+    "for a long prompt (hashed in a thread)",
+    lambda r: lambda job: not hashed_on_the_loop(job.message),
+)
+
+
+def _store_waits(config: Config) -> WaitRule[Resources]:
+    """A store call waits unless the store is in this process and has no fault points
+    (``Resources.answers_at_once``)."""
+    return NEVER if config.store.backend == "embedded" and not config.faults.points else ALWAYS
+
+
+def _lookup_waits(request: LookupRequest) -> bool:
+    return request.message.explain or not hashed_on_the_loop(request.message)
+
+
+def _lookup_rule(config: Config) -> WaitRule[Resources]:
+    if _store_waits(config) is ALWAYS:
+        return ALWAYS
+    return WaitRule("for a long prompt or an explanation", lambda r: _lookup_waits)
+
+
+SCATTER_WAITS = WaitRule[Resources](
+    "for a large copy (copy threads)",
+    lambda r: lambda batch: r.load_copy.waits(_batch_bytes(batch)),
+)
+
+
+def _batch_bytes(batch: StagedBatch) -> int:
+    return len(batch.tasks) * batch.geometry.stored_bytes
+
+
+def _stages(config: Config) -> tuple[tuple[Spec | BatchSpec[Resources], ...], ...]:
+    """The save, load and lookup paths' stages under ``config``."""
+    store = _store_waits(config)
+    group_filter = Spec("group_filter", lambda r: GroupFilterStage(r.tracker), "group_filter",
+                        NEVER)
+    hashing = Spec("hashing", lambda r: HashingStage(r.tracker, r.hash_limiter), "hashing",
+                   HASHED_IN_A_THREAD)
+    batching = BatchSpec[Resources](
+        "batching", lambda r: BatchingStage(r.config.stages.batching, r.slot_bytes), "batching"
+    )
+    in_place = moves_in_place(config)
+    save = (
+        group_filter,
+        hashing,
+        # Dedup spares copying what the store holds. A value moved in place is not
+        # copied, and the put checks what the store holds in the same call.
+        *(() if in_place else (
+            Spec("dedup", lambda r: DedupStage(r.store, r.tracker), "dedup", store),)),
+        batching,
+        Spec("transfer", lambda r: TransferStage(
+            r.memory, r.save_copy, r.tracker, r.pressure,
+            yield_to_loads_s=r.config.stages.transfer.yield_to_loads_ms / 1000,
+            copied=r.moved("save", "copy"), after_copy=r.after_copy,
+        ), "transfer"),
+        Spec("commit", lambda r: CommitStage(
+            r.memory, r.store, r.tracker, r.pressure, r.events,
+            stored=r.moved("save", "store"), reads_engine=in_place,
+        ), "commit", store),
+    )
+    load = (
+        group_filter,
+        hashing,
+        batching,
+        Spec("fetch", lambda r: FetchStage(r.memory, r.tracker,
+                                           fetched=r.moved("load", "store"),
+                                           writes_engine=in_place), "fetch", store),
+        Spec("scatter", lambda r: ScatterStage(
+            r.store, r.load_copy, r.tracker, r.events, copied=r.moved("load", "copy"),
+        ), "scatter", SCATTER_WAITS),
+    )
+    lookup = (Spec("lookup", lambda r: LookupStage(
+        r.store, r.value_sizes, r.history, probe_first=r.answers_at_once,
+    ), "lookup", _lookup_rule(config)),)
+    return save, load, lookup
 
 
 def paths(config: Config) -> list[PathSpec[Resources]]:
@@ -120,26 +184,35 @@ def paths(config: Config) -> list[PathSpec[Resources]]:
         f"answer skipped(overloaded) (also past {receive.max_saves_per_engine} per engine)"
         if receive.overflow == "skip" else "wait (stop reading the socket)"
     )
-    # Dedup spares copying what the store holds. A value moved in place is not copied,
-    # and the put checks what the store holds in the same call, without a hop of its own.
-    save = tuple(s for s in SAVE if s.name != "dedup") if moves_in_place(config) else SAVE
+    save, load, lookup = _stages(config)
     return [
-        # A lookup with nothing to hash, and a load that waits on nothing, are run by the
-        # receiver itself when they can be (Receiver._lookup, Receiver._run_job): the
-        # hand-offs to the workers would cost more than the work. A save, and a load
-        # whose copy waits on other threads, are run up to their copy, and handed to it;
-        # a save not while batches wait for more (a batching deadline). The transfer
-        # worker then commits a save itself while nothing else waits for it.
-        PathSpec("save", save, when_full=when_full,
-                 inline=config.stages.batching.deadline_ms == 0, inline_until="transfer"),
-        PathSpec("load", LOAD, when_full="wait (loads are never dropped)", inline=True,
-                 inline_until="scatter"),
-        PathSpec("lookup", LOOKUP, replies=True, inline=True),
-        PathSpec(SAVE_COMPLETION, (COMPLETION,), replies=True, fed_by_stages=True,
-                 inline=True),
-        PathSpec(LOAD_COMPLETION, (COMPLETION,), replies=True, fed_by_stages=True,
-                 inline=True),
+        PathSpec("save", save, when_full=when_full),
+        PathSpec("load", load, when_full="wait (loads are never dropped)"),
+        PathSpec("lookup", lookup, replies=True),
     ]
+
+
+class AnswerWhereFinished:
+    """Where finished jobs go (``JobTracker``'s lane): the task that settles a job's last
+    block builds its completion and hands it to the sink at once, whatever stage it
+    runs. A reply never waits for a hop through the event loop."""
+
+    def __init__(self) -> None:
+        self._completion: CompletionStage | None = None
+        self._sink: Sink | None = None
+
+    def bind(self, tracker: JobTracker, sink: Sink) -> None:
+        """Answer through ``tracker``'s completions into ``sink`` (the receiver's)."""
+        self._completion = CompletionStage(tracker)
+        self._sink = sink
+
+    async def send(self, job: Job) -> None:
+        assert self._completion is not None and self._sink is not None, "bind() first"
+        finished_here(job)  # the stage sending it answers it before it returns
+        reply = await self._completion.process(job)
+        mark_done("completion", job)
+        if reply is not None:
+            await self._sink(reply)
 
 
 def build_graph(config: Config) -> Graph[Resources]:
@@ -147,16 +220,34 @@ def build_graph(config: Config) -> Graph[Resources]:
 
 
 def show_graph(config: Config) -> None:
-    """Print the graph as ``config`` wires it: each stage, its workers, its inbox's
-    bound and what happens to an item offered to a full inbox; then the backends."""
-    table = Table(title="kvsidecar stage graph")
-    for column in ("path", "stage", "workers", "inbox", "when full", "next"):
+    """Print the graph as ``config`` wires it: each stage, when it waits for an item
+    (else it runs in the task that hands the item over), its workers, its inbox's bound
+    and what happens to an item offered to a full path; then admission and the
+    backends."""
+    table = Table(title="kvsidecar stage graph", caption=(
+        "A task holding an item runs the next stage itself unless that stage waits for "
+        "it; then the item goes to the stage's inbox, for its workers. The receive loop "
+        "is the first such task."))
+    for column in ("path", "stage", "waits", "workers", "inbox", "when full", "next"):
         table.add_column(column, justify="right" if column in ("workers", "inbox") else "left")
+    deadline_ms = config.stages.batching.deadline_ms
     for row in build_graph(config).rows():
-        table.add_row(row.path, row.stage, str(row.workers), str(row.inbox), row.when_full,
-                      row.to)
+        if row.waits == BATCHING_WAITS:  # BatchingStage's deadline is the config's
+            row = dataclasses.replace(
+                row, waits=f"always ({deadline_ms:g} ms for more items)" if deadline_ms
+                else "never (no deadline)", workers=row.workers if deadline_ms else 0,
+                inbox=row.inbox if deadline_ms else 0)
+        table.add_row(row.path, row.stage, row.waits, str(row.workers) if row.workers else "-",
+                      str(row.inbox) if row.inbox else "-", row.when_full, row.to)
     console = Console()
     console.print(table)
+    receive = config.stages.receive
+    console.print(
+        "admission: loads and lookups as they are read; a save read while frames wait is "
+        f"held behind them ({Admission.MAX_HELD} at most); saves "
+        + (f"past {receive.max_saves_per_engine} per engine, or finding the path full, are "
+           "answered skipped (overloaded)" if receive.overflow == "skip"
+           else "wait for room (the socket is not read meanwhile)"))
     store = config.store
     slots = (f"staging pool, {config.staging.pool_bytes // config.staging.slot_bytes} "
              f"slots of {config.staging.slot_bytes >> 20} MiB "

@@ -123,8 +123,8 @@ class _Collector(Collector):
 class _Waits:
     """How long items waited in one edge: a histogram observed without a lock.
 
-    An item passes several edges a request, each observed (with 0 s when it runs
-    inline past one), and prometheus_client's histogram takes a lock for each of the
+    An item may pass several edges a request, each observed, and prometheus_client's
+    histogram takes a lock for each of the
     two or three values it adds to: in a profile of tiny requests, about a tenth of the
     event loop's time per request went to that. Only the event loop observes; a scrape
     reads the plain ints and float in the server's thread, each whole under the GIL."""

@@ -23,7 +23,7 @@ from anyio.abc import TaskStatus
 
 from pipeline.app.backends import Backends, open_backends
 from pipeline.app.dispatch import Receiver
-from pipeline.app.graph import LOAD_COMPLETION, SAVE_COMPLETION, Resources, build_graph
+from pipeline.app.graph import AnswerWhereFinished, Resources, build_graph
 from pipeline.app.metrics import BackendGauges, Metrics
 from pipeline.backends.cpu_copy import copy_features
 from pipeline.backends.cuda_copy import KernelForms, compile_kernels, kernel_forms
@@ -201,19 +201,18 @@ class Sidecar:
             tenancy=tenancy,
         )
         self.graph = build_graph(config)
-        self.tracker = JobTracker(self.graph.inline_first(SAVE_COMPLETION),
-                                  self.graph.inline_first(LOAD_COMPLETION), history=history)
+        answers = AnswerWhereFinished()
+        self.tracker = JobTracker(answers, history=history)
         self.metrics = self._metrics()
         self.epoch = secrets.randbits(62) + 1
         """This incarnation's, on every reply (``messages._Reply.epoch``)."""
         self.receiver = Receiver(
-            config, socket, self.registry, self.tracker, self.metrics, self.graph.entrance,
-            run_inline=self.graph.run_inline if backends.answers_at_once else None,
-            load_copy_waits=backends.load_copy.waits,
+            config, socket, self.registry, self.tracker, self.metrics, self.graph,
             faults=faults,
             desk=desk,
             epoch=self.epoch,
         )
+        answers.bind(self.tracker, self.receiver.send_reply)
         self.socket = socket
 
     def _queue_kernels(self, geometries: tuple[StoreGroupGeometry, ...]) -> None:

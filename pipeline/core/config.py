@@ -186,11 +186,13 @@ class StagesConfig(_Section, frozen=True):
     hashing: StageConfig = StageConfig()
     dedup: StageConfig = StageConfig(workers=2)
     batching: BatchingStageConfig = BatchingStageConfig()
-    transfer: TransferStageConfig = TransferStageConfig(inbox_size=8, workers=2)
+    transfer: TransferStageConfig = TransferStageConfig(inbox_size=64, workers=2)
     commit: StageConfig = StageConfig(inbox_size=8, workers=2)
     fetch: StageConfig = StageConfig(inbox_size=8, workers=2)
-    scatter: StageConfig = StageConfig(inbox_size=8, workers=2)
+    scatter: StageConfig = StageConfig(inbox_size=64, workers=2)
     completion: StageConfig = StageConfig(inbox_size=256)
+    """Not used: a job is answered by the stage that settles it. Still read, so that a
+    config naming it loads."""
     lookup: StageConfig = StageConfig(workers=4)
 
 

@@ -1,10 +1,22 @@
 """The stage runner: bounded typed edges, workers, the batcher, and the declared graph."""
 
 from pipeline.runner.edges import Edge, EdgeReceiveStream, EdgeSendStream, create_edge
-from pipeline.runner.graph import BatchSpec, Graph, GraphRow, InlineFirst, PathSpec, StageSpec
+from pipeline.runner.graph import (
+    ALWAYS,
+    BATCHING_WAITS,
+    NEVER,
+    BatchSpec,
+    Entrance,
+    Graph,
+    GraphRow,
+    PathSpec,
+    StageSpec,
+    WaitRule,
+)
 from pipeline.runner.stages import (
     Batching,
     OnDone,
+    Outbox,
     Sink,
     Stage,
     run_batcher,
@@ -13,19 +25,24 @@ from pipeline.runner.stages import (
 )
 
 __all__ = [
+    "ALWAYS",
+    "BATCHING_WAITS",
+    "NEVER",
     "BatchSpec",
     "Batching",
     "Edge",
     "EdgeReceiveStream",
     "EdgeSendStream",
+    "Entrance",
     "Graph",
     "GraphRow",
-    "InlineFirst",
     "OnDone",
+    "Outbox",
     "PathSpec",
     "Sink",
     "Stage",
     "StageSpec",
+    "WaitRule",
     "create_edge",
     "run_batcher",
     "start_stage",

@@ -127,14 +127,6 @@ class Edge(Generic[T]):
         """Items sent and not yet taken out."""
         return self.outbox.statistics().current_buffer_used
 
-    def idle_workers(self) -> int:
-        """Receivers waiting for an item (a stage's idle workers)."""
-        return self.inbox.statistics().tasks_waiting_receive
-
-    def bypassed(self) -> None:
-        """An item went past the edge without entering it (run inline): it waited 0 s."""
-        self._waits.observe(0.0)
-
     def on_wait(self, observe: Callable[[float], None]) -> None:
         """Hear how long each item waited in the edge (seconds), as it is taken out."""
         self._waits.observe = observe

@@ -1,49 +1,77 @@
-"""The stage graph, declared as data and wired by the runner.
+"""The stage graph, declared as data and run by the runner.
 
-A path is a list of ``StageSpec`` entries (name, factory, config section). The runner
-gives every stage an inbox bounded by its section's ``inbox_size``, starts its workers,
-and joins each stage's outbox to the next one's inbox; a path that answers engines ends
-in the sink. Adding a stage is one entry plus its module.
+A path is a list of stages (``StageSpec``, ``BatchSpec``), each with a rule saying when
+it waits for an item (``WaitRule``): on another thread, on the store, or for other
+items to batch with. One rule runs every path:
 
-A path may also be run inline (``Graph.run_inline``): the sender's task runs the stages
-and the sink itself while nothing is queued on the path, sparing a cheap item the
-hand-off to each stage's worker and back. On a busy event loop each hand-off waits for
-everything ready before it, so a path of five stages waits five times. An item whose
-work waits on other threads runs inline only up to the path's ``inline_until`` stage,
-and is handed to that stage's inbox: the sender never waits on a copy. A worker of that
-stage or a later one runs the stages after its own the same way, in its own task, while
-they are idle and nothing waits for it.
+    A task holding an item runs the next stage itself, unless that stage waits for the
+    item; then the item goes to the stage's inbox, for the stage's workers, which carry
+    on the same way with its output.
+
+The sender of an item (``Graph.entrance``) is the first such task. A stage that never
+waits so runs in the task of whoever hands it an item, without a hop through the event
+loop; a stage that may wait has an inbox bounded by its config section's
+``inbox_size`` and that many ``workers``. The route of an item depends on the config
+and on the item, never on how full an inbox is. A path that answers engines hands its
+last outputs to the sink.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any, Generic, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
 
 from pipeline.core.config import StageConfig, StagesConfig
-from pipeline.runner.edges import Edge, EdgeReceiveStream, EdgeSendStream, create_edge
+from pipeline.runner.edges import Edge, EdgeSendStream, create_edge
 from pipeline.runner.stages import (
     Batching,
     OnDone,
     OnFailure,
     Sink,
     Stage,
-    finished_here,
     run_batcher,
     start_stage,
     wrapped,
 )
 
-__all__ = ["BatchSpec", "Graph", "GraphRow", "InlineFirst", "PathSpec", "StageSpec"]
+__all__ = [
+    "ALWAYS", "BATCHING_WAITS", "NEVER", "BatchSpec", "Entrance", "Graph", "GraphRow",
+    "PathSpec", "StageSpec", "WaitRule",
+]
 
 R = TypeVar("R")
 """What the stage factories are built from (the root's resources)."""
+
+Waits = Callable[[Any], bool]
+"""Whether a stage waits for this item (it then goes to the stage's inbox)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WaitRule(Generic[R]):
+    """When a stage waits for an item: ``text`` for ``kvsidecar graph``, and the test,
+    built from the root's resources."""
+
+    text: str
+    build: Callable[[R], Waits]
+
+
+def _always(resources: object) -> Waits:
+    return lambda item: True
+
+
+def _never(resources: object) -> Waits:
+    return lambda item: False
+
+
+ALWAYS: WaitRule[Any] = WaitRule("always", _always)
+"""The stage is reached only through its inbox (it waits on something for every item)."""
+NEVER: WaitRule[Any] = WaitRule("never", _never)
+"""The stage runs in whichever task hands it an item; it has no workers."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +80,14 @@ class StageSpec(Generic[R]):
     build: Callable[[R], Stage[Any, Any]]
     section: str
     """The stage's section under ``stages:`` in the config (inbox_size, workers)."""
+    waits: WaitRule[R] = ALWAYS
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchSpec(Generic[R]):
-    """A batching stage: one task regroups its inbox into batches (``run_batcher``)."""
+    """A batching stage. With a deadline (items wait for more to join them) one task
+    regroups its inbox into batches (``run_batcher``); without one it never waits, and
+    whoever holds an item batches what that item brings."""
 
     name: str
     build: Callable[[R], Batching[Any]]
@@ -69,16 +100,9 @@ class PathSpec(Generic[R]):
     stages: Sequence[StageSpec[R] | BatchSpec[R]]
     replies: bool = False
     """The last stage's outputs are replies, handed to the sink."""
-    fed_by_stages: bool = False
-    """Its items come from the other paths' stages (completions): its inbox closes once
-    they have all drained."""
     when_full: str = "wait"
-    """What happens to an item offered to the path's full inbox."""
-    inline: bool = False
-    """Its items may be run in the sender's task (``Graph.run_inline``)."""
-    inline_until: str | None = None
-    """The stage an item run inline stops before when not run whole (its work waits on
-    other threads): the item is handed to that stage's inbox."""
+    """What happens to an item offered to the path when it has no room
+    (``Graph.room``), as ``kvsidecar graph`` prints it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +115,102 @@ class GraphRow:
     inbox: int
     when_full: str
     to: str
+    waits: str = "always"
+    """When an item goes to the stage's inbox (else: run by whoever hands it over)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """A stage as the running graph calls it."""
+
+    run: Callable[[Any], Awaitable[Sequence[Any]]]
+    """The stage's outputs for an item (none: dropped)."""
+    waits: Waits
+
+
+class _Forward:
+    """Carries an item through a path from stage ``start`` on, in the calling task, up to
+    the first stage that waits for it; holds its own sending ends of the inboxes it may
+    hand items to, closed with it (``EndOfStream`` then cascades on drain)."""
+
+    def __init__(self, steps: Sequence[_Step], sends: Sequence[EdgeSendStream[Any]],
+                 start: int, sink: Sink | None) -> None:
+        self._steps = steps
+        self._sends = sends
+        self._start = start
+        self._sink = sink
+
+    async def send(self, item: Any) -> None:
+        await self._through(self._start, item)
+
+    async def _through(self, index: int, item: Any) -> None:
+        if index == len(self._steps):
+            if self._sink is not None:
+                await self._sink(item)
+            return
+        step = self._steps[index]
+        if step.waits(item):
+            await self._sends[index - self._start].send(item)
+            return
+        for output in await step.run(item):
+            await self._through(index + 1, output)
+
+    def clone(self) -> _Forward:
+        return _Forward(self._steps, [send.clone() for send in self._sends], self._start,
+                        self._sink)
+
+    def close(self) -> None:
+        for send in self._sends:
+            send.close()
+
+    async def __aenter__(self) -> _Forward:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class Entrance:
+    """Where a path's items go in: ``send`` carries an item through the path in the
+    sender's task up to the first stage that waits for it (waiting for room there), once
+    the graph runs. ``close`` ends the path's input; it takes effect once no send is in
+    flight, so that an item being carried reaches its inbox before the stages downstream
+    drain. A send after ``close`` raises ``anyio.ClosedResourceError``."""
+
+    def __init__(self) -> None:
+        self._forward: _Forward | None = None
+        self._started = anyio.Event()
+        self._running = 0
+        self._closing = False
+        self.closed = False
+
+    def _open(self, forward: _Forward) -> None:
+        self._forward = forward
+        self._started.set()
+        self._close_if_idle()
+
+    async def send(self, item: Any) -> None:
+        if self._closing:
+            raise anyio.ClosedResourceError
+        self._running += 1
+        try:
+            if self._forward is None:
+                await self._started.wait()
+            assert self._forward is not None
+            await self._forward.send(item)
+        finally:
+            self._running -= 1
+            self._close_if_idle()
+
+    def close(self) -> None:
+        self._closing = True
+        self._close_if_idle()
+
+    def _close_if_idle(self) -> None:
+        if (self._closing and not self._running and not self.closed
+                and self._forward is not None):
+            self.closed = True
+            self._forward.close()
 
 
 class Graph(Generic[R]):
@@ -99,8 +219,6 @@ class Graph(Generic[R]):
     def __init__(self, paths: Sequence[PathSpec[R]], config: StagesConfig) -> None:
         self._paths = list(paths)
         self._sections: dict[str, StageConfig] = {}
-        self._until: dict[str, int] = {}
-        """Where a path's runs that are not whole stop: ``inline_until``'s index."""
         for path in self._paths:
             if not path.stages:
                 raise ValueError(f"path {path.name!r} has no stages")
@@ -110,71 +228,33 @@ class Graph(Generic[R]):
                     raise ValueError(f"stage {path.name}.{spec.name}: no stage config "
                                      f"section {spec.section!r}")
                 self._sections[spec.section] = section
-            names = [spec.name for spec in path.stages]
-            if path.inline_until is not None and path.inline_until not in names[1:]:
-                raise ValueError(f"path {path.name!r}: inline_until {path.inline_until!r} "
-                                 f"is none of its stages after the first")
-            self._until[path.name] = (len(names) if path.inline_until is None
-                                      else names.index(path.inline_until))
         self._edges: dict[str, list[Edge[Any]]] = {
             path.name: [create_edge(self._sections[spec.section].inbox_size)
                         for spec in path.stages]
             for path in self._paths
         }
-        self._inline: dict[str, _InlinePath] = {}
-        """Paths runnable inline, while their stages run."""
+        self._entrances = {path.name: Entrance() for path in self._paths}
+        self._handoff: dict[str, int] = {
+            path.name: index for path in self._paths
+            for index, spec in reversed(list(enumerate(path.stages)))
+            if isinstance(spec, BatchSpec) or spec.waits is ALWAYS
+        }
+        """Each path's first stage that waits for every item (a batching stage counts
+        until the graph runs and shows whether it has a deadline)."""
 
-    def entrance(self, path: str) -> EdgeSendStream[Any]:
-        """Where the path's items go in (its first stage's inbox)."""
-        return self._edges[path][0].outbox
+    def entrance(self, path: str) -> Entrance:
+        """Where the path's items go in (a send waits for ``run`` to start the path)."""
+        return self._entrances[path]
 
-    async def run_inline(self, path: str, item: Any, *, whole: bool = True) -> bool:
-        """Run ``item`` through ``path`` in this task, stage after stage as the workers
-        would (a batching stage batches what the item brings), and hand the outputs to
-        the sink; True once done. Not ``whole``: only the stages before the path's
-        ``inline_until``, whose inbox then takes the outputs. False, having done nothing,
-        while any inbox the item would pass holds items (they go first), the inbox it
-        would be handed to is full, or the path's stages are not running inline (not
-        started, its entrance closed, or one behind a fault point): send the item to the
-        entrance then. The item counts as having waited 0 s in each inbox it passed."""
-        inline = self._inline.get(path)
-        edges = self._edges[path]
-        if inline is None or edges[0].outbox.closed:
-            return False
-        stop = len(edges) if whole else inline.until
-        handed_to = edges[stop] if stop < len(edges) else None
-        if handed_to is not None and (inline.doors.closed
-                                      or handed_to.queued() >= handed_to.size):
-            return False
-        if any(edge.queued() for edge in edges[:stop]):
-            return False
-        for edge in edges[:stop]:
-            edge.bypassed()
-        with inline.doors.running():
-            end = inline.sink if handed_to is None else inline.doors[stop].send
-            await _run_inline(inline.steps[:stop], end, item)
-        return True
-
-    async def _run_rest(self, path: str, start: int, item: Any) -> bool:
-        """The output of a worker of the stage before ``start``, through ``path`` from
-        ``start`` on in the worker's own task, while a worker of that stage waits idle
-        (it would take the item at once: the hand-off would only cost a trip through the
-        event loop, behind everything ready on it) and nothing is queued from the
-        worker's own inbox on (it has nothing else to do meanwhile); True once done.
-        False, having done nothing, otherwise: the item goes to the stage's inbox."""
-        inline = self._inline.get(path)
-        edges = self._edges[path]
-        if (inline is None or not edges[start].idle_workers()
-                or any(edge.queued() for edge in edges[start - 1 :])):
-            return False
-        for edge in edges[start:]:
-            edge.bypassed()
-        await _run_inline(inline.steps[start:], inline.sink, item)
-        return True
-
-    def inline_first(self, path: str) -> InlineFirst:
-        """An entrance to ``path`` that runs each item inline when it can."""
-        return InlineFirst(self, path)
+    def room(self, path: str) -> int:
+        """Items the path takes now without its sender waiting: the room left in the
+        inbox of its first stage that waits for every item (where the sender hands over
+        all items but those an earlier stage waits for on their own account)."""
+        index = self._handoff.get(path)
+        if index is None:
+            return 1 << 30
+        edge = self._edges[path][index]
+        return edge.size - edge.queued()
 
     def inboxes(self) -> list[tuple[str, str, Edge[Any]]]:
         """``(path, stage, edge)``: every stage's inbox, for watching queue depths."""
@@ -189,14 +269,16 @@ class Graph(Generic[R]):
         for path in self._paths:
             for index, spec in enumerate(path.stages):
                 last = index == len(path.stages) - 1
+                waits = _waits_text(spec)
                 rows.append(GraphRow(
                     path=path.name,
                     stage=spec.name,
-                    workers=self._workers(spec),
-                    inbox=self._edges[path.name][index].size,
+                    workers=0 if waits == NEVER.text else self._workers(spec),
+                    inbox=0 if waits == NEVER.text else self._edges[path.name][index].size,
                     when_full=path.when_full if index == 0 else "wait",
                     to=("sink" if path.replies else "settles jobs") if last
                     else path.stages[index + 1].name,
+                    waits=waits,
                 ))
         return rows
 
@@ -217,22 +299,10 @@ class Graph(Generic[R]):
         ``before(point)`` gives the fault point run ahead of each item of stage
         ``stage.<name>`` (None: none); ``on_done("path.stage", item)`` hears each item a
         stage has processed."""
-        fed = [path for path in self._paths if path.fed_by_stages]
-        start = functools.partial(self._start, resources=resources, sink=sink,
-                                  on_failure=on_failure, before=before, on_done=on_done)
-        try:
-            async with anyio.create_task_group() as outer:
-                for path in fed:
-                    start(outer, path)
-                async with anyio.create_task_group() as tg:
-                    for path in self._paths:
-                        if not path.fed_by_stages:
-                            start(tg, path)
-                # Every other stage has drained: nothing can feed these paths any more.
-                for path in fed:
-                    self.entrance(path.name).close()
-        finally:
-            self._inline.clear()
+        async with anyio.create_task_group() as tg:
+            for path in self._paths:
+                self._start(tg, path, resources=resources, sink=sink, on_failure=on_failure,
+                            before=before, on_done=on_done)
 
     def _start(
         self, tg: TaskGroup, path: PathSpec[R], *, resources: R, sink: Sink,
@@ -241,133 +311,87 @@ class Graph(Generic[R]):
         on_done: OnDone | None,
     ) -> None:
         edges = self._edges[path.name]
-        steps: list[_Step] = []  # the path's stages, as run inline
-        faulty = False  # a fault point delays its stage's workers: no item runs inline
-        # Cloned before the stages close their ends: inline runs hand items on through
-        # these, and the stages downstream drain only once they are closed too.
-        doors = _Doors(edges[1:]) if path.inline else None
-        for index, spec in enumerate(path.stages):
-            inbox = edges[index].inbox
-            outbox = edges[index + 1].outbox if index + 1 < len(edges) else None
+        path_sink = sink if path.replies else None
+        # Recomputed from what runs: a batching stage without a deadline never waits.
+        self._handoff.pop(path.name, None)
+        steps: list[_Step] = []
+        workers: list[Callable[[_Forward], None]] = []  # each started with its onward path
+        for spec, edge in zip(path.stages, edges, strict=True):
             name = f"{path.name}.{spec.name}"
-            start: Callable[[TaskGroup], None]
             if isinstance(spec, BatchSpec):
-                if outbox is None:
-                    raise ValueError(f"stage {name}: a batching stage cannot end a path")
                 batching = spec.build(resources)
-                start = functools.partial(_start_batcher, name, batching, inbox, outbox)
-                steps.append(functools.partial(_batches, batching))
+                if batching.deadline_s > 0:
+                    steps.append(_Step(_unreachable, _waits_always))
+                    self._handoff.setdefault(path.name, len(steps) - 1)
+                    workers.append(functools.partial(_start_batcher, tg, name, batching,
+                                                     edge))
+                else:
+                    steps.append(_Step(functools.partial(_batches, batching), _waits_never))
+                    workers.append(functools.partial(_no_workers, edge))
+                continue
+            process = wrapped(spec.build(resources).process, name, on_failure=on_failure,
+                              before=before(f"stage.{spec.name}"), on_done=on_done)
+            waits = spec.waits.build(resources)
+            steps.append(_Step(functools.partial(_processed, process), waits))
+            if spec.waits is ALWAYS:
+                self._handoff.setdefault(path.name, len(steps) - 1)
+            if spec.waits is NEVER:
+                workers.append(functools.partial(_no_workers, edge))
             else:
-                stage_sink = sink if path.replies and outbox is None else None
-                fault = before(f"stage.{spec.name}")
-                process = wrapped(spec.build(resources).process, name, on_failure=on_failure,
-                                  before=fault, on_done=on_done)
-                # A worker past the stages the sender runs inline passes its outputs on
-                # the same way, while the next stage is idle.
-                pass_on = (functools.partial(self._run_rest, path.name, index + 1)
-                           if path.inline and self._until[path.name] <= index else None)
-                start = functools.partial(start_stage, name=name, process=process,
-                                          inbox=inbox, outbox=outbox,
-                                          workers=self._workers(spec), sink=stage_sink,
-                                          pass_on=pass_on)
-                steps.append(functools.partial(_processed, process))
-                faulty = faulty or fault is not None
-            if index == 0 and doors is not None:
-                tg.start_soon(_then, start, doors.entrance_drained, name=f"stage.{name}")
-            else:
-                start(tg)
-        if doors is None:
-            return
-        if faulty:
-            doors.entrance_drained()  # no item will run inline: the doors go unused
-            return
-        self._inline[path.name] = _InlinePath(
-            steps, sink if path.replies else None, doors, self._until[path.name])
+                workers.append(functools.partial(
+                    _start_workers, tg, name, process, edge, self._workers(spec)))
+        # Each task that may hand an item to an inbox holds a sending end of it: the
+        # entrance every one, a stage's workers those after their own.
+        for index, start in enumerate(workers):
+            start(_Forward(steps, [edge.outbox.clone() for edge in edges[index + 1 :]],
+                           index + 1, path_sink))
+        self._entrances[path.name]._open(
+            _Forward(steps, [edge.outbox.clone() for edge in edges], 0, path_sink))
+        for edge in edges:
+            edge.outbox.close()
 
 
-class InlineFirst:
-    """A path's entrance that runs each item in the sender's task when the path can take
-    it now (``Graph.run_inline``), and queues it otherwise."""
-
-    def __init__(self, graph: Graph[Any], path: str) -> None:
-        self._graph = graph
-        self._path = path
-
-    async def send(self, item: Any) -> None:
-        finished_here(item)  # the stage sending it may answer it before it returns
-        if not await self._graph.run_inline(self._path, item):
-            await self._graph.entrance(self._path).send(item)
+BATCHING_WAITS = "with a deadline (items wait for more to join them)"
 
 
-_Step = Callable[[Any], Awaitable[Sequence[Any]]]
-"""One stage as an item runs inline: its outputs for the next (none: dropped)."""
+def _waits_text(spec: StageSpec[Any] | BatchSpec[Any]) -> str:
+    return spec.waits.text if isinstance(spec, StageSpec) else BATCHING_WAITS
 
 
-class _Doors:
-    """A path's inboxes past its entrance, as inline runs hand items to them: clones of
-    their sending ends, kept open while a run may still use one. That is until the
-    path's first stage has ended (its entrance was closed and has drained: no run can
-    start) and no run is in flight; the stages downstream drain once they are closed."""
-
-    def __init__(self, edges: Sequence[Edge[Any]]) -> None:
-        self._outboxes = [edge.outbox.clone() for edge in edges]
-        self._runs = 0
-        self._drained = False
-        self.closed = False
-
-    def __getitem__(self, index: int) -> EdgeSendStream[Any]:
-        """The door into the path's ``index``-th inbox (1: the second stage's)."""
-        return self._outboxes[index - 1]
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
-        self._runs += 1
-        try:
-            yield
-        finally:
-            self._runs -= 1
-            self._close_if_unused()
-
-    def entrance_drained(self) -> None:
-        self._drained = True
-        self._close_if_unused()
-
-    def _close_if_unused(self) -> None:
-        if self._drained and not self._runs and not self.closed:
-            self.closed = True
-            for outbox in self._outboxes:
-                outbox.close()
+def _waits_always(item: object) -> bool:
+    return True
 
 
-@dataclasses.dataclass(frozen=True)
-class _InlinePath:
-    steps: Sequence[_Step]
-    sink: Sink | None
-    doors: _Doors
-    until: int
-    """Where a run that is not whole stops: the index of ``inline_until``'s stage."""
+def _waits_never(item: object) -> bool:
+    return False
 
 
-def _start_batcher(name: str, batching: Batching[Any], inbox: EdgeReceiveStream[Any],
-                   outbox: EdgeSendStream[Any], tg: TaskGroup) -> None:
+async def _unreachable(item: object) -> Sequence[Any]:
+    raise AssertionError("a stage that always waits is run by its workers")
+
+
+def _no_workers(edge: Edge[Any], onward: _Forward) -> None:
+    """A stage that never waits: nothing is ever sent to its inbox."""
+    edge.inbox.close()
+    onward.close()
+
+
+def _start_workers(tg: TaskGroup, name: str, process: Callable[[Any], Awaitable[Any]],
+                   edge: Edge[Any], workers: int, onward: _Forward) -> None:
+    start_stage(tg, name=name, process=process, inbox=edge.inbox, outbox=onward,
+                workers=workers)
+
+
+def _start_batcher(tg: TaskGroup, name: str, batching: Batching[Any], edge: Edge[Any],
+                   onward: _Forward) -> None:
     tg.start_soon(
         functools.partial(
-            run_batcher, inbox, outbox, group_of=batching.group_of,
+            run_batcher, edge.inbox, onward, group_of=batching.group_of,
             limit_of=batching.limit_of, deadline_s=batching.deadline_s,
             new_batch=batching.new_batch,
         ),
         name=f"stage.{name}",
     )
-
-
-async def _then(start: Callable[[TaskGroup], None], ended: Callable[[], None]) -> None:
-    """The tasks ``start`` starts, in a task group of their own; ``ended`` once all have
-    ended."""
-    try:
-        async with anyio.create_task_group() as tg:
-            start(tg)
-    finally:
-        ended()
 
 
 async def _processed(process: Callable[[Any], Awaitable[Any]], item: Any) -> Sequence[Any]:
@@ -389,14 +413,3 @@ async def _batches(batching: Batching[Any], items: Sequence[Any]) -> Sequence[li
             batches.append(batching.new_batch())
         batches[-1].append(item)
     return [batch for batches, _ in groups.values() for batch in batches]
-
-
-async def _run_inline(steps: Sequence[_Step], sink: Sink | None, item: Any) -> None:
-    """``item`` through the steps, depth first (a batch reaches the last stage before the
-    next batch starts), each last output to the sink."""
-    if not steps:
-        if sink is not None:
-            await sink(item)
-        return
-    for output in await steps[0](item):
-        await _run_inline(steps[1:], sink, output)

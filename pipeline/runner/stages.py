@@ -16,11 +16,11 @@ import anyio
 from anyio.abc import TaskGroup
 
 from pipeline.core.errors import InternalFailure, StoreError
-from pipeline.runner.edges import EdgeReceiveStream, EdgeSendStream
+from pipeline.runner.edges import EdgeReceiveStream
 
 __all__ = [
-    "Batching", "OnDone", "OnFailure", "Sink", "Stage", "finished_here", "run_batcher",
-    "start_stage", "wrapped",
+    "Batching", "OnDone", "OnFailure", "Outbox", "Sink", "Stage", "finished_here",
+    "run_batcher", "start_stage", "wrapped",
 ]
 
 In = TypeVar("In", contravariant=True)
@@ -131,17 +131,27 @@ def wrapped(
     return _traced(_guarded(process, on_failure, before), name, on_done)
 
 
-PassOn = Callable[[Any], Awaitable[bool]]
-"""Runs a stage's output through the stages after it in the worker's own task, True
-once done; False, having done nothing, when it must go to the next stage's inbox."""
+class Outbox(Protocol):
+    """Where a stage's outputs go: the next stage's inbox (``EdgeSendStream``), or
+    anything that passes them on as the graph does; closed by its holder, cloned per
+    worker."""
+
+    async def send(self, item: Any, /) -> None: ...
+
+    def clone(self) -> Outbox: ...
+
+    def close(self) -> None: ...
+
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(self, *exc_info: Any) -> Any: ...
 
 
 async def _worker(
     process: Process,
     inbox: EdgeReceiveStream[Any],
-    outbox: EdgeSendStream[Any] | None,
+    outbox: Outbox | None,
     sink: Sink | None,
-    pass_on: PassOn | None,
 ) -> None:
     async with inbox:
         if outbox is None:
@@ -153,7 +163,7 @@ async def _worker(
         async with outbox:
             async for item in inbox:
                 result = await process(item)
-                if result is not None and not (pass_on is not None and await pass_on(result)):
+                if result is not None:
                     await outbox.send(result)
 
 
@@ -162,27 +172,25 @@ def start_stage(
     name: str,
     process: Process,
     inbox: EdgeReceiveStream[Any],
-    outbox: EdgeSendStream[Any] | None,
+    outbox: Outbox | None,
     *,
     workers: int = 1,
     on_failure: OnFailure | None = None,
     before: Callable[[], Awaitable[None]] | None = None,
     sink: Sink | None = None,
     on_done: OnDone | None = None,
-    pass_on: PassOn | None = None,
 ) -> None:
     """Run ``workers`` copies of a stage; the originals of both streams are closed here.
 
     ``before`` runs ahead of every item (a fault point); ``on_failure(item, error)``
     answers an item whose processing met a store error; ``on_done(name, item)`` hears
-    each item processed. Without an outbox, outputs go to ``sink`` (if any); with one,
-    to ``pass_on`` first, if given.
+    each item processed. Without an outbox, outputs go to ``sink`` (if any).
     """
     guarded = wrapped(process, name, on_failure=on_failure, before=before, on_done=on_done)
     for index in range(workers):
         tg.start_soon(
             _worker, guarded, inbox.clone(), outbox.clone() if outbox else None, sink,
-            pass_on, name=f"stage.{name}.{index}",
+            name=f"stage.{name}.{index}",
         )
     inbox.close()
     if outbox is not None:
@@ -191,7 +199,7 @@ def start_stage(
 
 async def run_batcher(
     inbox: EdgeReceiveStream[list[Item]],
-    outbox: EdgeSendStream[list[Item]],
+    outbox: Outbox,
     *,
     group_of: Callable[[Item], Hashable],
     limit_of: Callable[[Item], int],

@@ -282,7 +282,7 @@ def mark_done(stage: str, item: object) -> None:
 
 
 class Lane(Protocol):
-    """Where finished jobs go to be answered (a completion path's entrance)."""
+    """Where finished jobs go to be answered (``app.graph.AnswerWhereFinished``)."""
 
     async def send(self, job: Job, /) -> None: ...
 
@@ -300,7 +300,7 @@ class JobTracker:
         """Finished jobs go to ``completions``; loads to ``load_completions`` if given, so
         that a load's reply never queues behind a backlog of save replies. ``history``
         hears what came of every finished job's blocks once the job is in its lane: after
-        its reply, where the lane answers it at once (``Graph.inline_first``)."""
+        its reply, as the lane answers it at once."""
         self._completions = completions
         self._history = history if history is not None and history.enabled else None
         self._load_completions = load_completions or completions
@@ -519,6 +519,8 @@ class JobTracker:
         if not job.done:
             job.done = True
             planned = job.planned  # answering the job forgets its blocks
+            # ... and may release its closed session's groups: keep them for the history.
+            groups = job.session.store_groups
             if job.is_load:
                 self._load_finished()
             lane = self._load_completions if job.is_load else self._completions
@@ -528,7 +530,7 @@ class JobTracker:
                 # After the reply, when the lane answers at once: the engine need not
                 # wait for the history (about half of a 16-block save's commit).
                 if self._history is not None:
-                    _record(self._history, job, planned)
+                    _record(self._history, job, planned, groups)
 
     def _load_finished(self) -> None:
         self._loads -= 1
@@ -571,9 +573,11 @@ def _end(task: BlockTask) -> int:
     return (task.block_index + 1) * task.geometry.group.block_size
 
 
-def _record(history: BlockHistory, job: Job, planned: list[BlockTask]) -> None:
+def _record(history: BlockHistory, job: Job, planned: list[BlockTask],
+            groups: Sequence[StoreGroupGeometry]) -> None:
     """Tell the history what came of each named block of a finished job (every planned
-    block is settled by then)."""
+    block is settled by then); ``groups``: its session's store groups as they were
+    before it was answered."""
     settled = [(task, task.outcome) for task in planned
                if task.key and task.outcome is not None]
     if job.is_load:
@@ -582,10 +586,12 @@ def _record(history: BlockHistory, job: Job, planned: list[BlockTask]) -> None:
                 history.load_failed(task.key, outcome)
         return
     message = job.message
-    ends = [_end(task) for task, _ in settled]
+    # The request's token count at the end of each block.
+    ends = [(task.block_index + 1) * groups[task.store_group].group.block_size
+            for task, _ in settled]
     prints = content_prints(message.token_ids, ends)
     history.saved(
-        ((task.key, task.geometry.keys.own, (task.store_group, task.block_hash), outcome,
+        ((task.key, groups[task.store_group].keys.own, (task.store_group, task.block_hash), outcome,
           prints[end]) for (task, outcome), end in zip(settled, ends, strict=True)),
         message.keys, job.session.tenant,
     )

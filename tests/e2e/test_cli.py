@@ -124,14 +124,15 @@ def test_status_without_a_sidecar_says_what_to_check() -> None:
 
 
 def test_graph_prints_every_stage_as_the_config_wires_it(tmp_path: Path) -> None:
-    """`kvsidecar graph` lists each path's stages with the config's workers and inbox
-    bounds, and names the backends the config chooses."""
+    """`kvsidecar graph` lists each path's stages with when each waits for an item, the
+    config's workers and inbox bounds, and names admission and the backends the config
+    chooses."""
     config = tmp_path / "graph.yaml"
     config.write_text("stages:\n  transfer: {inbox_size: 3, workers: 5}\n"
                       "  receive: {overflow: block}\n")
     result = subprocess.run([*KVSIDECAR, "graph", "--config", str(config)],
                             capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "COLUMNS": "160"})
+                            env={**os.environ, "COLUMNS": "200"})
     assert result.returncode == 0, result.stderr
     rows = [[cell.strip() for cell in line.split("│")[1:-1]]
             for line in result.stdout.splitlines() if line.startswith("│")]
@@ -139,10 +140,11 @@ def test_graph_prints_every_stage_as_the_config_wires_it(tmp_path: Path) -> None
         ["save", "group_filter"], ["save", "hashing"], ["save", "dedup"], ["save", "batching"],
         ["save", "transfer"], ["save", "commit"], ["load", "group_filter"], ["load", "hashing"],
         ["load", "batching"], ["load", "fetch"], ["load", "scatter"], ["lookup", "lookup"],
-        ["save.completion", "completion"], ["load.completion", "completion"],
     ]
-    assert rows[4][2:] == ["5", "3", "wait", "commit"]
-    assert rows[0][4] == "wait (stop reading the socket)"
+    assert rows[4][2:] == ["always", "5", "3", "wait", "commit"]
+    assert rows[0][2:4] == ["never", "-"]
+    assert rows[0][5] == "wait (stop reading the socket)"
+    assert "saves wait for room" in result.stdout
     assert "batch memory: lent by the store" in result.stdout
 
 

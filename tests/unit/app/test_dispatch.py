@@ -1,6 +1,7 @@
-"""The receive loop's order: loads and lookups go before the saves received ahead of
-them, at most ``MAX_DEFERRED_SAVES`` saves are held back, and every other message keeps
-its place behind them.
+"""The receive loop's order, as its admission policy sets it, through the real loop:
+loads and lookups go before the saves received ahead of them, at most
+``Admission.MAX_HELD`` saves are held back, and every other message keeps its place
+behind them.
 
 The socket here is a stand-in holding every frame at once, so that the order is exact;
 the real socket is exercised by the service's tests (``test_service.py``: saves, a
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 import anyio
 import pytest
 
-from pipeline.app.dispatch import MAX_DEFERRED_SAVES, Receiver
+from pipeline.app.dispatch import Receiver
 from pipeline.app.metrics import Metrics
 from pipeline.core.config import Config
 from pipeline.core.messages import (
@@ -33,7 +34,8 @@ from pipeline.core.messages import (
     pack_tokens,
 )
 from pipeline.core.tenancy import Peer
-from pipeline.runner.edges import Edge, create_edge
+from pipeline.runner.edges import Edge, EdgeSendStream, create_edge
+from pipeline.state.admission import Admission
 from pipeline.state.jobs import Job, JobTracker
 from pipeline.state.registry import SessionRegistry
 
@@ -66,6 +68,20 @@ class QueuedFrames:
         return True
 
 
+class Edges:
+    """Each path's entrance an edge of its own (nothing is accepted here to reach one)."""
+
+    def __init__(self) -> None:
+        self._edges: dict[str, Edge[object]] = {
+            path: create_edge(64) for path in ("save", "load", "lookup")}
+
+    def entrance(self, path: str) -> EdgeSendStream[object]:
+        return self._edges[path].outbox
+
+    def room(self, path: str) -> int:
+        return 64
+
+
 class NoLane:
     async def send(self, job: Job, /) -> None:
         raise AssertionError("no request of an unregistered engine is accepted")
@@ -74,12 +90,11 @@ class NoLane:
 async def dispatched(messages: Sequence[EngineMessage]) -> list[int]:
     """The ``seq`` of each message, in the order the receive loop answered them."""
     socket = QueuedFrames(messages)
-    edges: dict[str, Edge[object]] = {path: create_edge(64) for path in ("save", "load", "lookup")}
     receiver = Receiver(
         Config(), socket,  # type: ignore[arg-type]
         SessionRegistry(lambda *args: None, max_value_bytes=1 << 20,  # type: ignore[arg-type]
                         save_capacity_blocks=lambda nbytes: 0),
-        JobTracker(NoLane()), Metrics(), lambda path: edges[path].outbox)
+        JobTracker(NoLane()), Metrics(), Edges())
     with anyio.fail_after(TIMEOUT_S):
         async with anyio.create_task_group() as tg:
             tg.start_soon(receiver.run)
@@ -99,7 +114,7 @@ async def test_a_lookup_and_a_load_behind_saves_go_first_and_a_heartbeat_keeps_i
     assert replied == [3, 4, 1, 2, 5, 6]
 
 
-@pytest.mark.parametrize("saves", [MAX_DEFERRED_SAVES - 1, MAX_DEFERRED_SAVES + 4])
+@pytest.mark.parametrize("saves", [Admission.MAX_HELD - 1, Admission.MAX_HELD + 4])
 async def test_past_max_deferred_saves_the_oldest_goes_before_the_next_frame_is_read(
     saves: int,
 ) -> None:
@@ -107,5 +122,5 @@ async def test_past_max_deferred_saves_the_oldest_goes_before_the_next_frame_is_
     frame read until the load behind them is reached."""
     replied = await dispatched([save(seq) for seq in range(1, saves + 1)]
                                + [Load(saves + 1, "l", TOKENS, ((2,),), 16)])
-    before = max(0, saves - MAX_DEFERRED_SAVES + 1)
+    before = max(0, saves - Admission.MAX_HELD + 1)
     assert replied == [*range(1, before + 1), saves + 1, *range(before + 1, saves + 1)]

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -18,10 +16,13 @@ from hypothesis import strategies as st
 from pipeline.core.config import BatchingStageConfig, StageConfig, StagesConfig
 from pipeline.core.errors import InternalFailure, StoreError
 from pipeline.runner import (
+    ALWAYS,
+    NEVER,
     BatchSpec,
     Graph,
     PathSpec,
     StageSpec,
+    WaitRule,
     create_edge,
     run_batcher,
     start_stage,
@@ -427,115 +428,14 @@ class GatedTotal:
         return sum(batch)
 
 
-async def test_an_inline_path_runs_every_stage_and_batches_as_its_workers_would() -> None:
-    """Through several stages and a batcher, run_inline gives the sink what the workers
-    would: one batch per group, cut where it fills; while an inbox past the first holds
-    items, it does nothing."""
-    spread, total = Spread(), GatedTotal()
-    graph = Graph[int](
-        [PathSpec("p", [StageSpec("spread", lambda r: spread, "hashing"),
-                        BatchSpec("batch", lambda r: ByParity(), "batching"),
-                        StageSpec("total", lambda r: total, "lookup")],
-                  replies=True, inline=True)],
-        StagesConfig(lookup=StageConfig(workers=1)),
-    )
-    replies: list[int] = []
-
-    async def sink(reply: int) -> None:
-        replies.append(reply)
-
-    async def on_failure(item: int, error: StoreError) -> None:
-        raise AssertionError("no item fails here")
-
-    with anyio.fail_after(TIMEOUT_S):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=on_failure))
-            await anyio.wait_all_tasks_blocked()
-            assert await graph.run_inline("p", 10)
-            # evens 10, 12 | 14; odds 11, 13: each group cut at 2, in the caller's task
-            assert sorted(replies) == sorted([10 + 12, 14, 11 + 13])
-            assert spread.tasks == [anyio.get_current_task().id]
-            await graph.entrance("p").send(100)  # its first batch holds the one worker
-            await anyio.wait_all_tasks_blocked()
-            (_, _, first), _, (_, _, last) = graph.inboxes()
-            assert not first.queued() and last.queued()  # the other batches wait there
-            assert not await graph.run_inline("p", 20)
-            total.gate.set()
-            graph.entrance("p").close()
-    assert sorted(replies) == sorted([10 + 12, 14, 11 + 13, 100 + 102, 104, 101 + 103])
-
-
-async def test_an_inline_path_runs_an_item_in_the_senders_task_while_its_inbox_is_empty(
-) -> None:
-    """run_inline processes the item and sinks its output in the caller's task, counting
-    a wait of 0 s on the inbox; before the graph runs, while items are queued, and after
-    it drained, it does nothing and says so."""
-    stage = Double()
-    graph = Graph[int]([PathSpec("p", [StageSpec("double", lambda r: stage, "lookup")],
-                                 replies=True, inline=True)],
-                       StagesConfig(lookup=StageConfig(workers=1)))
-    (_, _, inbox), = graph.inboxes()
-    waits: list[float] = []
-    inbox.on_wait(waits.append)
-    replies: list[int] = []
-
-    async def sink(reply: int) -> None:
-        replies.append(reply)
-
-    async def on_failure(item: int, error: StoreError) -> None:
-        raise AssertionError("no item fails here")
-
-    assert not await graph.run_inline("p", 1)  # not running yet
-    with anyio.fail_after(TIMEOUT_S):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=on_failure))
-            await anyio.wait_all_tasks_blocked()
-            assert await graph.run_inline("p", 3)
-            assert replies == [6] and stage.tasks == [anyio.get_current_task().id]
-            assert waits == [0.0]
-            entrance = graph.entrance("p")
-            await entrance.send(100)  # the one worker takes it and waits
-            await anyio.wait_all_tasks_blocked()
-            await entrance.send(4)  # queued behind it
-            assert not await graph.run_inline("p", 5)  # the queued item goes first
-            stage.gate.set()
-            await anyio.wait_all_tasks_blocked()
-            assert replies == [6, 200, 8]
-            assert set(stage.tasks[1:]).isdisjoint(stage.tasks[:1])  # by the worker
-            entrance.close()
-    assert not await graph.run_inline("p", 7)  # drained
-    assert replies == [6, 200, 8]
-
-
-async def test_a_stage_behind_a_fault_point_never_runs_inline() -> None:
-    """An injected delay belongs to the stage's workers, not to whoever sends."""
-    graph = Graph[int]([PathSpec("p", [StageSpec("double", lambda r: Double(), "lookup")],
-                                 replies=True, inline=True)], StagesConfig())
-    replies: list[int] = []
-
-    async def sink(reply: int) -> None:
-        replies.append(reply)
-
-    async def fault() -> None:
-        await anyio.lowlevel.checkpoint()
-
-    with anyio.fail_after(TIMEOUT_S):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=None,  # type: ignore[arg-type]
-                                            before=lambda point: fault))
-            await anyio.wait_all_tasks_blocked()
-            assert not await graph.run_inline("p", 3)
-            graph.entrance("p").close()
-    assert replies == []
-
-
-def two_doublings(first: Double, second: Double, *, inbox: int = 64) -> Graph[int]:
-    """A path of two doublings, run inline up to the second when not run whole."""
+def no_wait_then_doubling(first: Double, second: Double, *,
+                          waits: WaitRule[int] = ALWAYS) -> Graph[int]:
+    """first (never waits) → second (waits by ``waits``) → sink."""
     return Graph[int](
-        [PathSpec("p", [StageSpec("first", lambda r: first, "hashing"),
-                        StageSpec("second", lambda r: second, "lookup")],
-                  replies=True, inline=True, inline_until="second")],
-        StagesConfig(lookup=StageConfig(workers=1, inbox_size=inbox)),
+        [PathSpec("p", [StageSpec("first", lambda r: first, "hashing", NEVER),
+                        StageSpec("second", lambda r: second, "lookup", waits)],
+                  replies=True)],
+        StagesConfig(lookup=StageConfig(workers=1)),
     )
 
 
@@ -543,78 +443,94 @@ async def no_failure(item: int, error: StoreError) -> None:
     raise AssertionError("no item fails here")
 
 
-@contextlib.asynccontextmanager
-async def running(graph: Graph[int]) -> AsyncIterator[list[int]]:
-    """The graph running, every worker waiting for items, and the replies its sink gets
-    as they come; the block closes the path's entrance, and ends once it has drained."""
+async def test_a_stage_that_never_waits_runs_in_the_senders_task_and_one_that_waits_in_its_worker(
+) -> None:
+    """The sender runs the first stage itself and hands its output to the second's
+    inbox; the second's worker runs it and sinks the reply. Nothing is ever queued for
+    the stage that never waits, and it has no workers."""
+    first, second = Double(), Double()
+    graph = no_wait_then_doubling(first, second)
     replies: list[int] = []
 
     async def sink(reply: int) -> None:
         replies.append(reply)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
-        await anyio.wait_all_tasks_blocked()
-        yield replies
-
-
-async def test_an_item_not_run_whole_is_handed_to_the_stage_its_path_runs_inline_until(
-) -> None:
-    """Not whole, run_inline runs the stages before inline_until in the caller's task,
-    and that stage's worker takes the outputs from its inbox; whole, the caller runs
-    every stage."""
-    first, second = Double(), Double()
-    graph = two_doublings(first, second)
-    (_, _, first_inbox), (_, _, second_inbox) = graph.inboxes()
-    waits: list[str] = []
-    first_inbox.on_wait(lambda s: waits.append("first"))
-    second_inbox.on_wait(lambda s: waits.append("second"))
     with anyio.fail_after(TIMEOUT_S):
-        async with running(graph) as replies:
-            me = anyio.get_current_task().id
-            assert await graph.run_inline("p", 3, whole=False)
-            assert replies == [] and first.tasks == [me]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
+            for item in (1, 2):
+                await graph.entrance("p").send(item)
             await anyio.wait_all_tasks_blocked()
-            assert replies == [12] and second.tasks[0] != me
-            assert await graph.run_inline("p", 5)
-            assert replies == [12, 20] and second.tasks[1:] == [me]
+            assert replies == [4, 8]
+            assert first.tasks == [anyio.get_current_task().id] * 2
+            assert anyio.get_current_task().id not in second.tasks
             graph.entrance("p").close()
-    assert waits == ["first", "second", "first", "second"]
+    assert [(row.stage, row.workers, row.waits) for row in graph.rows()] == [
+        ("first", 0, "never"), ("second", 1, "always")]
 
 
-async def test_an_item_not_run_whole_goes_behind_queued_items_and_needs_room_where_handed(
-) -> None:
-    """Refused, having done nothing, while the inbox of a stage it would run holds items,
-    and while the inbox it would be handed to is full."""
-    first, second = Double(), Double()
-    graph = two_doublings(first, second, inbox=1)
+async def test_a_worker_runs_the_stages_after_its_own_that_do_not_wait() -> None:
+    """After a stage that waits, its worker carries the item on through a stage that
+    never waits, in its own task."""
+    first, second, third = Double(), Double(), Double()
+    graph = Graph[int](
+        [PathSpec("p", [StageSpec("first", lambda r: first, "hashing"),
+                        StageSpec("second", lambda r: second, "lookup", NEVER),
+                        StageSpec("third", lambda r: third, "dedup", NEVER)], replies=True)],
+        StagesConfig(hashing=StageConfig(workers=1)),
+    )
+    replies: list[int] = []
+
+    async def sink(reply: int) -> None:
+        replies.append(reply)
+
     with anyio.fail_after(TIMEOUT_S):
-        async with running(graph) as replies:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
+            await graph.entrance("p").send(3)
+            await anyio.wait_all_tasks_blocked()
+            graph.entrance("p").close()
+    assert replies == [24]
+    assert first.tasks == second.tasks == third.tasks
+    assert first.tasks[0] != anyio.get_current_task().id
+
+
+async def test_a_rule_sends_each_item_where_the_item_says_never_by_queue_depth() -> None:
+    """With a rule that waits for some items only, the others run whole in the sender's
+    task, even while the worker's inbox holds items, and those go to the worker."""
+    first, second = Double(), Double()
+    some = WaitRule[int]("for items 2 mod 4", lambda r: lambda item: item % 4 == 2)
+    graph = no_wait_then_doubling(first, second, waits=some)
+    replies: list[int] = []
+
+    async def sink(reply: int) -> None:
+        replies.append(reply)
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
             entrance = graph.entrance("p")
-            await entrance.send(100)  # the first stage's worker waits on its gate
+            await entrance.send(51)  # 102 waits for the worker, on the gate
             await anyio.wait_all_tasks_blocked()
             await entrance.send(1)  # queued behind it
-            assert not await graph.run_inline("p", 2, whole=False)
-            first.gate.set()  # 200 holds the second's worker; 2 waits in its inbox
-            await anyio.wait_all_tasks_blocked()
-            assert not await graph.run_inline("p", 3, whole=False)  # no room there
+            await entrance.send(2)  # runs here, ahead of both
+            here = anyio.get_current_task().id
+            assert replies == [8] and second.tasks[-1] == here
+            (_, _, _), (_, _, inbox) = graph.inboxes()
+            assert inbox.queued() == 1
             second.gate.set()
             await anyio.wait_all_tasks_blocked()
-            assert await graph.run_inline("p", 4, whole=False)
-            await anyio.wait_all_tasks_blocked()
             entrance.close()
-    assert replies == [400, 4, 16]
-    assert first.tasks.count(anyio.get_current_task().id) == 1  # only 4 was run here
+    assert replies == [8, 204, 4]
+    assert graph.rows()[1].waits == "for items 2 mod 4"
 
 
-async def test_a_path_drains_only_once_an_inline_run_in_flight_has_handed_its_item_on(
-) -> None:
-    """The entrance closed and drained while a run not whole waits in the first stage:
-    the run still hands its item to the second stage, the path drains after it, and no
-    run starts once the entrance is closed."""
+async def test_a_path_drains_only_once_a_send_in_flight_has_handed_its_item_on() -> None:
+    """The entrance closed while a send waits in a stage the sender runs: the send still
+    hands its item on, the path drains after it, and no send starts once closed."""
     first, second = Double(), Double()
     second.gate.set()
-    graph = two_doublings(first, second)
+    graph = no_wait_then_doubling(first, second)
     replies: list[int] = []
     drained = anyio.Event()
 
@@ -625,64 +541,70 @@ async def test_a_path_drains_only_once_an_inline_run_in_flight_has_handed_its_it
         await graph.run(0, sink=sink, on_failure=no_failure)
         drained.set()
 
-    async def run_inline(item: int) -> None:
-        assert await graph.run_inline("p", item, whole=False)
-
     with anyio.fail_after(TIMEOUT_S):
         async with anyio.create_task_group() as tg:
             tg.start_soon(run_graph)
-            await anyio.wait_all_tasks_blocked()
-            tg.start_soon(run_inline, 100)  # waits on the first stage's gate
+            tg.start_soon(graph.entrance("p").send, 100)  # waits on the first stage's gate
             await anyio.wait_all_tasks_blocked()
             graph.entrance("p").close()
-            # The first stage's end reaches the graph some loop turns after its worker's.
             await anyio.sleep(0.2)
             assert not drained.is_set()
-            assert not await graph.run_inline("p", 1, whole=False)
-            assert not await graph.run_inline("p", 1)
+            with pytest.raises(anyio.ClosedResourceError):
+                await graph.entrance("p").send(1)
             first.gate.set()
             await drained.wait()
     assert replies == [400]
 
 
-async def test_a_worker_past_inline_until_runs_an_idle_next_stage_itself_unless_work_waits(
-) -> None:
-    """A worker of the stage a path runs inline until passes its output through the next
-    stage in its own task while that stage's worker waits idle and nothing is queued
-    from the worker's own inbox on; with an item queued behind it, or the next stage's
-    only worker busy, it hands the output to the next stage's inbox."""
-    first, second, third = Double(), Double(), Double()
+async def test_without_a_deadline_a_batching_stage_batches_what_one_item_brings() -> None:
+    """A batching stage with no deadline never waits: whoever holds an item cuts its
+    list into batches, one per group, as the batcher would with nothing else queued."""
+
+    class NoDeadline(ByParity):
+        deadline_s = 0.0
+
+    spread, total = Spread(), GatedTotal()
+    total.gate.set()
     graph = Graph[int](
-        [PathSpec("p", [StageSpec("first", lambda r: first, "hashing"),
-                        StageSpec("second", lambda r: second, "lookup"),
-                        StageSpec("third", lambda r: third, "commit")],
-                  replies=True, inline=True, inline_until="second")],
-        StagesConfig(lookup=StageConfig(workers=1), commit=StageConfig(workers=1)),
+        [PathSpec("p", [StageSpec("spread", lambda r: spread, "hashing", NEVER),
+                        BatchSpec("batch", lambda r: NoDeadline(), "batching"),
+                        StageSpec("total", lambda r: total, "lookup", NEVER)],
+                  replies=True)],
+        StagesConfig(),
     )
-    waits: list[float] = []
-    graph.inboxes()[2][2].on_wait(waits.append)
+    replies: list[int] = []
+
+    async def sink(reply: int) -> None:
+        replies.append(reply)
+
     with anyio.fail_after(TIMEOUT_S):
-        async with running(graph) as replies:
-            assert await graph.run_inline("p", 1, whole=False)
-            await anyio.wait_all_tasks_blocked()
-            assert replies == [8] and third.tasks == second.tasks  # one worker's task
-            assert waits == [0.0]  # counted as passed through, not waited in
-            assert await graph.run_inline("p", 50, whole=False)  # 100 waits in second
-            await anyio.wait_all_tasks_blocked()
-            assert await graph.run_inline("p", 2, whole=False)  # 4 queued behind it
-            second.gate.set()  # 200 goes to third's inbox, as 4 waits in second's;
-            await anyio.wait_all_tasks_blocked()  # then 8 too: third's worker holds 200
-            [worker] = set(second.tasks)
-            assert replies == [8] and len(third.tasks) == 2 and third.tasks[1] != worker
-            third.gate.set()
-            await anyio.wait_all_tasks_blocked()
-            assert replies == [8, 400, 16] and worker not in third.tasks[1:]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
+            await graph.entrance("p").send(10)
+            # evens 10, 12 | 14; odds 11, 13: each group cut at 2, in this task
+            assert sorted(replies) == sorted([10 + 12, 14, 11 + 13])
             graph.entrance("p").close()
 
 
-def test_a_path_runs_inline_until_one_of_its_later_stages() -> None:
-    for until in ("first", "third"):
-        with pytest.raises(ValueError, match="inline_until"):
-            Graph[int]([PathSpec("p", [StageSpec("first", lambda r: Double(), "hashing"),
-                                       StageSpec("second", lambda r: Double(), "lookup")],
-                                 inline=True, inline_until=until)], StagesConfig())
+async def test_room_is_what_is_left_in_the_inbox_every_item_is_handed_to() -> None:
+    """The first stage never waits; the second always does: the path's room is what its
+    inbox has left, whatever a stage that waits for some items only holds."""
+    first, second = Double(), Double()
+    graph = no_wait_then_doubling(first, second)
+    size = StagesConfig(lookup=StageConfig(workers=1)).lookup.inbox_size
+    assert graph.room("p") == size
+    replies: list[int] = []
+
+    async def sink(reply: int) -> None:
+        replies.append(reply)
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
+            await graph.entrance("p").send(50)  # its worker holds 100 on the gate
+            await anyio.wait_all_tasks_blocked()
+            await graph.entrance("p").send(1)  # queued
+            assert graph.room("p") == size - 1
+            second.gate.set()
+            graph.entrance("p").close()
+    assert replies == [200, 4]

@@ -1025,8 +1025,36 @@ async def test_a_batch_of_several_jobs_settles_each_once_its_last_block_is_in() 
 
 
 
+async def test_a_job_of_a_closed_session_released_by_its_answer_is_still_recorded() -> None:
+    """The engine is gone (its session closed) when its last save is answered: answering
+    it releases the session's groups, and the history still hears what came of each
+    block, from the groups as they were."""
+    h = harness([full(4, "a")])
+    history = BlockHistory(64)
+
+    class AnsweringLane:
+        async def send(self, job: Job) -> None:
+            await CompletionStage(tracker).process(job)
+            assert h.session.store_groups == ()  # released with the answer
+
+    tracker = JobTracker(AnsweringLane(), history=history)
+    prefix = h.session.store_groups[0].keys.own
+    job = Job(h.session, save(tokens(8), [1, 2]))
+    tracker.accept(job)
+    await GroupFilterStage(tracker).process(job)
+    await HashingStage(tracker, h.limiter).process(job)
+    planned = list(job.planned)
+    h.session.close()
+    await tracker.settle_each(planned, [STORED, STORE_FULL])
+    assert [history.why(task.key, prefix, (0, task.block_hash), Presence.ABSENT,
+                        RequestKeys())[:2] for task in planned] == [
+        (Verdict.EVICTED, "stored, since gone from the store"),
+        (Verdict.SKIPPED, "store_full"),
+    ]
+
+
 async def test_a_job_answered_at_once_is_recorded_in_the_history_after_its_reply() -> None:
-    """A lane that answers a finished save at once (as ``Graph.inline_first`` does) forgets
+    """A lane that answers a finished save at once (as ``AnswerWhereFinished`` does) forgets
     the job's blocks while answering it; the history hears what came of each block all
     the same, once the reply is out."""
     h = harness([full(4, "a")])
