@@ -34,7 +34,6 @@ __all__ = ["Step", "git_revision", "machine_info", "run_bench", "steps"]
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
-RESULTS = BENCHMARKS / "results"
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
 QUICK_STORE_BYTES = 128 * 2**20
 """The quick run's embedded store: small enough to fill (steady state) in a second."""
@@ -75,11 +74,13 @@ def steps(*, quick: bool, config: Path) -> list[Step]:
     ]
 
 
-def _run_step(step: Step, log: Path, progress: Progress, task: Any) -> tuple[int, float]:
-    """Run one benchmark, its output to ``log`` and its last line to the progress bar."""
+def _run_step(step: Step, scripts: Path, log: Path, progress: Progress,
+              task: Any) -> tuple[int, float]:
+    """Run one benchmark of ``scripts``, its output to ``log`` and its last line to the
+    progress bar."""
     started = time.monotonic()
     with log.open("w") as out, subprocess.Popen(
-        [sys.executable, str(BENCHMARKS / step.script), *step.args], cwd=ROOT,
+        [sys.executable, str(scripts / step.script), *step.args], cwd=scripts.parent,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     ) as process:
@@ -121,17 +122,20 @@ def machine_info() -> dict[str, Any]:
 
 
 def run_bench(*, quick: bool, out: Path, config: Path | None = None,
-              console: Console | None = None) -> int:
-    """Run the suite and write the report; 0 when every benchmark produced results."""
+              console: Console | None = None, scripts: Path = BENCHMARKS) -> int:
+    """Run the suite (the benchmark ``scripts`` of the checkout, which write their results
+    to ``scripts/results``) and write the report into ``out``; 0 when every benchmark
+    produced results. Paths given relative are to the working directory."""
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
         raise KVSidecarError("kvsidecar bench draws its plots with matplotlib: "
                              "pip install 'kvsidecar[bench]'") from exc
-    if not BENCHMARKS.is_dir():
-        raise KVSidecarError(f"kvsidecar bench runs the scripts in {BENCHMARKS}, which is not "
+    if not scripts.is_dir():
+        raise KVSidecarError(f"kvsidecar bench runs the scripts in {scripts}, which is not "
                              "there: run it from a source checkout")
     console = console or Console()
+    out = out.resolve()  # the scripts run in the checkout, not here
     out.mkdir(parents=True, exist_ok=True)
     base = load_config(config or DEFAULT_CONFIG)
     if quick:
@@ -152,9 +156,9 @@ def run_bench(*, quick: bool, out: Path, config: Path | None = None,
                                     total=len(suite))
         for step in suite:
             task = progress.add_task(step.title, total=1)
-            result = RESULTS / f"{step.name}.json"
+            result = scripts / "results" / f"{step.name}.json"
             before = result.stat().st_mtime if result.exists() else 0.0
-            code, seconds = _run_step(step, out / f"{step.name}.log", progress, task)
+            code, seconds = _run_step(step, scripts, out / f"{step.name}.log", progress, task)
             fresh = result.exists() and result.stat().st_mtime > before
             runs[step.name] = {"exit_code": code, "seconds": round(seconds, 1),
                                "args": list(step.args), "produced_results": fresh}

@@ -25,6 +25,8 @@ from pipeline.app.launcher import run_sidecar_process
 __all__ = ["run_demo"]
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+"""The checkout's default config; it holds exactly the built-in defaults, which an
+installed package without the checkout runs with instead."""
 DEMO_BLOCK_SIZE = 32
 """The preset's 800-token blocks scaled down so the demo runs in seconds."""
 ENGINES = ("engine-a", "engine-b")
@@ -119,7 +121,7 @@ def _summary(total: SimReport, wall_s: float, sidecar_exit: int) -> Table:
 
 def run_demo(args: argparse.Namespace) -> int:
     console = Console(stderr=False)
-    config = args.config or str(DEFAULT_CONFIG)
+    config = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
     started = time.perf_counter()
     with run_sidecar_process(config=config, env={"NO_COLOR": "1"},
                              stop_timeout_s=30) as sidecar:

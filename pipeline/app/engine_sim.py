@@ -24,6 +24,7 @@ import anyio
 import msgspec
 import torch
 
+from pipeline.core.errors import KVSidecarError
 from pipeline.core.hashing import block_hashes, group_block_hashes
 from pipeline.core.layout import GroupKind, KVCacheLayout
 from pipeline.core.outcomes import BlockStatus
@@ -49,6 +50,12 @@ def load_layout(name_or_path: str, *, block_size: int = 0) -> KVCacheLayout:
     path = Path(name_or_path)
     if not path.suffix:
         path = LAYOUTS_DIR / f"{name_or_path}.yaml"
+        if not LAYOUTS_DIR.is_dir():
+            raise KVSidecarError(f"layout presets are read from {LAYOUTS_DIR}, which is not "
+                                 "there: run from a source checkout, or pass a layout file")
+        if not path.exists():
+            raise KVSidecarError(f"no layout preset {name_or_path!r}; the presets: " + ", ".join(
+                sorted(p.stem for p in LAYOUTS_DIR.glob("*.yaml"))))
     data: dict[str, Any] = msgspec.yaml.decode(path.read_bytes())
     if block_size:
         largest = max(group["block_size"] for group in data["groups"])

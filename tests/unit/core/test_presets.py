@@ -68,3 +68,17 @@ def test_qwen3_next_presets_store_attention_and_mamba_not_the_ring(
     assert lay.hash_block_size == 800
     assert lay.store_groups[1].mamba_cache_mode == "align"
     assert not set(lay.groups[1].layers) & {n for names in lay.payload_layers for n in names}
+
+
+def test_a_preset_is_found_by_name_from_any_directory_and_a_wrong_name_lists_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine simulator reads presets from the checkout whatever the working
+    directory; an unknown name is refused with the presets there are."""
+    from pipeline.app.engine_sim import load_layout
+    from pipeline.core.errors import KVSidecarError
+
+    monkeypatch.chdir(tmp_path)
+    assert load_layout("llama-dense").groups
+    with pytest.raises(KVSidecarError, match=r"no layout preset 'nope'.*llama-dense"):
+        load_layout("nope")
