@@ -114,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
     graph = commands.add_parser("graph", help="the stage graph a config wires, as a table")
     graph.add_argument("--config", help="YAML config (default: built-in defaults)")
 
+    config_cmd = commands.add_parser(
+        "config", help="the effective config: every value, where it came from, and what "
+                       "is derived from it")
+    config_cmd.add_argument("--config", help="YAML config (default: built-in defaults)")
+    config_cmd.add_argument("--json", action="store_true", help="print it as JSON")
+
     bench = commands.add_parser("bench", help="the benchmark suite, into a report with plots")
     bench.add_argument("--quick", action="store_true", help="a smaller suite (minutes)")
     bench.add_argument("--out", type=Path, default=Path("bench-results"))
@@ -171,6 +177,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pipeline.app.graph import show_graph
 
             show_graph(load_config(args.config))
+            return EXIT_OK
+        if args.command == "config":
+            from pipeline.app.show_config import show_config
+
+            show_config(args.config, as_json=args.json)
             return EXIT_OK
         if args.command == "bench":
             from pipeline.app.bench import run_bench

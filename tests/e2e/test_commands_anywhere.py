@@ -33,7 +33,7 @@ def test_the_demo_runs_from_another_directory(tmp_path: Path) -> None:
     assert "every loaded byte verified" in result.stdout
 
 
-def test_graph_keygen_status_and_explain_take_paths_relative_to_the_user(
+def test_graph_config_keygen_status_and_explain_take_paths_relative_to_the_user(
     tmp_path: Path,
 ) -> None:
     """A relative config and key prefix are read and written where the user is; the
@@ -44,6 +44,8 @@ def test_graph_keygen_status_and_explain_take_paths_relative_to_the_user(
     rows = [[cell.strip() for cell in line.split("│")[1:-1]]
             for line in graph.stdout.splitlines() if line.startswith("│")]
     assert ["save", "transfer", "always", "3"] in [row[:4] for row in rows]
+    shown = json.loads(run(["config", "--config", "mine.yaml", "--json"], tmp_path).stdout)
+    assert shown["config"]["stages.transfer.workers"] == {"value": 3, "source": "file"}
     keys = run(["keygen", "--out", "k"], tmp_path)
     assert keys.returncode == 0, keys.stderr
     assert (tmp_path / "k.key").exists() and (tmp_path / "k.key.pub").exists()
