@@ -2,8 +2,8 @@
 
 Admission is one policy (``pipeline.state.admission.Admission``): loads and lookups go as
 they are read, a save read while other frames wait is held behind them, and under
-overload a save is answered at once (every block skipped) instead of queueing in front
-of completions that loads are waiting for. Such refusals are logged as one
+overload a save is answered at once (every block skipped) instead of waiting for room
+while the loads behind it wait. Such refusals are logged as one
 ``saves.refused`` line per engine per second, not a line each: under a flood the lines
 would cost the loop more than the refusals.
 
@@ -410,11 +410,14 @@ class Receiver:
 
     async def _enqueue(self, path: str, item: Job | LookupRequest) -> None:
         """Send a request into its path, waiting for room; if the shutdown closed the path
-        meanwhile, the request is refused as shutting down instead."""
+        meanwhile, the request is refused as shutting down instead (unless the shutdown
+        has answered it already)."""
         try:
             await self._paths.entrance(path).send(item)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
             if isinstance(item, Job):
+                if item.done:
+                    return
                 self._tracker.answered(item)
                 self._answer_cancels(item)
             raise RequestRejected(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down") from exc
@@ -422,8 +425,10 @@ class Receiver:
     async def _accept_save(self, job: Job) -> None:
         """Take a save, or under overload answer it at once with every block skipped.
 
-        The refusal is answered right here: it costs no stage, and it never queues in
-        front of completions that loads are waiting for."""
+        The refusal is answered right here and costs no stage. A save taken whose job
+        or batch then finds its stage's inbox full is answered the same way, block by
+        block, by the save path (``app.graph.paths``): the receive loop never waits for
+        room while shedding."""
         verdict = self.admission.on_save(saves_in_flight=job.session.saves_in_flight,
                                          room=self._paths.room("save"))
         if verdict is SaveVerdict.REFUSE:

@@ -7,15 +7,17 @@
 
 Each entry names its stage, how it is built from the root's resources, its config
 section, and when it waits (``pipeline.runner``: a stage that does not wait for an item
-runs in the task that hands it over). With the embedded store, a request hashed on the
-event loop so runs in the receive loop up to its copy, and the worker that copies it
-commits it; a job is answered by whichever stage settles its last block
-(``AnswerWhereFinished``).
+runs in the task that hands it over). With the embedded store and no fault points, a
+request hashed on the event loop so runs in the receive loop up to its copy, and the
+worker that copies it commits it; a job is answered by whichever stage settles its last
+block (``AnswerWhereFinished``). While saves are shed, the receive loop never waits for
+room: a save's job or batch that finds its inbox full is answered overloaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Awaitable, Callable, Mapping
 
 import anyio
@@ -26,6 +28,7 @@ from pipeline.app.backends import moves_in_place
 from pipeline.core.config import Config
 from pipeline.core.hashing import hashed_inline
 from pipeline.core.messages import Load, Lookup, Save
+from pipeline.core.outcomes import OVERLOADED
 from pipeline.core.seams import BatchMemory, CopyEngine, Count
 from pipeline.core.store import KVStore
 from pipeline.runner import (
@@ -43,6 +46,7 @@ from pipeline.state.admission import Admission
 from pipeline.state.events import KVEventLog
 from pipeline.state.history import BlockHistory
 from pipeline.state.jobs import (
+    BlockTask,
     Job,
     JobTracker,
     LookupRequest,
@@ -178,15 +182,33 @@ def _stages(config: Config) -> tuple[tuple[Spec | BatchSpec[Resources], ...], ..
     return save, load, lookup
 
 
+def _with_fault_points(config: Config, stages: tuple[Spec | BatchSpec[Resources], ...],
+                       ) -> tuple[Spec | BatchSpec[Resources], ...]:
+    """A stage behind a fault point (``stage.<name>``) waits for every item: an injected
+    delay holds the stage's workers, never the task that hands the item over."""
+    points = config.faults.points
+    return tuple(dataclasses.replace(spec, waits=ALWAYS)
+                 if isinstance(spec, StageSpec) and f"stage.{spec.name}" in points else spec
+                 for spec in stages)
+
+
+async def _shed(tracker: JobTracker, item: Job | list[BlockTask]) -> None:
+    """A save's job, or one of its batches, that found its stage's inbox full while
+    shedding: its blocks are answered ``skipped(overloaded)``, as a refused save's are."""
+    await tracker.settle_all(item.planned if isinstance(item, Job) else list(item), OVERLOADED)
+
+
 def paths(config: Config) -> list[PathSpec[Resources]]:
     receive = config.stages.receive
+    shed = receive.overflow == "skip"
     when_full = (
         f"answer skipped(overloaded) (also past {receive.max_saves_per_engine} per engine)"
-        if receive.overflow == "skip" else "wait (stop reading the socket)"
+        if shed else "wait (stop reading the socket)"
     )
-    save, load, lookup = _stages(config)
+    save, load, lookup = (_with_fault_points(config, stages) for stages in _stages(config))
     return [
-        PathSpec("save", save, when_full=when_full),
+        PathSpec("save", save, when_full=when_full,
+                 on_full=(lambda r: functools.partial(_shed, r.tracker)) if shed else None),
         PathSpec("load", load, when_full="wait (loads are never dropped)"),
         PathSpec("lookup", lookup, replies=True),
     ]
@@ -245,8 +267,8 @@ def show_graph(config: Config) -> None:
     console.print(
         "admission: loads and lookups as they are read; a save read while frames wait is "
         f"held behind them ({Admission.MAX_HELD} at most); saves "
-        + (f"past {receive.max_saves_per_engine} per engine, or finding the path full, are "
-           "answered skipped (overloaded)" if receive.overflow == "skip"
+        + (f"past {receive.max_saves_per_engine} per engine, or finding their inbox full, "
+           "are answered skipped (overloaded)" if receive.overflow == "skip"
            else "wait for room (the socket is not read meanwhile)"))
     store = config.store
     slots = (f"staging pool, {config.staging.pool_bytes // config.staging.slot_bytes} "

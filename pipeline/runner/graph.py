@@ -49,6 +49,8 @@ R = TypeVar("R")
 
 Waits = Callable[[Any], bool]
 """Whether a stage waits for this item (it then goes to the stage's inbox)."""
+OnFull = Callable[[Any], Awaitable[None]]
+"""Answers an item the sender could not hand to a full inbox (``PathSpec.on_full``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +103,11 @@ class PathSpec(Generic[R]):
     replies: bool = False
     """The last stage's outputs are replies, handed to the sink."""
     when_full: str = "wait"
-    """What happens to an item offered to the path when it has no room
-    (``Graph.room``), as ``kvsidecar graph`` prints it."""
+    """What happens to an item the sender hands to a full inbox, as ``kvsidecar graph``
+    prints it."""
+    on_full: Callable[[R], OnFull] | None = None
+    """Built from the root's resources: what the sender does with an item a full inbox
+    cannot take, instead of waiting for room (None: it waits). Workers always wait."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +139,12 @@ class _Forward:
     hand items to, closed with it (``EndOfStream`` then cascades on drain)."""
 
     def __init__(self, steps: Sequence[_Step], sends: Sequence[EdgeSendStream[Any]],
-                 start: int, sink: Sink | None) -> None:
+                 start: int, sink: Sink | None, on_full: OnFull | None = None) -> None:
         self._steps = steps
         self._sends = sends
         self._start = start
         self._sink = sink
+        self._on_full = on_full
 
     async def send(self, item: Any) -> None:
         await self._through(self._start, item)
@@ -149,15 +155,26 @@ class _Forward:
                 await self._sink(item)
             return
         step = self._steps[index]
-        if step.waits(item):
-            await self._sends[index - self._start].send(item)
+        try:
+            waits = step.waits(item)
+        except Exception:  # a rule's bug: the stage's workers and error policy see it
+            waits = True
+        if waits:
+            send = self._sends[index - self._start]
+            if self._on_full is None:
+                await send.send(item)
+                return
+            try:
+                send.send_nowait(item)
+            except anyio.WouldBlock:
+                await self._on_full(item)
             return
         for output in await step.run(item):
             await self._through(index + 1, output)
 
     def clone(self) -> _Forward:
         return _Forward(self._steps, [send.clone() for send in self._sends], self._start,
-                        self._sink)
+                        self._sink, self._on_full)
 
     def close(self) -> None:
         for send in self._sends:
@@ -275,7 +292,8 @@ class Graph(Generic[R]):
                     stage=spec.name,
                     workers=0 if waits == NEVER.text else self._workers(spec),
                     inbox=0 if waits == NEVER.text else self._edges[path.name][index].size,
-                    when_full=path.when_full if index == 0 else "wait",
+                    when_full=path.when_full if index == self._handoff.get(path.name)
+                    else "wait",
                     to=("sink" if path.replies else "settles jobs") if last
                     else path.stages[index + 1].name,
                     waits=waits,
@@ -346,7 +364,8 @@ class Graph(Generic[R]):
             start(_Forward(steps, [edge.outbox.clone() for edge in edges[index + 1 :]],
                            index + 1, path_sink))
         self._entrances[path.name]._open(
-            _Forward(steps, [edge.outbox.clone() for edge in edges], 0, path_sink))
+            _Forward(steps, [edge.outbox.clone() for edge in edges], 0, path_sink,
+                     None if path.on_full is None else path.on_full(resources)))
         for edge in edges:
             edge.outbox.close()
 

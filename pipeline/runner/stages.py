@@ -1,8 +1,10 @@
 """Running stages: workers over bounded edges, the error policy, and the batcher.
 
 Stages know nothing of streams: ``process(item)`` returns the output or None to drop it.
-The runner owns the edges. Each worker holds clones of its stage's inbox and outbox and
-closes them when the inbox ends, so ``EndOfStream`` cascades stage by stage on drain.
+The runner owns the edges. Each worker holds clones of its stage's inbox and of its
+outbox (the sending ends of every later inbox it may hand items to) and closes them when
+the inbox ends, so ``EndOfStream`` reaches each stage once everything that could feed it
+has ended.
 """
 
 from __future__ import annotations

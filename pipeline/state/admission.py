@@ -8,7 +8,9 @@ One policy decides, from what the receive loop tells it, and from nothing else:
   Held messages go once no frame waits, or, past ``MAX_HELD``, the oldest before each
   frame is read: a flood of saves still meets the socket's own bound.
 - **Saves.** Under ``shed`` overload (``skip``), an engine's save is refused (answered
-  at once, every block skipped) past its credits, or when the save path has no room;
+  at once, every block skipped) past its credits, or when the inbox the save path hands
+  saves to has no room (a save taken that later finds an inbox full is shed block by
+  block there);
   under ``backpressure`` (``block``) a save waits for room and stops the receive loop
   meanwhile, and credits are unlimited (``-1`` on the wire).
 

@@ -297,8 +297,8 @@ class JobTracker:
         *,
         history: BlockHistory | None = None,
     ) -> None:
-        """Finished jobs go to ``completions``; loads to ``load_completions`` if given, so
-        that a load's reply never queues behind a backlog of save replies. ``history``
+        """Finished jobs go to ``completions``; loads to ``load_completions`` if given.
+        ``history``
         hears what came of every finished job's blocks once the job is in its lane: after
         its reply, as the lane answers it at once."""
         self._completions = completions

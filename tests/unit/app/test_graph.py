@@ -39,3 +39,47 @@ def test_the_three_paths_are_declared_with_their_stages_in_order() -> None:
     assert [path.name for path in paths(Config())] == ["save", "load", "lookup"]
     assert [spec.name for spec in paths(Config())[0].stages] == [
         "group_filter", "hashing", "dedup", "batching", "transfer", "commit"]
+
+
+def test_a_stage_behind_a_fault_point_waits_for_every_item() -> None:
+    """An injected delay holds the stage's workers, never the receive loop."""
+    config = msgspec.convert(
+        {"faults": {"points": {"stage.group_filter": {"delay_ms": 5}}}}, Config)
+    got = waits(config)
+    assert got["save.group_filter"] == got["load.group_filter"] == ALWAYS.text
+    assert got["save.dedup"] == ALWAYS.text  # the store is wrapped by the fault points
+
+
+def test_while_shedding_the_save_path_answers_what_a_full_inbox_cannot_take() -> None:
+    by_name = {path.name: path for path in paths(Config())}
+    assert by_name["save"].on_full is not None
+    assert by_name["load"].on_full is None
+    blocking = msgspec.convert({"stages": {"receive": {"overflow": "block"}}}, Config)
+    assert {path.name: path for path in paths(blocking)}["save"].on_full is None
+
+
+async def test_shedding_answers_a_jobs_or_a_batchs_blocks_skipped_overloaded() -> None:
+    """A job (before hashing) or a batch of its blocks that a full inbox cannot take is
+    answered block by block ``skipped(overloaded)``, and the job finishes."""
+    from pipeline.app.graph import _shed
+    from pipeline.core.outcomes import OVERLOADED, BlockStatus
+    from pipeline.state.jobs import Job, JobTracker
+    from stages.group_filter import GroupFilterStage
+    from tests.unit.stages import test_stages as kit
+
+    replies: list[Job] = []
+
+    class Lane:
+        async def send(self, job: Job) -> None:
+            replies.append(job)
+
+    h = kit.harness([kit.full(4, "a")])
+    tracker = JobTracker(Lane())
+    for split in (False, True):
+        job = Job(h.session, kit.save(kit.tokens(8), [1, 2]))
+        tracker.accept(job)
+        await GroupFilterStage(tracker).process(job)
+        await _shed(tracker, list(job.planned) if split else job)
+        assert replies[-1] is job and job.done
+        assert [(r.status, r.reason) for r in job.reports] == [
+            (BlockStatus.SKIPPED, OVERLOADED.reason)] * 2

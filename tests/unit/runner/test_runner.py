@@ -608,3 +608,63 @@ async def test_room_is_what_is_left_in_the_inbox_every_item_is_handed_to() -> No
             second.gate.set()
             graph.entrance("p").close()
     assert replies == [200, 4]
+
+
+async def test_a_sender_with_on_full_never_waits_and_hands_the_overflow_to_it() -> None:
+    """With ``on_full``, an item the sender finds no room for in an inbox goes to it at
+    once; the sender never waits, and the items taken are processed."""
+    first, second = Double(), Double()
+    refused: list[int] = []
+
+    async def on_full(item: int) -> None:
+        refused.append(item)
+
+    graph = Graph[int](
+        [PathSpec("p", [StageSpec("first", lambda r: first, "hashing", NEVER),
+                        StageSpec("second", lambda r: second, "lookup")],
+                  replies=True, on_full=lambda r: on_full)],
+        StagesConfig(lookup=StageConfig(inbox_size=1, workers=1)),
+    )
+    replies: list[int] = []
+
+    async def sink(reply: int) -> None:
+        replies.append(reply)
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
+            await graph.entrance("p").send(50)  # its worker holds 100 on the gate
+            await anyio.wait_all_tasks_blocked()
+            await graph.entrance("p").send(1)  # fills the inbox of one
+            await graph.entrance("p").send(2)  # no room: refused, without waiting
+            assert refused == [4]
+            second.gate.set()
+            graph.entrance("p").close()
+    assert replies == [200, 4]
+
+
+async def test_a_rule_that_fails_sends_the_item_to_the_stages_workers() -> None:
+    """A rule's own failure never ends the task that asked it: the item goes to the
+    stage's inbox, where the stage and its error policy deal with it."""
+    first, second = Double(), Double()
+    second.gate.set()
+
+    def broken(resources: int) -> Any:
+        def waits(item: int) -> bool:
+            raise IndexError("a bug in the rule")
+        return waits
+
+    graph = no_wait_then_doubling(first, second, waits=WaitRule("broken", broken))
+    replies: list[int] = []
+
+    async def sink(reply: int) -> None:
+        replies.append(reply)
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
+            await graph.entrance("p").send(3)
+            await anyio.wait_all_tasks_blocked()
+            graph.entrance("p").close()
+    assert replies == [12]
+    assert anyio.get_current_task().id not in second.tasks
