@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -443,13 +445,10 @@ async def no_failure(item: int, error: StoreError) -> None:
     raise AssertionError("no item fails here")
 
 
-async def test_a_stage_that_never_waits_runs_in_the_senders_task_and_one_that_waits_in_its_worker(
-) -> None:
-    """The sender runs the first stage itself and hands its output to the second's
-    inbox; the second's worker runs it and sinks the reply. Nothing is ever queued for
-    the stage that never waits, and it has no workers."""
-    first, second = Double(), Double()
-    graph = no_wait_then_doubling(first, second)
+@contextlib.asynccontextmanager
+async def running(graph: Graph[int]) -> AsyncIterator[list[int]]:
+    """``graph`` running, its path ``p``'s replies collected in the list given; on exit
+    the entrance is closed and the graph drained."""
     replies: list[int] = []
 
     async def sink(reply: int) -> None:
@@ -458,13 +457,24 @@ async def test_a_stage_that_never_waits_runs_in_the_senders_task_and_one_that_wa
     with anyio.fail_after(TIMEOUT_S):
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
-            for item in (1, 2):
-                await graph.entrance("p").send(item)
-            await anyio.wait_all_tasks_blocked()
-            assert replies == [4, 8]
-            assert first.tasks == [anyio.get_current_task().id] * 2
-            assert anyio.get_current_task().id not in second.tasks
+            yield replies
             graph.entrance("p").close()
+
+
+async def test_a_stage_that_never_waits_runs_in_the_senders_task_and_one_that_waits_in_its_worker(
+) -> None:
+    """The sender runs the first stage itself and hands its output to the second's
+    inbox; the second's worker runs it and sinks the reply. Nothing is ever queued for
+    the stage that never waits, and it has no workers."""
+    first, second = Double(), Double()
+    graph = no_wait_then_doubling(first, second)
+    async with running(graph) as replies:
+        for item in (1, 2):
+            await graph.entrance("p").send(item)
+        await anyio.wait_all_tasks_blocked()
+        assert replies == [4, 8]
+        assert first.tasks == [anyio.get_current_task().id] * 2
+        assert anyio.get_current_task().id not in second.tasks
     assert [(row.stage, row.workers, row.waits) for row in graph.rows()] == [
         ("first", 0, "never"), ("second", 1, "always")]
 
@@ -479,17 +489,9 @@ async def test_a_worker_runs_the_stages_after_its_own_that_do_not_wait() -> None
                         StageSpec("third", lambda r: third, "dedup", NEVER)], replies=True)],
         StagesConfig(hashing=StageConfig(workers=1)),
     )
-    replies: list[int] = []
-
-    async def sink(reply: int) -> None:
-        replies.append(reply)
-
-    with anyio.fail_after(TIMEOUT_S):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
-            await graph.entrance("p").send(3)
-            await anyio.wait_all_tasks_blocked()
-            graph.entrance("p").close()
+    async with running(graph) as replies:
+        await graph.entrance("p").send(3)
+        await anyio.wait_all_tasks_blocked()
     assert replies == [24]
     assert first.tasks == second.tasks == third.tasks
     assert first.tasks[0] != anyio.get_current_task().id
@@ -572,18 +574,10 @@ async def test_without_a_deadline_a_batching_stage_batches_what_one_item_brings(
                   replies=True)],
         StagesConfig(),
     )
-    replies: list[int] = []
-
-    async def sink(reply: int) -> None:
-        replies.append(reply)
-
-    with anyio.fail_after(TIMEOUT_S):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
-            await graph.entrance("p").send(10)
-            # evens 10, 12 | 14; odds 11, 13: each group cut at 2, in this task
-            assert sorted(replies) == sorted([10 + 12, 14, 11 + 13])
-            graph.entrance("p").close()
+    async with running(graph) as replies:
+        await graph.entrance("p").send(10)
+        # evens 10, 12 | 14; odds 11, 13: each group cut at 2, in this task
+        assert sorted(replies) == sorted([10 + 12, 14, 11 + 13])
 
 
 async def test_room_is_what_is_left_in_the_inbox_every_item_is_handed_to() -> None:
@@ -593,20 +587,12 @@ async def test_room_is_what_is_left_in_the_inbox_every_item_is_handed_to() -> No
     graph = no_wait_then_doubling(first, second)
     size = StagesConfig(lookup=StageConfig(workers=1)).lookup.inbox_size
     assert graph.room("p") == size
-    replies: list[int] = []
-
-    async def sink(reply: int) -> None:
-        replies.append(reply)
-
-    with anyio.fail_after(TIMEOUT_S):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
-            await graph.entrance("p").send(50)  # its worker holds 100 on the gate
-            await anyio.wait_all_tasks_blocked()
-            await graph.entrance("p").send(1)  # queued
-            assert graph.room("p") == size - 1
-            second.gate.set()
-            graph.entrance("p").close()
+    async with running(graph) as replies:
+        await graph.entrance("p").send(50)  # its worker holds 100 on the gate
+        await anyio.wait_all_tasks_blocked()
+        await graph.entrance("p").send(1)  # queued
+        assert graph.room("p") == size - 1
+        second.gate.set()
     assert replies == [200, 4]
 
 
@@ -625,21 +611,13 @@ async def test_a_sender_with_on_full_never_waits_and_hands_the_overflow_to_it() 
                   replies=True, on_full=lambda r: on_full)],
         StagesConfig(lookup=StageConfig(inbox_size=1, workers=1)),
     )
-    replies: list[int] = []
-
-    async def sink(reply: int) -> None:
-        replies.append(reply)
-
-    with anyio.fail_after(TIMEOUT_S):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
-            await graph.entrance("p").send(50)  # its worker holds 100 on the gate
-            await anyio.wait_all_tasks_blocked()
-            await graph.entrance("p").send(1)  # fills the inbox of one
-            await graph.entrance("p").send(2)  # no room: refused, without waiting
-            assert refused == [4]
-            second.gate.set()
-            graph.entrance("p").close()
+    async with running(graph) as replies:
+        await graph.entrance("p").send(50)  # its worker holds 100 on the gate
+        await anyio.wait_all_tasks_blocked()
+        await graph.entrance("p").send(1)  # fills the inbox of one
+        await graph.entrance("p").send(2)  # no room: refused, without waiting
+        assert refused == [4]
+        second.gate.set()
     assert replies == [200, 4]
 
 
@@ -655,16 +633,8 @@ async def test_a_rule_that_fails_sends_the_item_to_the_stages_workers() -> None:
         return waits
 
     graph = no_wait_then_doubling(first, second, waits=WaitRule("broken", broken))
-    replies: list[int] = []
-
-    async def sink(reply: int) -> None:
-        replies.append(reply)
-
-    with anyio.fail_after(TIMEOUT_S):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: graph.run(0, sink=sink, on_failure=no_failure))
-            await graph.entrance("p").send(3)
-            await anyio.wait_all_tasks_blocked()
-            graph.entrance("p").close()
+    async with running(graph) as replies:
+        await graph.entrance("p").send(3)
+        await anyio.wait_all_tasks_blocked()
     assert replies == [12]
     assert anyio.get_current_task().id not in second.tasks
