@@ -27,7 +27,8 @@ import anyio
 from anyio.abc import TaskGroup
 
 from pipeline.core.config import StageConfig, StagesConfig
-from pipeline.runner.edges import Edge, EdgeSendStream, create_edge
+from pipeline.runner.edges import Edge, create_edge
+from pipeline.runner.forward import Entrance, Forward, OnFull, Step, Waits
 from pipeline.runner.stages import (
     Batching,
     OnDone,
@@ -47,10 +48,6 @@ __all__ = [
 R = TypeVar("R")
 """What the stage factories are built from (the root's resources)."""
 
-Waits = Callable[[Any], bool]
-"""Whether a stage waits for this item (it then goes to the stage's inbox)."""
-OnFull = Callable[[Any], Awaitable[None]]
-"""Answers an item the sender could not hand to a full inbox (``PathSpec.on_full``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,112 +119,6 @@ class GraphRow:
     to: str
     waits: str = "always"
     """When an item goes to the stage's inbox (else: run by whoever hands it over)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Step:
-    """A stage as the running graph calls it."""
-
-    run: Callable[[Any], Awaitable[Sequence[Any]]]
-    """The stage's outputs for an item (none: dropped)."""
-    waits: Waits
-
-
-class _Forward:
-    """Carries an item through a path from stage ``start`` on, in the calling task, up to
-    the first stage that waits for it; holds its own sending ends of the inboxes it may
-    hand items to, closed with it (``EndOfStream`` then cascades on drain)."""
-
-    def __init__(self, steps: Sequence[_Step], sends: Sequence[EdgeSendStream[Any]],
-                 start: int, sink: Sink | None, on_full: OnFull | None = None) -> None:
-        self._steps = steps
-        self._sends = sends
-        self._start = start
-        self._sink = sink
-        self._on_full = on_full
-
-    async def send(self, item: Any) -> None:
-        await self._through(self._start, item)
-
-    async def _through(self, index: int, item: Any) -> None:
-        if index == len(self._steps):
-            if self._sink is not None:
-                await self._sink(item)
-            return
-        step = self._steps[index]
-        try:
-            waits = step.waits(item)
-        except Exception:  # a rule's bug: the stage's workers and error policy see it
-            waits = True
-        if waits:
-            send = self._sends[index - self._start]
-            if self._on_full is None:
-                await send.send(item)
-                return
-            try:
-                send.send_nowait(item)
-            except anyio.WouldBlock:
-                await self._on_full(item)
-            return
-        for output in await step.run(item):
-            await self._through(index + 1, output)
-
-    def clone(self) -> _Forward:
-        return _Forward(self._steps, [send.clone() for send in self._sends], self._start,
-                        self._sink, self._on_full)
-
-    def close(self) -> None:
-        for send in self._sends:
-            send.close()
-
-    async def __aenter__(self) -> _Forward:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-class Entrance:
-    """Where a path's items go in: ``send`` carries an item through the path in the
-    sender's task up to the first stage that waits for it (waiting for room there), once
-    the graph runs. ``close`` ends the path's input; it takes effect once no send is in
-    flight, so that an item being carried reaches its inbox before the stages downstream
-    drain. A send after ``close`` raises ``anyio.ClosedResourceError``."""
-
-    def __init__(self) -> None:
-        self._forward: _Forward | None = None
-        self._started = anyio.Event()
-        self._running = 0
-        self._closing = False
-        self.closed = False
-
-    def _open(self, forward: _Forward) -> None:
-        self._forward = forward
-        self._started.set()
-        self._close_if_idle()
-
-    async def send(self, item: Any) -> None:
-        if self._closing:
-            raise anyio.ClosedResourceError
-        self._running += 1
-        try:
-            if self._forward is None:
-                await self._started.wait()
-            assert self._forward is not None
-            await self._forward.send(item)
-        finally:
-            self._running -= 1
-            self._close_if_idle()
-
-    def close(self) -> None:
-        self._closing = True
-        self._close_if_idle()
-
-    def _close_if_idle(self) -> None:
-        if (self._closing and not self._running and not self.closed
-                and self._forward is not None):
-            self.closed = True
-            self._forward.close()
 
 
 class Graph(Generic[R]):
@@ -332,25 +223,25 @@ class Graph(Generic[R]):
         path_sink = sink if path.replies else None
         # Recomputed from what runs: a batching stage without a deadline never waits.
         self._handoff.pop(path.name, None)
-        steps: list[_Step] = []
-        workers: list[Callable[[_Forward], None]] = []  # each started with its onward path
+        steps: list[Step] = []
+        workers: list[Callable[[Forward], None]] = []  # each started with its onward path
         for spec, edge in zip(path.stages, edges, strict=True):
             name = f"{path.name}.{spec.name}"
             if isinstance(spec, BatchSpec):
                 batching = spec.build(resources)
                 if batching.deadline_s > 0:
-                    steps.append(_Step(_unreachable, _waits_always))
+                    steps.append(Step(_unreachable, _waits_always))
                     self._handoff.setdefault(path.name, len(steps) - 1)
                     workers.append(functools.partial(_start_batcher, tg, name, batching,
                                                      edge))
                 else:
-                    steps.append(_Step(functools.partial(_batches, batching), _waits_never))
+                    steps.append(Step(functools.partial(_batches, batching), _waits_never))
                     workers.append(functools.partial(_no_workers, edge))
                 continue
             process = wrapped(spec.build(resources).process, name, on_failure=on_failure,
                               before=before(f"stage.{spec.name}"), on_done=on_done)
             waits = spec.waits.build(resources)
-            steps.append(_Step(functools.partial(_processed, process), waits))
+            steps.append(Step(functools.partial(_processed, process), waits))
             if spec.waits is ALWAYS:
                 self._handoff.setdefault(path.name, len(steps) - 1)
             if spec.waits is NEVER:
@@ -361,10 +252,10 @@ class Graph(Generic[R]):
         # Each task that may hand an item to an inbox holds a sending end of it: the
         # entrance every one, a stage's workers those after their own.
         for index, start in enumerate(workers):
-            start(_Forward(steps, [edge.outbox.clone() for edge in edges[index + 1 :]],
+            start(Forward(steps, [edge.outbox.clone() for edge in edges[index + 1 :]],
                            index + 1, path_sink))
         self._entrances[path.name]._open(
-            _Forward(steps, [edge.outbox.clone() for edge in edges], 0, path_sink,
+            Forward(steps, [edge.outbox.clone() for edge in edges], 0, path_sink,
                      None if path.on_full is None else path.on_full(resources)))
         for edge in edges:
             edge.outbox.close()
@@ -389,20 +280,20 @@ async def _unreachable(item: object) -> Sequence[Any]:
     raise AssertionError("a stage that always waits is run by its workers")
 
 
-def _no_workers(edge: Edge[Any], onward: _Forward) -> None:
+def _no_workers(edge: Edge[Any], onward: Forward) -> None:
     """A stage that never waits: nothing is ever sent to its inbox."""
     edge.inbox.close()
     onward.close()
 
 
 def _start_workers(tg: TaskGroup, name: str, process: Callable[[Any], Awaitable[Any]],
-                   edge: Edge[Any], workers: int, onward: _Forward) -> None:
+                   edge: Edge[Any], workers: int, onward: Forward) -> None:
     start_stage(tg, name=name, process=process, inbox=edge.inbox, outbox=onward,
                 workers=workers)
 
 
 def _start_batcher(tg: TaskGroup, name: str, batching: Batching[Any], edge: Edge[Any],
-                   onward: _Forward) -> None:
+                   onward: Forward) -> None:
     tg.start_soon(
         functools.partial(
             run_batcher, edge.inbox, onward, group_of=batching.group_of,
