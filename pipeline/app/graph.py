@@ -33,7 +33,6 @@ from pipeline.core.seams import BatchMemory, CopyEngine, Count
 from pipeline.core.store import KVStore
 from pipeline.runner import (
     ALWAYS,
-    BATCHING_WAITS,
     NEVER,
     BatchSpec,
     Graph,
@@ -252,13 +251,7 @@ def show_graph(config: Config) -> None:
         "is the first such task."))
     for column in ("path", "stage", "waits", "workers", "inbox", "when full", "next"):
         table.add_column(column, justify="right" if column in ("workers", "inbox") else "left")
-    deadline_ms = config.stages.batching.deadline_ms
     for row in build_graph(config).rows():
-        if row.waits == BATCHING_WAITS:  # BatchingStage's deadline is the config's
-            row = dataclasses.replace(
-                row, waits=f"always ({deadline_ms:g} ms for more items)" if deadline_ms
-                else "never (no deadline)", workers=row.workers if deadline_ms else 0,
-                inbox=row.inbox if deadline_ms else 0)
         table.add_row(row.path, row.stage, row.waits, str(row.workers) if row.workers else "-",
                       str(row.inbox) if row.inbox else "-", row.when_full, row.to)
     console = Console()

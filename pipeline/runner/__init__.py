@@ -3,7 +3,6 @@
 from pipeline.runner.edges import Edge, EdgeReceiveStream, EdgeSendStream, create_edge
 from pipeline.runner.graph import (
     ALWAYS,
-    BATCHING_WAITS,
     NEVER,
     BatchSpec,
     Entrance,
@@ -26,7 +25,6 @@ from pipeline.runner.stages import (
 
 __all__ = [
     "ALWAYS",
-    "BATCHING_WAITS",
     "NEVER",
     "BatchSpec",
     "Batching",

@@ -41,7 +41,7 @@ from pipeline.runner.stages import (
 )
 
 __all__ = [
-    "ALWAYS", "BATCHING_WAITS", "NEVER", "BatchSpec", "Entrance", "Graph", "GraphRow",
+    "ALWAYS", "NEVER", "BatchSpec", "Entrance", "Graph", "GraphRow",
     "PathSpec", "StageSpec", "WaitRule",
 ]
 
@@ -142,13 +142,14 @@ class Graph(Generic[R]):
             for path in self._paths
         }
         self._entrances = {path.name: Entrance() for path in self._paths}
-        self._handoff: dict[str, int] = {
-            path.name: index for path in self._paths
-            for index, spec in reversed(list(enumerate(path.stages)))
-            if isinstance(spec, BatchSpec) or spec.waits is ALWAYS
-        }
-        """Each path's first stage that waits for every item (a batching stage counts
-        until the graph runs and shows whether it has a deadline)."""
+        self._handoff: dict[str, int] = {}
+        """Each path's first stage that waits for every item: as the config declares it
+        until the graph runs, then as it runs."""
+        for path in self._paths:
+            index = next((i for i, spec in enumerate(path.stages)
+                          if _waits_text(spec, self._sections).startswith(ALWAYS.text)), None)
+            if index is not None:
+                self._handoff[path.name] = index
 
     def entrance(self, path: str) -> Entrance:
         """Where the path's items go in (a send waits for ``run`` to start the path)."""
@@ -177,12 +178,13 @@ class Graph(Generic[R]):
         for path in self._paths:
             for index, spec in enumerate(path.stages):
                 last = index == len(path.stages) - 1
-                waits = _waits_text(spec)
+                waits = _waits_text(spec, self._sections)
                 rows.append(GraphRow(
                     path=path.name,
                     stage=spec.name,
-                    workers=0 if waits == NEVER.text else self._workers(spec),
-                    inbox=0 if waits == NEVER.text else self._edges[path.name][index].size,
+                    workers=0 if waits.startswith(NEVER.text) else self._workers(spec),
+                    inbox=(0 if waits.startswith(NEVER.text)
+                           else self._edges[path.name][index].size),
                     when_full=path.when_full if index == self._handoff.get(path.name)
                     else "wait",
                     to=("sink" if path.replies else "settles jobs") if last
@@ -261,11 +263,14 @@ class Graph(Generic[R]):
             edge.outbox.close()
 
 
-BATCHING_WAITS = "with a deadline (items wait for more to join them)"
-
-
-def _waits_text(spec: StageSpec[Any] | BatchSpec[Any]) -> str:
-    return spec.waits.text if isinstance(spec, StageSpec) else BATCHING_WAITS
+def _waits_text(spec: StageSpec[Any] | BatchSpec[Any], sections: dict[str, StageConfig]) -> str:
+    """When the stage waits, as the config declares it: a batching stage's from its
+    section's ``deadline_ms``."""
+    if isinstance(spec, StageSpec):
+        return spec.waits.text
+    deadline_ms = getattr(sections[spec.section], "deadline_ms", 0)
+    return (f"{ALWAYS.text} ({deadline_ms:g} ms for more items)" if deadline_ms > 0
+            else f"{NEVER.text} (no deadline)")
 
 
 def _waits_always(item: object) -> bool:

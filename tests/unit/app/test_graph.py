@@ -6,7 +6,7 @@ import msgspec
 
 from pipeline.app.graph import build_graph, paths
 from pipeline.core.config import Config, MooncakeStoreConfig, StoreConfig
-from pipeline.runner import ALWAYS, BATCHING_WAITS, NEVER
+from pipeline.runner import ALWAYS, NEVER
 
 
 def waits(config: Config) -> dict[str, str]:
@@ -24,7 +24,7 @@ def test_with_the_embedded_store_a_request_runs_in_the_receive_loop_up_to_its_co
     assert got["save.transfer"] == ALWAYS.text
     assert got["load.scatter"] == "for a large copy (copy threads)"
     assert got["lookup.lookup"] == "for a long prompt or an explanation"
-    assert got["save.batching"] == BATCHING_WAITS
+    assert got["save.batching"] == "never (no deadline)"
 
 
 def test_with_a_store_in_another_process_every_store_call_waits() -> None:

@@ -326,7 +326,8 @@ def add_batch_total(config: StagesConfig) -> Graph[int]:
 def test_a_graph_sizes_each_inbox_from_its_stage_config() -> None:
     """Each stage's inbox is bounded by its own section; batching runs as one task."""
     config = StagesConfig(
-        hashing=StageConfig(inbox_size=3, workers=2), batching=BatchingStageConfig(inbox_size=5)
+        hashing=StageConfig(inbox_size=3, workers=2),
+        batching=BatchingStageConfig(inbox_size=5, deadline_ms=60_000.0),
     )
     graph = add_batch_total(config)
     assert [(r.stage, r.workers, r.inbox, r.to) for r in graph.rows()] == [
