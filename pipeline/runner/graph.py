@@ -49,7 +49,6 @@ R = TypeVar("R")
 """What the stage factories are built from (the root's resources)."""
 
 
-
 @dataclasses.dataclass(frozen=True)
 class WaitRule(Generic[R]):
     """When a stage waits for an item: ``text`` for ``kvsidecar graph``, and the test,
@@ -59,17 +58,17 @@ class WaitRule(Generic[R]):
     build: Callable[[R], Waits]
 
 
-def _always(resources: object) -> Waits:
-    return lambda item: True
+def _waits_always(item: object) -> bool:
+    return True
 
 
-def _never(resources: object) -> Waits:
-    return lambda item: False
+def _waits_never(item: object) -> bool:
+    return False
 
 
-ALWAYS: WaitRule[Any] = WaitRule("always", _always)
+ALWAYS: WaitRule[Any] = WaitRule("always", lambda resources: _waits_always)
 """The stage is reached only through its inbox (it waits on something for every item)."""
-NEVER: WaitRule[Any] = WaitRule("never", _never)
+NEVER: WaitRule[Any] = WaitRule("never", lambda resources: _waits_never)
 """The stage runs in whichever task hands it an item; it has no workers."""
 
 
@@ -143,11 +142,10 @@ class Graph(Generic[R]):
         }
         self._entrances = {path.name: Entrance() for path in self._paths}
         self._handoff: dict[str, int] = {}
-        """Each path's first stage that waits for every item: as the config declares it
-        until the graph runs, then as it runs."""
+        """Each path's first stage that waits for every item, as the config declares it."""
         for path in self._paths:
             index = next((i for i, spec in enumerate(path.stages)
-                          if _waits_text(spec, self._sections).startswith(ALWAYS.text)), None)
+                          if _declared(spec, self._sections)[1] is True), None)
             if index is not None:
                 self._handoff[path.name] = index
 
@@ -178,13 +176,12 @@ class Graph(Generic[R]):
         for path in self._paths:
             for index, spec in enumerate(path.stages):
                 last = index == len(path.stages) - 1
-                waits = _waits_text(spec, self._sections)
+                waits, every = _declared(spec, self._sections)
                 rows.append(GraphRow(
                     path=path.name,
                     stage=spec.name,
-                    workers=0 if waits.startswith(NEVER.text) else self._workers(spec),
-                    inbox=(0 if waits.startswith(NEVER.text)
-                           else self._edges[path.name][index].size),
+                    workers=0 if every is False else self._workers(spec),
+                    inbox=0 if every is False else self._edges[path.name][index].size,
                     when_full=path.when_full if index == self._handoff.get(path.name)
                     else "wait",
                     to=("sink" if path.replies else "settles jobs") if last
@@ -223,8 +220,6 @@ class Graph(Generic[R]):
     ) -> None:
         edges = self._edges[path.name]
         path_sink = sink if path.replies else None
-        # Recomputed from what runs: a batching stage without a deadline never waits.
-        self._handoff.pop(path.name, None)
         steps: list[Step] = []
         workers: list[Callable[[Forward], None]] = []  # each started with its onward path
         for spec, edge in zip(path.stages, edges, strict=True):
@@ -233,7 +228,6 @@ class Graph(Generic[R]):
                 batching = spec.build(resources)
                 if batching.deadline_s > 0:
                     steps.append(Step(_unreachable, _waits_always))
-                    self._handoff.setdefault(path.name, len(steps) - 1)
                     workers.append(functools.partial(_start_batcher, tg, name, batching,
                                                      edge))
                 else:
@@ -244,8 +238,6 @@ class Graph(Generic[R]):
                               before=before(f"stage.{spec.name}"), on_done=on_done)
             waits = spec.waits.build(resources)
             steps.append(Step(functools.partial(_processed, process), waits))
-            if spec.waits is ALWAYS:
-                self._handoff.setdefault(path.name, len(steps) - 1)
             if spec.waits is NEVER:
                 workers.append(functools.partial(_no_workers, edge))
             else:
@@ -263,22 +255,18 @@ class Graph(Generic[R]):
             edge.outbox.close()
 
 
-def _waits_text(spec: StageSpec[Any] | BatchSpec[Any], sections: dict[str, StageConfig]) -> str:
-    """When the stage waits, as the config declares it: a batching stage's from its
-    section's ``deadline_ms``."""
+def _declared(spec: StageSpec[Any] | BatchSpec[Any],
+              sections: dict[str, StageConfig]) -> tuple[str, bool | None]:
+    """When the stage waits, as the config declares it: the text ``kvsidecar graph``
+    prints, and whether for every item (True), for none (False) or for some (None). A
+    batching stage's comes from its section's ``deadline_ms``."""
     if isinstance(spec, StageSpec):
-        return spec.waits.text
+        rule = spec.waits
+        return rule.text, True if rule is ALWAYS else False if rule is NEVER else None
     deadline_ms = getattr(sections[spec.section], "deadline_ms", 0)
-    return (f"{ALWAYS.text} ({deadline_ms:g} ms for more items)" if deadline_ms > 0
-            else f"{NEVER.text} (no deadline)")
-
-
-def _waits_always(item: object) -> bool:
-    return True
-
-
-def _waits_never(item: object) -> bool:
-    return False
+    if deadline_ms > 0:
+        return f"{ALWAYS.text} ({deadline_ms:g} ms for more items)", True
+    return f"{NEVER.text} (no deadline)", False
 
 
 async def _unreachable(item: object) -> Sequence[Any]:

@@ -293,17 +293,14 @@ class JobTracker:
     def __init__(
         self,
         completions: Lane,
-        load_completions: Lane | None = None,
         *,
         history: BlockHistory | None = None,
     ) -> None:
-        """Finished jobs go to ``completions``; loads to ``load_completions`` if given.
-        ``history``
-        hears what came of every finished job's blocks once the job is in its lane: after
-        its reply, as the lane answers it at once."""
+        """Finished jobs go to ``completions``. ``history`` hears what came of every
+        finished job's blocks once the job is in its lane: after its reply, as the lane
+        answers it at once."""
         self._completions = completions
         self._history = history if history is not None and history.enabled else None
-        self._load_completions = load_completions or completions
         self._open: set[Job] = set()
         self._by_seq: dict[tuple[bytes, int], Job] = {}
         self._loads = 0  # accepted, not yet finished
@@ -353,7 +350,7 @@ class JobTracker:
         job.reports = [job.report(task, outcome) for task in tasks]
         if self._history is not None and tasks:
             tokens = job.message.token_ids
-            first_end = min(_end(task) for task in tasks)
+            first_end = min(_end(task, task.geometry) for task in tasks)
             first = content_prints(tokens, (first_end,))[first_end]
             self._history.refused(first, tokens, outcome, job.message.keys,
                                   job.session.tenant)
@@ -523,9 +520,8 @@ class JobTracker:
             groups = job.session.store_groups
             if job.is_load:
                 self._load_finished()
-            lane = self._load_completions if job.is_load else self._completions
             try:
-                await lane.send(job)
+                await self._completions.send(job)
             finally:
                 # After the reply, when the lane answers at once: the engine need not
                 # wait for the history (about half of a 16-block save's commit).
@@ -568,9 +564,10 @@ class JobTracker:
         return True
 
 
-def _end(task: BlockTask) -> int:
-    """The request's token count at the end of the task's block."""
-    return (task.block_index + 1) * task.geometry.group.block_size
+def _end(task: BlockTask, geometry: StoreGroupGeometry) -> int:
+    """The request's token count at the end of the task's block (``geometry``: its
+    store group's)."""
+    return (task.block_index + 1) * geometry.group.block_size
 
 
 def _record(history: BlockHistory, job: Job, planned: list[BlockTask],
@@ -586,9 +583,7 @@ def _record(history: BlockHistory, job: Job, planned: list[BlockTask],
                 history.load_failed(task.key, outcome)
         return
     message = job.message
-    # The request's token count at the end of each block.
-    ends = [(task.block_index + 1) * groups[task.store_group].group.block_size
-            for task, _ in settled]
+    ends = [_end(task, groups[task.store_group]) for task, _ in settled]
     prints = content_prints(message.token_ids, ends)
     history.saved(
         ((task.key, groups[task.store_group].keys.own, (task.store_group, task.block_hash), outcome,
