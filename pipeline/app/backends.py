@@ -94,8 +94,9 @@ async def open_store(
             reset_after_s=config.breaker.reset_after_s,
         )
         try:
-            yield OpenStore(guarded, usage, answers_at_once=call_timeout_s is None
-                            and not isinstance(store, FaultyStore), reads_here=reads_here)
+            yield OpenStore(guarded, usage, answers_at_once=answers_at_once(
+                config.backend, faults_on=isinstance(store, FaultyStore)),
+                reads_here=reads_here)
         finally:
             with anyio.CancelScope(shield=True):
                 await guarded.aclose()
@@ -119,6 +120,12 @@ class Backends:
     registered with it while mapped; None: values are copied."""
     reads_here: ReadsHere | None = None
     """``OpenStore.reads_here``."""
+
+
+def answers_at_once(backend: str, *, faults_on: bool) -> bool:
+    """Whether the store's calls wait on nothing: the embedded store, in this process,
+    with no fault points to delay them (``OpenStore.answers_at_once``)."""
+    return backend == "embedded" and not faults_on
 
 
 def moves_in_place(config: Config) -> bool:

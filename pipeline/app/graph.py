@@ -24,7 +24,7 @@ import anyio
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.app.backends import moves_in_place
+from pipeline.app.backends import answers_at_once, moves_in_place
 from pipeline.core.config import Config
 from pipeline.core.hashing import hashed_inline
 from pipeline.core.messages import Load, Lookup, Save
@@ -110,9 +110,10 @@ HASHED_IN_A_THREAD = WaitRule[Resources](
 
 
 def _store_waits(config: Config) -> WaitRule[Resources]:
-    """A store call waits unless the store is in this process and has no fault points
-    (``Resources.answers_at_once``)."""
-    return NEVER if config.store.backend == "embedded" and not config.faults.points else ALWAYS
+    """A store call waits unless the store answers at once (``backends.answers_at_once``;
+    a fault point of any name wraps the store in one that may delay)."""
+    return NEVER if answers_at_once(config.store.backend,
+                                    faults_on=bool(config.faults.points)) else ALWAYS
 
 
 def _lookup_waits(request: LookupRequest) -> bool:
