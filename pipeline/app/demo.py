@@ -4,6 +4,10 @@ The engines share a pool of long prefixes; each request looks up, loads what the
 has (checking every loaded block against what the other engine must have saved), fills
 the rest and saves it. The sidecar and each engine are separate processes talking over
 a real ipc:// socket and real shared memory, as in production.
+
+The second engine starts once the first has answered its first request, which opens
+with the prefix every engine's first request shares; so the second engine loads what the
+first saved whatever the number of requests, and the demo fails if it does not.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ installed package without the checkout runs with instead."""
 DEMO_BLOCK_SIZE = 32
 """The preset's 800-token blocks scaled down so the demo runs in seconds."""
 ENGINES = ("engine-a", "engine-b")
+CONCURRENCY = 4
+"""Requests each engine keeps in flight."""
 
 
 async def _run_engines(
@@ -43,9 +49,12 @@ async def _run_engines(
         TimeElapsedColumn(),
         console=console,
     ) as progress:
+        first_answered = anyio.Event()
 
         async def engine(index: int, engine_id: str) -> None:
             task = progress.add_task(engine_id, total=args.requests)
+            if index > 0:
+                await first_answered.wait()
             command = [
                 sys.executable,
                 "-m",
@@ -61,6 +70,8 @@ async def _run_engines(
                 str(args.requests),
                 "--seed",
                 str(index + 1),
+                "--concurrency",
+                str(CONCURRENCY),
                 "--block-scale",
                 str(DEMO_BLOCK_SIZE),
                 "--json",
@@ -75,9 +86,12 @@ async def _run_engines(
                         event = json.loads(line)
                         if "done" in event:
                             progress.update(task, completed=event["done"])
+                            if index == 0 and event["request"] == 0:
+                                first_answered.set()
                         else:
                             reports.append(SimReport(**event["report"]))
                 await process.wait()
+            first_answered.set()
 
         async with anyio.create_task_group() as tg:
             for index, engine_id in enumerate(ENGINES):

@@ -150,7 +150,10 @@ class SimEngine:
 
 
 def make_workload(seed: int, prefixes: int, requests: int, block: int) -> list[list[int]]:
-    """Requests that share a few long prefixes (like system prompts) plus unique tails."""
+    """Requests that share a few long prefixes (like system prompts) plus unique tails.
+
+    Every engine draws from the same pool, and every engine's first request opens with
+    the pool's first prefix, so two engines of any seed share at least one prefix."""
     shared = random.Random(1234)  # every engine draws the same prefixes
     pool = [
         [shared.randrange(1, 50_000) for _ in range(block * shared.randint(2, 6))]
@@ -158,8 +161,9 @@ def make_workload(seed: int, prefixes: int, requests: int, block: int) -> list[l
     ]
     rng = random.Random(seed)
     return [
-        rng.choice(pool) + [rng.randrange(1, 50_000) for _ in range(rng.randint(1, 3 * block))]
-        for _ in range(requests)
+        (pool[0] if index == 0 else rng.choice(pool))
+        + [rng.randrange(1, 50_000) for _ in range(rng.randint(1, 3 * block))]
+        for index in range(requests)
     ]
 
 
@@ -245,7 +249,7 @@ async def run_workload(
     prefixes: int,
     seed: int,
     concurrency: int,
-    on_request: Callable[[SimReport], None] = lambda report: None,
+    on_request: Callable[[int, SimReport], None] = lambda index, report: None,
 ) -> SimReport:
     largest = max(g.block_size for g in layout.store_groups)
     num_blocks = 2 + concurrency * (6 + 3 + 2) * max(
@@ -266,7 +270,7 @@ async def run_workload(
                 except Exception as exc:
                     report.errors += 1
                     print(f"request {index} failed: {exc!r}", file=sys.stderr)
-                on_request(report)
+                on_request(index, report)
 
         async with anyio.create_task_group() as tg:
             for index, tokens in enumerate(workload):
@@ -279,11 +283,11 @@ def run_engine_sim(args: argparse.Namespace) -> int:
 
     done = 0
 
-    def progress(report: SimReport) -> None:
+    def progress(index: int, report: SimReport) -> None:
         nonlocal done
         done += 1
         if args.json:
-            print(json.dumps({"done": done}), flush=True)
+            print(json.dumps({"done": done, "request": index}), flush=True)
 
     report = anyio.run(
         lambda: run_workload(
