@@ -147,7 +147,7 @@ class EmbeddedStore(AsyncResource):
         except RuntimeError as exc:
             raise StoreError(
                 f"cannot allocate the embedded store arena of {config.capacity_bytes} bytes "
-                f"(store.embedded.capacity_bytes): {exc}"
+                f"(store.capacity_bytes): {exc}"
             ) from exc
         self._arena_address = self._arena.data_ptr()
         self._allocator = ArenaAllocator(config.capacity_bytes)

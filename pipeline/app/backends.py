@@ -229,8 +229,7 @@ def _copy_engine(transfer: TransferStageConfig, threads: WorkerThreads, *,
 def _cuda_pin() -> Pin:
     if not torch.cuda.is_available():
         raise ConfigError(
-            f"stages.transfer.device is cuda, but torch {torch.__version__} sees no CUDA "
-            "device"
+            f"store.engine_memory is cuda, but torch {torch.__version__} sees no CUDA device"
         )
     from pipeline.backends.cuda_copy import pinned
 

@@ -19,7 +19,7 @@ import anyio
 import structlog
 
 from pipeline.app.logs import configure_logging
-from pipeline.core.config import Config, load_config
+from pipeline.core.config import Config, load_config, read_config
 from pipeline.core.errors import ConfigError, KVSidecarError
 
 YOUNG_COLLECTION_ALLOCATIONS = 50_000
@@ -72,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     serve_cmd = commands.add_parser("serve", help="run a sidecar until SIGTERM")
     serve_cmd.add_argument("--config", help="YAML config (default: built-in defaults)")
     serve_cmd.add_argument("--endpoint", help="override server.endpoint (ipc:// or tcp://)")
+    serve_cmd.add_argument("--test-config", help=argparse.SUPPRESS)  # faults and constants
 
     demo = commands.add_parser("demo", help="a sidecar plus two simulated engines, verified")
     demo.add_argument("--config", help="sidecar YAML config (default: configs/default.yaml)")
@@ -100,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="a running sidecar's metrics, as a table")
     status.add_argument("--metrics-url", default="http://127.0.0.1:9400/metrics",
-                        help="the sidecar's metrics endpoint (metrics.host and metrics.port)")
+                        help="the sidecar's metrics endpoint (metrics.listen)")
     status.add_argument("--watch", action="store_true", help="refresh in place until ^C")
     status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     status.add_argument("--count", type=int, default=0,
@@ -119,6 +120,10 @@ def _parser() -> argparse.ArgumentParser:
                        "is derived from it")
     config_cmd.add_argument("--config", help="YAML config (default: built-in defaults)")
     config_cmd.add_argument("--json", action="store_true", help="print it as JSON")
+    config_cmd.add_argument("--all", action="store_true",
+                            help="also every constant of the effective tree")
+    config_cmd.add_argument("--reference", action="store_true",
+                            help="print the configuration reference (Markdown) and exit")
 
     bench = commands.add_parser("bench", help="the benchmark suite, into a report with plots")
     bench.add_argument("--quick", action="store_true", help="a smaller suite (minutes)")
@@ -154,9 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Idle OpenMP workers spinning would steal the CPU that engines on this host
             # need; set before torch is first imported.
             os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-            config = load_config(args.config, endpoint=args.endpoint)
-            configure_logging(config.logging)
-            anyio.run(serve, config)
+            loaded = read_config(args.config, endpoint=args.endpoint,
+                                 test_config=args.test_config)
+            configure_logging(loaded.config.logging)
+            for note in loaded.notes:
+                structlog.get_logger().warning("config.deprecated", note=note)
+            anyio.run(serve, loaded.config)
             return EXIT_OK
         if args.command == "demo":
             from pipeline.app.demo import run_demo
@@ -179,9 +187,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             show_graph(load_config(args.config))
             return EXIT_OK
         if args.command == "config":
-            from pipeline.app.show_config import show_config
+            from pipeline.app.show_config import reference, show_config
 
-            show_config(args.config, as_json=args.json)
+            if args.reference:
+                print(reference(), end="")
+            else:
+                show_config(args.config, as_json=args.json, everything=args.all)
             return EXIT_OK
         if args.command == "bench":
             from pipeline.app.bench import run_bench

@@ -20,7 +20,7 @@ import msgspec
 from prometheus_client.samples import Sample
 
 from pipeline.app.status import read_metrics
-from pipeline.core.config import Config
+from pipeline.core.config import merge, operator_paths, read_config
 
 __all__ = ["SidecarProcess", "free_port", "run_sidecar_process"]
 
@@ -84,13 +84,27 @@ def free_port() -> int:
         return port
 
 
-def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    for key, value in override.items():
-        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
-            base[key] = _merge(base[key], value)
+_OPERATOR = frozenset(operator_paths())
+
+
+def _split(document: Mapping[str, Any], prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
+    """An operator's keys (unchanged) and the rest, for the test config: a document in
+    the effective tree's shape, as tests and benchmarks write them."""
+    operator: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for key, value in document.items():
+        path = f"{prefix}{key}"
+        if path in _OPERATOR:
+            operator[key] = value
+        elif isinstance(value, Mapping):
+            inner_operator, inner_rest = _split(value, f"{path}.")
+            if inner_operator:
+                operator[key] = inner_operator
+            if inner_rest:
+                rest[key] = inner_rest
         else:
-            base[key] = value
-    return base
+            rest[key] = value
+    return operator, rest
 
 
 @contextlib.contextmanager
@@ -105,7 +119,9 @@ def run_sidecar_process(
     metrics: bool = False,
 ) -> Iterator[SidecarProcess]:
     """Start a sidecar with ``config`` (a YAML file; default: the built-in defaults) plus
-    ``overrides`` (a nested dict), on a fresh ipc:// endpoint.
+    ``overrides`` (a nested dict), on a fresh ipc:// endpoint. Operator keys go to the
+    sidecar's config file, and everything else (fault points, constants, old keys, in
+    the effective tree's shape) to its ``--test-config``.
 
     ``python_args`` go before ``-m`` (``["-m", "cProfile", "-o", FILE]`` profiles it).
     ``metrics``: serve Prometheus metrics on a free loopback port (``metrics_url``).
@@ -120,26 +136,28 @@ def run_sidecar_process(
     metrics_url = None
     if metrics:
         port = free_port()
-        overrides = _merge({"metrics": {"host": "127.0.0.1", "port": port}},
-                           overrides or {})
+        overrides = merge({"metrics": {"host": "127.0.0.1", "port": port}}, overrides or {})
         metrics_url = f"http://127.0.0.1:{port}/metrics"
     with tempfile.TemporaryDirectory(prefix="kvsidecar-") as tmp:
         socket_path = Path(tmp) / "sidecar.sock"
         base: dict[str, Any] = (
             msgspec.yaml.decode(Path(config).read_bytes()) or {} if config else {}
         )
-        merged = _merge(
-            _merge(base, {"server": {"endpoint": f"ipc://{socket_path}"}}), overrides or {}
+        merged = merge(
+            merge(base, {"server": {"endpoint": f"ipc://{socket_path}"}}), overrides or {}
         )
-        merged.setdefault("logging", {}).setdefault("format", "json")
-        msgspec.convert(merged, Config)  # fail here, in the caller, on a bad override
+        merged = merge({"logging": {"format": "json"}}, merged)
+        operator, tuning = _split(merged)
         config_path = Path(tmp) / "config.yaml"
-        config_path.write_bytes(msgspec.yaml.encode(merged))
+        config_path.write_bytes(msgspec.yaml.encode(operator))
+        test_config_path = Path(tmp) / "test-config.yaml"
+        test_config_path.write_bytes(msgspec.yaml.encode(tuning))
+        read_config(config_path, test_config=test_config_path)  # fail here, in the caller
         log_path = Path(tmp) / "sidecar.log"
         with log_path.open("wb") as log:
             process = subprocess.Popen(
                 [sys.executable, *python_args, "-m", "pipeline.app.cli", "serve",
-                 "--config", str(config_path)],
+                 "--config", str(config_path), "--test-config", str(test_config_path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(env or {})},

@@ -1,7 +1,7 @@
 """Prometheus metrics: what the sidecar did, block by block, and how long engines waited.
 
 One registry per sidecar (so tests can run several in a process); served over HTTP on
-loopback when ``metrics.port`` is set. What is only worth knowing at scrape time (queue
+``metrics.listen`` when it is set. What is only worth knowing at scrape time (queue
 depths, store fill, the breaker, the engines' layouts) is read then, by collectors.
 """
 

@@ -1,11 +1,18 @@
-"""``kvsidecar config``: the effective config, each value with where it came from, and
-the values the sidecar derives from it and from the machine at start-up."""
+"""``kvsidecar config``: the effective config of a file on this machine.
+
+It shows each operator key with where its value came from (the file, an old key it was
+migrated from, or the default), what the sidecar derives from them and from the machine
+at start-up, and with ``--all`` every constant of the effective tree. ``--reference``
+prints the configuration reference (``docs/configuration.md``) from the typed config.
+"""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
+import textwrap
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -14,34 +21,60 @@ from rich.table import Table
 
 from pipeline.app.backends import moves_in_place
 from pipeline.backends.cpu_copy import INLINE_BYTES, LOAD_INLINE_BYTES, LOAD_STREAM_BYTES
-from pipeline.core.config import Config, load_config
+from pipeline.core.config import Config, LoadedConfig, Machine, OperatorConfig, read_config
+from pipeline.core.config.migrate import RENAMED
+from pipeline.core.config.operator import TenantSection
 from pipeline.core.hashing import INLINE_KEYED_TOKENS, INLINE_TOKENS
 
-__all__ = ["derived", "effective", "show_config"]
+__all__ = ["constants", "derived", "operator_keys", "reference", "show_config"]
 
 
-def effective(config: Config, written: Mapping[str, Any]) -> Iterator[tuple[str, Any, str]]:
-    """``(key, value, source)`` for every leaf of ``config``: ``file`` where ``written``
-    (the YAML document as read) sets it, else ``default``. A mapping of named entries
-    (tenants, fault points) is one leaf."""
-
-    def walk(section: Any, document: Any, prefix: str) -> Iterator[tuple[str, Any, str]]:
-        for field in msgspec.structs.fields(section):
-            value = getattr(section, field.name)
-            key = f"{prefix}{field.name}"
-            given = document.get(field.name) if isinstance(document, Mapping) else None
-            if isinstance(value, msgspec.Struct):
-                yield from walk(value, given, f"{key}.")
-            else:
-                source = ("file" if isinstance(document, Mapping) and field.name in document
-                          else "default")
-                yield key, msgspec.to_builtins(value), source
-
-    return walk(config, written, "")
+def _leaves(section: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(dotted key, value)`` for every leaf of a config struct; a mapping of named
+    entries (tenants, fault points) is one leaf."""
+    for item in msgspec.structs.fields(section):
+        value = getattr(section, item.name)
+        if isinstance(value, msgspec.Struct):
+            yield from _leaves(value, f"{prefix}{item.name}.")
+        else:
+            yield f"{prefix}{item.name}", msgspec.to_builtins(value)
 
 
-def derived(config: Config) -> dict[str, Any]:
+def _has(document: Any, key: str) -> bool:
+    for part in key.split("."):
+        if not isinstance(document, Mapping) or part not in document:
+            return False
+        document = document[part]
+    return True
+
+
+def operator_keys(loaded: LoadedConfig) -> Iterator[tuple[str, Any, str]]:
+    """``(key, value, source)`` for every operator key: ``file``, ``file (old key)``
+    where it was migrated from an old key, or ``default``."""
+    for key, value in _leaves(loaded.operator):
+        if key in loaded.renamed:
+            source = f"file ({loaded.renamed[key]})"
+        else:
+            source = "file" if _has(loaded.written, key) else "default"
+        yield key, value, source
+
+
+def constants(loaded: LoadedConfig) -> Iterator[tuple[str, Any, str]]:
+    """``(key, value, source)`` for every leaf of the effective tree: ``tuning`` where old
+    keys or a test config set it, ``resolved`` where an operator key or the machine gave
+    it a value other than the tree's default, else ``constant``."""
+    defaults = dict(_leaves(Config()))
+    for key, value in _leaves(loaded.config):
+        if _has(loaded.tuning, key):
+            source = "tuning"
+        else:
+            source = "constant" if value == defaults[key] else "resolved"
+        yield key, value, source
+
+
+def derived(config: Config, machine: Machine | None = None) -> dict[str, Any]:
     """What the sidecar works out at start-up from ``config`` and this machine."""
+    machine = machine or Machine.detect()
     staging = config.staging
     if config.store.backend == "embedded":
         data_path = "lent: values are copied into and out of the store's own memory"
@@ -50,6 +83,10 @@ def derived(config: Config) -> dict[str, Any]:
     else:
         data_path = "staged: values are copied through the staging pool"
     return {
+        "CPUs this process may run on": machine.cpus,
+        "host memory (bytes)": machine.memory_bytes,
+        "copy threads, for saves and for loads each": config.stages.transfer.threads,
+        "staging pool (bytes)": staging.pool_bytes,
         "data path": data_path,
         "staging slots": staging.pool_bytes // staging.slot_bytes,
         "staging slots for loads": staging.load_slots,
@@ -63,26 +100,29 @@ def derived(config: Config) -> dict[str, Any]:
     }
 
 
-def show_config(path: str | None, *, as_json: bool = False) -> None:
+def show_config(path: str | None, *, as_json: bool = False, everything: bool = False) -> None:
     """Print the effective config of ``path`` (the built-in defaults without one)."""
-    config = load_config(path)
-    written: Any = {}
-    if path is not None:
-        written = msgspec.yaml.decode(Path(path).read_bytes()) or {}
-    rows = list(effective(config, written))
-    extra = derived(config)
+    loaded = read_config(path)
+    rows = list(operator_keys(loaded))
+    extra = derived(loaded.config)
     if as_json:
-        print(json.dumps({"config": {key: {"value": value, "source": source}
-                                     for key, value, source in rows},
-                          "derived": extra}, indent=1))
+        print(json.dumps({
+            "config": {key: {"value": value, "source": source} for key, value, source in rows},
+            "derived": extra,
+            "effective": {key: {"value": value, "source": source}
+                          for key, value, source in constants(loaded)},
+            "notes": list(loaded.notes),
+        }, indent=1))
         return
+    console = Console()
+    for note in loaded.notes:
+        console.print(f"[yellow]old config:[/yellow] {note}")
     table = Table(title=f"kvsidecar config ({path or 'built-in defaults'})")
     for column in ("key", "value", "from"):
         table.add_column(column)
     for key, value, source in rows:
         table.add_row(key, json.dumps(value), source,
-                      style="bold" if source == "file" else None)
-    console = Console()
+                      style="bold" if source != "default" else None)
     console.print(table)
     derived_table = Table(title="derived at start-up")
     derived_table.add_column("what")
@@ -90,3 +130,111 @@ def show_config(path: str | None, *, as_json: bool = False) -> None:
     for what, value in extra.items():
         derived_table.add_row(what, str(value))
     console.print(derived_table)
+    if everything:
+        effective = Table(title="the effective tree")
+        for column in ("key", "value", "from"):
+            effective.add_column(column)
+        for key, value, source in constants(loaded):
+            effective.add_row(key, json.dumps(value), source)
+        console.print(effective)
+
+
+# -- the reference -------------------------------------------------------------------------
+
+
+def _field_docs(struct: type) -> dict[str, str]:
+    """Each field's docstring, as written under it in the class body."""
+    docs: dict[str, str] = {}
+    body = ast.parse(textwrap.dedent(inspect.getsource(struct))).body[0]
+    assert isinstance(body, ast.ClassDef)
+    for statement, following in zip(body.body, body.body[1:], strict=False):
+        if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[statement.target.id] = " ".join(inspect.cleandoc(following.value.value).split())
+    return docs
+
+
+GROUPS = {
+    "server": "Endpoint and security",
+    "tenants": "Endpoint and security",
+    "store": "Store and capacity",
+    "metrics": "Observability",
+    "events": "Observability",
+    "logging": "Observability",
+}
+
+
+def _default_text(key: str, value: Any) -> str:
+    if key == "server.endpoint":
+        return "`ipc://$XDG_RUNTIME_DIR/kvsidecar/sidecar.sock`"
+    if key == "server.operators":
+        return "the sidecar's own user"
+    if key == "server.ipc_permissions":
+        return "`0600`"
+    if value is None:
+        return "see meaning"
+    return f"`{json.dumps(value)}`"
+
+
+def _rows(struct: type, prefix: str) -> Iterator[tuple[str, str, str]]:
+    docs = _field_docs(struct)
+    default = struct()
+    for item in msgspec.structs.fields(struct):
+        key = f"{prefix}{item.name}"
+        if isinstance(item.type, type) and issubclass(item.type, msgspec.Struct):
+            yield from _rows(item.type, f"{key}.")
+        elif key == "tenants":
+            for name, text in _field_docs(TenantSection).items():
+                yield f"tenants.NAME.{name}", "-", text
+        else:
+            yield key, _default_text(key, msgspec.to_builtins(getattr(default, item.name))), \
+                docs.get(item.name, "")
+
+
+def reference() -> str:
+    """The configuration reference, in Markdown, from the typed operator config."""
+    lines = [
+        "# Configuration",
+        "",
+        "<!-- Generated by `kvsidecar config --reference`; a unit test checks that it is"
+        " current. -->",
+        "",
+        "A config file holds the keys below and nothing else: every other setting is derived",
+        "from them and from the machine, or is a named constant. `kvsidecar config --config",
+        "FILE` shows what a file resolves to here, where each value came from, and what is",
+        "derived; `--all` adds every constant. Unknown keys are refused, naming their path.",
+        "",
+    ]
+    rows = list(_rows(OperatorConfig, ""))
+    for group in dict.fromkeys(GROUPS.values()):
+        lines += [f"## {group}", "", "| key | default | meaning |", "|---|---|---|"]
+        lines += [f"| `{key}` | {default} | {meaning.replace('|', '/')} |"
+                  for key, default, meaning in rows if GROUPS[key.split(".")[0]] == group]
+        lines.append("")
+    lines += ["## Derived from the machine", ""]
+    for name in ("copy_threads", "staging_bytes"):
+        doc = inspect.getdoc(getattr(Machine, name)) or ""
+        lines.append(f"- `{name}`: {' '.join(doc.split())}")
+    lines += [
+        "",
+        "## Upgrading an old config",
+        "",
+        "A file written for the old, longer config still loads. `kvsidecar serve` logs a",
+        "`config.deprecated` warning, and `kvsidecar config` prints a line, for each thing",
+        "the file should change:",
+        "",
+        "| old key | now |",
+        "|---|---|",
+    ]
+    lines += [f"| `{old}` | {new} |" for old, new in RENAMED.items()]
+    lines += [
+        "",
+        "Any other old key (stage inboxes and workers, staging sizes, limits, breaker and",
+        "Mooncake internals) is no longer an operator setting: it is honoured, with one",
+        "warning naming them all, and should be removed. Fault injection (`faults`) is",
+        "refused in an operator's file: tests pass it to `kvsidecar serve --test-config`.",
+        "",
+    ]
+    return "\n".join(lines)

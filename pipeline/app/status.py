@@ -34,7 +34,7 @@ def _scrape(url: str, timeout_s: float) -> str:
             body: bytes = response.read()
     except (urllib.error.URLError, OSError) as exc:
         raise TransportError(
-            f"cannot read {url}: {exc}; is the sidecar running with metrics.port set?"
+            f"cannot read {url}: {exc}; is the sidecar running with metrics.listen set?"
         ) from exc
     return body.decode()
 

@@ -282,7 +282,8 @@ class SessionRegistry:
             raise RequestRejected(
                 ErrorCode.BAD_TENSORS,
                 f"layer {on_gpu.layer!r} is on {on_gpu.device}, and this sidecar copies "
-                "with CPU threads (stages.transfer.device: cpu)",
+                "with CPU threads (store.engine_memory: cpu, which sets "
+                "stages.transfer.device)",
             )
         try:
             # Mapping populates page tables in proportion to the engine's memory: off the

@@ -115,12 +115,12 @@ async def test_status_watch_refreshes_with_what_happened_since_the_last_refresh(
 
 
 def test_status_without_a_sidecar_says_what_to_check() -> None:
-    """`kvsidecar status` against nothing exits 1 naming the URL and metrics.port."""
+    """`kvsidecar status` against nothing exits 1 naming the URL and metrics.listen."""
     result = subprocess.run(
         [*KVSIDECAR, "status", "--metrics-url", "http://127.0.0.1:9/metrics"],
         capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
-    assert "127.0.0.1:9" in result.stderr and "metrics.port" in result.stderr
+    assert "127.0.0.1:9" in result.stderr and "metrics.listen" in result.stderr
 
 
 def test_graph_prints_every_stage_as_the_config_wires_it(tmp_path: Path) -> None:

@@ -38,27 +38,30 @@ def test_graph_config_keygen_status_and_explain_take_paths_relative_to_the_user(
 ) -> None:
     """A relative config and key prefix are read and written where the user is; the
     commands that reach a sidecar say what to check when there is none."""
-    (tmp_path / "mine.yaml").write_text("stages:\n  transfer: {workers: 3}\n")
+    (tmp_path / "mine.yaml").write_text("server: {max_peers: 7}\n"
+                                        "stages:\n  transfer: {workers: 3}\n")
     graph = run(["graph", "--config", "mine.yaml"], tmp_path)
     assert graph.returncode == 0, graph.stderr
     rows = [[cell.strip() for cell in line.split("│")[1:-1]]
             for line in graph.stdout.splitlines() if line.startswith("│")]
     assert ["save", "transfer", "always", "3"] in [row[:4] for row in rows]
     shown = json.loads(run(["config", "--config", "mine.yaml", "--json"], tmp_path).stdout)
-    assert shown["config"]["stages.transfer.workers"] == {"value": 3, "source": "file"}
+    assert shown["config"]["server.max_peers"] == {"value": 7, "source": "file"}
+    assert shown["effective"]["stages.transfer.workers"] == {"value": 3, "source": "tuning"}
     keys = run(["keygen", "--out", "k"], tmp_path)
     assert keys.returncode == 0, keys.stderr
     assert (tmp_path / "k.key").exists() and (tmp_path / "k.key.pub").exists()
     status = run(["status", "--metrics-url", "http://127.0.0.1:9/metrics"], tmp_path)
-    assert status.returncode == 1 and "metrics.port" in status.stderr
+    assert status.returncode == 1 and "metrics.listen" in status.stderr
     assert run(["explain", "--help"], tmp_path).returncode == 0
 
 
 def test_serve_reads_a_relative_config_and_stops_cleanly(tmp_path: Path) -> None:
     """`serve --config FILE` with FILE relative to the user's directory starts, binds its
-    endpoint and exits 0 on SIGTERM."""
+    endpoint and exits 0 on SIGTERM; an old key in it is logged with its replacement."""
     socket = tmp_path / "s.sock"
-    (tmp_path / "mine.yaml").write_text(f"server:\n  endpoint: ipc://{socket}\n")
+    (tmp_path / "mine.yaml").write_text(f"server:\n  endpoint: ipc://{socket}\n"
+                                        "metrics: {port: 0}\n")
     process = subprocess.Popen([*KVSIDECAR, "serve", "--config", "mine.yaml"], cwd=tmp_path,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env=WIDE)
@@ -75,6 +78,7 @@ def test_serve_reads_a_relative_config_and_stops_cleanly(tmp_path: Path) -> None
             process.kill()
     assert process.returncode == 0, output
     assert "sidecar.stopped" in output
+    assert "config.deprecated" in output and "metrics.listen" in output
 
 
 def test_bench_quick_writes_its_report_where_the_user_asked(tmp_path: Path) -> None:

@@ -384,7 +384,7 @@ def test_a_lookup_with_the_engine_hashes_sends_only_its_first_block(
 
 
 async def test_prometheus_metrics_count_requests_outcomes_and_rejections() -> None:
-    """With metrics.port set, /metrics reports requests, block outcomes, refusals and
+    """With metrics served, /metrics reports requests, block outcomes, refusals and
     latencies as they happen."""
     import urllib.request
 

@@ -24,13 +24,13 @@ from tests.kit import hybrid_layout
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a host without a GPU")
 async def test_cuda_copies_are_refused_at_start_without_a_gpu() -> None:
-    """``stages.transfer.device: cuda`` on a host where torch sees no GPU stops the
-    start with an error naming the setting."""
+    """``store.engine_memory: cuda`` on a host where torch sees no GPU stops the start
+    with an error naming the setting."""
     config = Config()
     transfer = msgspec.structs.replace(config.stages.transfer, device="cuda")
     config = msgspec.structs.replace(
         config, stages=msgspec.structs.replace(config.stages, transfer=transfer))
-    with pytest.raises(ConfigError, match=r"stages\.transfer\.device is cuda, but torch"):
+    with pytest.raises(ConfigError, match=r"store\.engine_memory is cuda, but torch"):
         async with open_backends(config, Faults(FaultsConfig()), on_evicted=print):
             pass
 

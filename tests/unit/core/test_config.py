@@ -9,7 +9,14 @@ import msgspec
 import pytest
 
 from pipeline.app.cli import main
-from pipeline.core.config import Config, ConfigError, default_endpoint, load_config
+from pipeline.core.config import (
+    Config,
+    ConfigError,
+    OperatorConfig,
+    default_endpoint,
+    load_config,
+    read_config,
+)
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 SHIPPED = sorted(
@@ -52,9 +59,11 @@ def test_default_yaml_reads_octal_permissions_and_the_embedded_store() -> None:
 
 
 def test_default_yaml_holds_every_default_and_nothing_else() -> None:
-    """default.yaml is "every knob, with its default": a sidecar started without a
-    config runs exactly as one started with it."""
-    assert load_config(CONFIGS / "default.yaml") == Config()
+    """default.yaml is "every operator key, with its default": a sidecar started without
+    a config runs exactly as one started with it, and it needs no migration."""
+    loaded = read_config(CONFIGS / "default.yaml")
+    assert loaded.config == load_config()
+    assert not loaded.notes
 
 
 # -- defaults and overrides --------------------------------------------------------------------
@@ -62,8 +71,8 @@ def test_default_yaml_holds_every_default_and_nothing_else() -> None:
 
 def test_no_path_and_an_empty_file_give_defaults(tmp_path: Path) -> None:
     """Without a file, or with an empty one, every value is its default."""
-    assert load_config() == Config()
-    assert load_config(write(tmp_path, "\n")) == Config()
+    assert load_config(write(tmp_path, "\n")) == load_config()
+    assert read_config(write(tmp_path, "\n")).operator == OperatorConfig()
 
 
 def test_endpoint_override_replaces_only_the_endpoint(tmp_path: Path) -> None:
@@ -113,10 +122,14 @@ def _indent(text: str) -> str:
 
 @pytest.mark.parametrize(("nesting", "path"), _sections(Config), ids=lambda v: v)
 def test_unknown_keys_are_refused_with_their_path(tmp_path: Path, nesting: str, path: str) -> None:
-    """An unknown key in any section is a ConfigError naming the key and the section path."""
+    """An unknown key in any section is a ConfigError naming the key and the section path
+    (fault injection, test-only, is refused as a whole)."""
     depth = nesting.count("\n")
     text = nesting + "  " * depth + "no_such_key: 1\n"
     message = config_error(tmp_path, text)
+    if path.startswith("$.faults"):
+        assert "--test-config" in message
+        return
     assert "`no_such_key`" in message
     if path != "$":
         assert f"`{path}`" in message

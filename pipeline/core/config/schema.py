@@ -1,7 +1,12 @@
-"""The sidecar's configuration: one frozen, typed tree loaded from YAML.
+"""The effective configuration: the frozen, typed tree the sidecar runs with.
 
-Unknown keys are rejected and every error names the path of the bad key
-(``$.stages.batching.max_blocks``). Environment variables are read only here.
+An operator does not write this tree: ``pipeline.core.config.operator`` is what a config
+file holds, and ``pipeline.core.config.resolve`` builds this tree from it and from the
+machine. Every field here that no operator key sets is a named constant, whose default and
+docstring say what it bounds; tests and benchmarks set them through a test-only config
+(``kvsidecar serve --test-config``). Unknown keys are rejected and every error names the
+path of the bad key (``$.stages.batching.max_blocks``). Environment variables are read
+only in this package.
 """
 
 from __future__ import annotations
@@ -12,14 +17,14 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from pipeline.core.errors import ConfigError
-
 __all__ = [
+    "FAULT_POINTS",
     "BatchingStageConfig",
     "BreakerConfig",
     "Config",
-    "ConfigError",
     "EmbeddedStoreConfig",
+    "EventsConfig",
+    "ExplainConfig",
     "FaultPointConfig",
     "FaultsConfig",
     "LimitsConfig",
@@ -34,9 +39,11 @@ __all__ = [
     "StoreConfig",
     "TenantConfig",
     "TransferStageConfig",
+    "check_identity",
     "default_endpoint",
     "host_memory_bytes",
-    "load_config",
+    "own_identity",
+    "runtime_dir",
 ]
 
 Positive = Annotated[int, msgspec.Meta(gt=0)]
@@ -190,9 +197,6 @@ class StagesConfig(_Section, frozen=True):
     commit: StageConfig = StageConfig(inbox_size=8, workers=2)
     fetch: StageConfig = StageConfig(inbox_size=8, workers=2)
     scatter: StageConfig = StageConfig(inbox_size=64, workers=2)
-    completion: StageConfig = StageConfig(inbox_size=256)
-    """Not used: a job is answered by the stage that settles it. Still read, so that a
-    config naming it loads."""
     lookup: StageConfig = StageConfig(workers=4)
 
 
@@ -456,24 +460,3 @@ class Config(_Section, frozen=True):
                     raise ValueError(f"identity {identity!r} is in tenants {seen[identity]!r} "
                                      f"and {name!r}")
                 seen[identity] = name
-
-
-def load_config(path: str | Path | None = None, *, endpoint: str | None = None) -> Config:
-    """Load a YAML config (defaults when ``path`` is None); ``endpoint`` overrides the file's."""
-    config = Config()
-    if path is not None:
-        try:
-            raw = Path(path).read_bytes()
-        except OSError as exc:
-            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
-        try:
-            config = msgspec.yaml.decode(raw, type=Config) if raw.strip() else Config()
-        except msgspec.ValidationError as exc:
-            raise ConfigError(f"{path}: {exc}") from exc
-        except msgspec.DecodeError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    if endpoint is not None:
-        config = msgspec.structs.replace(
-            config, server=msgspec.structs.replace(config.server, endpoint=endpoint)
-        )
-    return config
