@@ -35,12 +35,12 @@ from bench_sidecar_throughput import Geometry, make_layout
 from harness import median, write_results
 
 from pipeline.backends.cpu_copy import CopyThreads, gather_and_seal, verify_and_scatter
+from pipeline.backends.stores.embedded import EmbeddedStore
 from pipeline.backends.threads import WorkerThreads
 from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.geometry import StoreGroupGeometry, build_store_groups
 from pipeline.core.layout import KVCacheLayout
 from pipeline.core.runs import value_span
-from transport.embedded_store import EmbeddedStore
 
 NUM_BLOCKS = 1024
 FRESH_BYTES = 1 << 30

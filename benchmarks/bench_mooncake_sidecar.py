@@ -89,12 +89,12 @@ from harness import (
     write_results,
 )
 
+from pipeline.backends.stores.mooncake.master import EmbeddedMaster, open_embedded_master
+from pipeline.backends.stores.mooncake.setup import replicate
 from pipeline.core.config import Config, MooncakeStoreConfig, load_config
 from pipeline.core.integrity import CHECKSUM_BYTES
 from pipeline.core.outcomes import BlockStatus
 from transport.client import EngineClient
-from transport.mooncake_master import EmbeddedMaster, open_embedded_master
-from transport.mooncake_setup import replicate
 
 GOAL = 0.9
 DEFAULT_CONFIG = ROOT / "configs" / "mooncake.yaml"

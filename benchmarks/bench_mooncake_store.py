@@ -21,10 +21,10 @@ import anyio
 import torch
 from mooncake.store import ReplicateConfig
 
+from pipeline.backends.stores.mooncake.setup import open_mooncake_store
+from pipeline.backends.stores.mooncake.store import MooncakeStore
 from pipeline.core.config import MooncakeStoreConfig
 from pipeline.core.outcomes import LOADED, STORED
-from transport.mooncake_setup import open_mooncake_store
-from transport.mooncake_store import MooncakeStore
 
 MIB = 1024 * 1024
 

@@ -10,8 +10,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import anyio
 import torch
 
-from pipeline.backends.beside import ChecksumBesideStore
-from pipeline.backends.breaker import CircuitBreakerStore
 from pipeline.backends.cpu_copy import (
     INLINE_BYTES,
     LOAD_INLINE_BYTES,
@@ -23,6 +21,8 @@ from pipeline.backends.cpu_copy import (
 from pipeline.backends.faults import Faults, FaultyStore
 from pipeline.backends.memory import InPlaceMemory, LentMemory, StagingMemory
 from pipeline.backends.staging import StagingPool
+from pipeline.backends.stores.beside import ChecksumBesideStore
+from pipeline.backends.stores.breaker import CircuitBreakerStore
 from pipeline.backends.threads import WorkerThreads
 from pipeline.core.config import Config, StoreConfig, TransferStageConfig
 from pipeline.core.errors import ConfigError
@@ -68,12 +68,12 @@ async def open_store(
         reads_here: ReadsHere | None = None
         call_timeout_s: float | None = config.breaker.call_timeout_s
         if config.backend == "mooncake":
-            from transport.mooncake_setup import open_mooncake_store
+            from pipeline.backends.stores.mooncake.setup import open_mooncake_store
 
             store = mooncake = await open_mooncake_store(config.mooncake)
             reads_here = mooncake.reads_here
         else:
-            from transport.embedded_store import EmbeddedStore
+            from pipeline.backends.stores.embedded import EmbeddedStore
 
             embedded = EmbeddedStore(config.embedded, on_evicted=on_evicted)
             if pin is not None:

@@ -18,7 +18,7 @@ from typing import TypeVar
 import anyio
 import torch
 
-from pipeline.backends.wrapper import StoreWrapper
+from pipeline.backends.stores.wrapper import StoreWrapper
 from pipeline.core.config import FaultsConfig
 from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import STORED, KeyOutcome

@@ -77,7 +77,7 @@ class StoreGroupGeometry:
     def stored_bytes(self) -> int:
         """Bytes of one value in flight (a staging row, an embedded-store extent): the
         payload plus its checksum, if any. A vllm-format store holds the checksum beside
-        the payload instead (``pipeline.backends.beside``)."""
+        the payload instead (``pipeline.backends.stores.beside``)."""
         return self.value_bytes + (0 if self.checksum_seed is None else CHECKSUM_BYTES)
 
 

@@ -19,6 +19,9 @@ import pytest
 import pytest_asyncio
 import torch
 
+from pipeline.backends.stores.mooncake.master import EmbeddedMaster, open_embedded_master
+from pipeline.backends.stores.mooncake.setup import open_mooncake_store
+from pipeline.backends.stores.mooncake.store import MooncakeStore
 from pipeline.core.config import MooncakeStoreConfig
 from pipeline.core.geometry import build_store_groups
 from pipeline.core.hashing import block_hashes
@@ -27,9 +30,6 @@ from pipeline.core.layout import KVCacheLayout
 from pipeline.testing import run_sidecar_process
 from tests.kit import random_tokens
 from transport.client import EngineClient
-from transport.mooncake_master import EmbeddedMaster, open_embedded_master
-from transport.mooncake_setup import open_mooncake_store
-from transport.mooncake_store import MooncakeStore
 from transport.tensors import shared_kv_tensor
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data")

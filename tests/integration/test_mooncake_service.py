@@ -13,11 +13,11 @@ import torch
 from rich.console import Console
 
 from pipeline.app.status import Snapshot, render
+from pipeline.backends.stores.mooncake.master import EmbeddedMaster, open_embedded_master
 from pipeline.core.config import MooncakeStoreConfig
 from pipeline.core.outcomes import BlockStatus
 from pipeline.testing import run_sidecar_process
 from tests.kit import KVEngine, hybrid_layout, random_tokens, stall_proxy
-from transport.mooncake_master import EmbeddedMaster, open_embedded_master
 
 pytestmark = pytest.mark.mooncake
 
@@ -244,10 +244,10 @@ async def test_a_block_removed_between_lookup_and_load_is_reported_failed() -> N
     block id failed and no tokens usable past it; nothing else is touched."""
     import msgspec
 
+    from pipeline.backends.stores.mooncake.setup import open_mooncake_store
     from pipeline.core.hashing import block_hashes
     from pipeline.core.keys import ValueFormat, keys_for, layout_keys
     from pipeline.core.layout import KVCacheLayout
-    from transport.mooncake_setup import open_mooncake_store
 
     quick_leases = MooncakeStoreConfig(kv_lease_ttl_ms=100)
     async with await open_embedded_master(quick_leases) as master:

@@ -28,6 +28,14 @@ from anyio.streams.text import TextReceiveStream
 from pipeline.backends.cpu_copy import HelperThreads, InPlaceCopyEngine
 from pipeline.backends.memory import InPlaceMemory
 from pipeline.backends.staging import StagingPool
+from pipeline.backends.stores.mooncake.codes import get_outcome, put_outcome
+from pipeline.backends.stores.mooncake.master import (
+    EmbeddedMaster,
+    MasterEndpoints,
+    open_embedded_master,
+)
+from pipeline.backends.stores.mooncake.setup import _prefault, _segment_here, open_mooncake_store
+from pipeline.backends.stores.mooncake.store import MooncakeStore
 from pipeline.core.config import MooncakeStoreConfig
 from pipeline.core.errors import StoreCallAbandoned, StoreError
 from pipeline.core.geometry import StoreGroupGeometry, build_store_groups
@@ -44,10 +52,6 @@ from pipeline.core.outcomes import (
 )
 from pipeline.core.store import KVStore, Pieces, PiecewiseKVStore, Presence, ReadHere, Seal
 from tests.kit import StallProxy, stall_proxy
-from transport.mooncake_codes import get_outcome, put_outcome
-from transport.mooncake_master import EmbeddedMaster, MasterEndpoints, open_embedded_master
-from transport.mooncake_setup import _prefault, _segment_here, open_mooncake_store
-from transport.mooncake_store import MooncakeStore
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.asyncio(loop_scope="module")]
 
@@ -500,7 +504,7 @@ async def test_closing_an_embedded_store_leaves_no_master_and_no_port() -> None:
 CHILD = """
 import anyio
 from pipeline.core.config import MooncakeStoreConfig
-from transport.mooncake_setup import open_mooncake_store
+from pipeline.backends.stores.mooncake.setup import open_mooncake_store
 
 async def main():
     store = await open_mooncake_store(MooncakeStoreConfig(

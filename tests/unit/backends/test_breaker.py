@@ -8,12 +8,12 @@ import anyio
 import pytest
 import torch
 
-from pipeline.backends.breaker import BreakerState, CircuitBreakerStore
+from pipeline.backends.stores.breaker import BreakerState, CircuitBreakerStore
+from pipeline.backends.stores.embedded import EmbeddedStore
 from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.errors import StoreError, StoreUnavailable
 from pipeline.core.outcomes import STORE_UNAVAILABLE, BlockStatus, KeyOutcome, store_error_outcome
 from pipeline.core.store import Presence
-from transport.embedded_store import EmbeddedStore
 
 
 class FlakyStore(EmbeddedStore):

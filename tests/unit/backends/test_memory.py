@@ -11,13 +11,13 @@ import torch
 
 from pipeline.backends.memory import STAGING_FULL, LentMemory, StagingMemory
 from pipeline.backends.staging import StagingPool
+from pipeline.backends.stores.embedded import EmbeddedStore
 from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.geometry import StoreGroupGeometry, build_lookup_groups
 from pipeline.core.layout import KVCacheLayout
 from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORED, BlockStatus
 from pipeline.core.seams import BatchMemory, Values
 from tests.kit import views_at
-from transport.embedded_store import EmbeddedStore
 
 TIMEOUT_S = 5
 SIZE = 256

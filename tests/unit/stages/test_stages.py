@@ -28,8 +28,9 @@ from pipeline.backends.cpu_copy import (
 )
 from pipeline.backends.memory import LentMemory, StagingMemory
 from pipeline.backends.staging import StagingPool
+from pipeline.backends.stores.embedded import EmbeddedStore
+from pipeline.backends.stores.wrapper import StoreWrapper
 from pipeline.backends.threads import WorkerThreads
-from pipeline.backends.wrapper import StoreWrapper
 from pipeline.core.config import EmbeddedStoreConfig, EventsConfig
 from pipeline.core.errors import StoreCallAbandoned, StoreError
 from pipeline.core.geometry import build_store_groups
@@ -73,7 +74,6 @@ from stages.hashing import HashingStage
 from stages.lookup import FIRST_CHUNK_BLOCKS, PROBE_KNOWN_ABOVE, LookupStage
 from stages.scatter import ScatterStage
 from stages.transfer import TransferStage
-from transport.embedded_store import EmbeddedStore
 
 NO_EVENTS = KVEventLog(EventsConfig())
 TIMEOUT_S = 10

@@ -13,14 +13,14 @@ from anyio import wait_all_tasks_blocked
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipeline.backends.stores.arena import ArenaAllocator
+from pipeline.backends.stores.embedded import EmbeddedStore, index_budget, index_charge
 from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORE_FULL, STORED, BlockStatus, failed
 from pipeline.core.runs import VALUE_ALIGN, value_span
 from pipeline.core.store import KVStore, Presence
 from tests.kit import views_at
-from transport.arena import ArenaAllocator
-from transport.embedded_store import EmbeddedStore, index_budget, index_charge
 
 WAIT_S = 10.0
 

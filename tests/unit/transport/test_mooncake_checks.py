@@ -7,7 +7,7 @@ import numpy
 from hypothesis import given
 from hypothesis import strategies as st
 
-from transport.mooncake_store import _columns_inside
+from pipeline.backends.stores.mooncake.batches import columns_inside
 
 
 @st.composite
@@ -48,7 +48,7 @@ def test_a_column_is_judged_inside_only_if_one_range_holds_it(
     trying every range. (Overlapping ones may send a batch to the exact check value by
     value instead.)"""
     ranges, starts, sizes = layout
-    inside = _columns_inside(starts, sizes, ranges)
+    inside = columns_inside(starts, sizes, ranges)
     reference = range_by_range(starts, sizes, ranges)
     assert reference or not inside
     disjoint = all(a_high <= b_low for (_, a_high), (b_low, _) in

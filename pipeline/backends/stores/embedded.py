@@ -27,9 +27,6 @@ lock that a copy thread holds.
 
 from __future__ import annotations
 
-import operator
-import sys
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,31 +35,23 @@ import anyio.to_thread
 import torch
 from anyio.abc import AsyncResource
 
+from pipeline.backends.stores.arena import ArenaAllocator
+from pipeline.backends.stores.embedded_index import (
+    Entry,
+    Index,
+    check_bytes,
+    index_budget,
+    index_charge,
+)
 from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORE_FULL, STORED, KeyOutcome, failed
 from pipeline.core.runs import VALUE_ALIGN, Run, value_span
 from pipeline.core.store import Extents, Presence
-from transport.arena import ArenaAllocator
 
-__all__ = ["EmbeddedStore", "EmbeddedStoreStats"]
+__all__ = ["EmbeddedStore", "EmbeddedStoreStats", "index_budget", "index_charge"]
 
 DEFAULT_COPY_THREADS = 2
-
-ENTRY_OVERHEAD_BYTES = 256
-"""An index entry's memory besides its key: the entry, its slots in two dictionaries."""
-
-
-def index_budget(capacity_bytes: int) -> int:
-    """The index's share beside an arena of ``capacity_bytes``: a sixteenth, at least
-    16 MiB (far more than keys of honest values take: ~0.5 KiB per value of tens)."""
-    return max(capacity_bytes // 16, 16 << 20)
-
-
-def index_charge(key: str) -> int:
-    """What an entry under ``key`` costs the index."""
-    return sys.getsizeof(key) + ENTRY_OVERHEAD_BYTES
-
 
 @dataclass(frozen=True, slots=True)
 class EmbeddedStoreStats:
@@ -72,38 +61,7 @@ class EmbeddedStoreStats:
     evictions: int
 
 
-@dataclass(eq=False, slots=True)
-class _Entry:
-    key: str
-    offset: int
-    size: int
-    span: int
-    """The arena bytes it occupies: its size, padded (``value_align``)."""
-    charge: int = 0
-    """What it costs the index (``index_charge``)."""
-    pins: int = 0
-    removed: bool = False
-    """Out of the index; the extent is freed when the last pin goes."""
-
-
-_SPAN: Callable[[_Entry], int] = operator.attrgetter("span")
-_CHARGE: Callable[[_Entry], int] = operator.attrgetter("charge")
-
-
-def _check_bytes(tensor: object) -> str | None:
-    if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
-        described = (
-            f"{tensor.dtype} tensor of shape {tuple(tensor.shape)}"
-            if isinstance(tensor, torch.Tensor)
-            else type(tensor).__name__
-        )
-        return f"expected a 1-D uint8 tensor, got a {described}"
-    if tensor.numel() == 0:
-        return "empty"
-    return None
-
-
-def _follows(entry: _Entry | None, previous: _Entry | None) -> bool:
+def _follows(entry: Entry | None, previous: Entry | None) -> bool:
     """Whether ``entry`` starts where ``previous``'s span ends, at the same size."""
     return (entry is not None and previous is not None and entry.size == previous.size
             and entry.offset == previous.offset + previous.span)
@@ -150,18 +108,9 @@ class EmbeddedStore(AsyncResource):
                 f"(store.capacity_bytes): {exc}"
             ) from exc
         self._arena_address = self._arena.data_ptr()
-        self._allocator = ArenaAllocator(config.capacity_bytes)
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
-        self._ready_sizes: dict[str, int] = {}
-        """The size of every readable entry, by key (an entry whose value is still being
-        copied in is not yet here): what ``exists`` asks, in C loops."""
-        self._pinned_bytes = 0
-        self._index_bytes = 0
-        self._index_budget = index_budget(config.capacity_bytes)
-        self._evictions = 0
+        self._index = Index(ArenaAllocator(config.capacity_bytes), align=value_align,
+                            on_evicted=on_evicted)
         self._limiter = copy_limiter or anyio.CapacityLimiter(DEFAULT_COPY_THREADS)
-        self._on_evicted = on_evicted
-        self._align = value_align
         self._closed = False
 
     @property
@@ -174,7 +123,7 @@ class EmbeddedStore(AsyncResource):
     async def register_buffer(self, buffer: torch.Tensor) -> None:
         """Check the buffer's shape; the embedded store copies with torch, so nothing to pin."""
         self._check_open()
-        problem = _check_bytes(buffer) or (None if buffer.is_contiguous() else "not contiguous")
+        problem = check_bytes(buffer) or (None if buffer.is_contiguous() else "not contiguous")
         if problem is not None:
             raise ValueError(f"a staging buffer must be a contiguous 1-D uint8 tensor: {problem}")
 
@@ -182,7 +131,7 @@ class EmbeddedStore(AsyncResource):
         self._check_open()
         if len(keys) != len(sizes):
             raise ValueError(f"exists got {len(keys)} keys and {len(sizes)} sizes")
-        stored = list(map(self._ready_sizes.get, keys))
+        stored = list(map(self._index.ready_sizes.get, keys))
         if stored == (sizes if isinstance(sizes, list) else list(sizes)):
             # The usual hit: every block present, in one comparison.
             return [Presence.PRESENT] * len(keys)
@@ -195,10 +144,10 @@ class EmbeddedStore(AsyncResource):
         if len(keys) != len(values):
             raise ValueError(f"put got {len(keys)} keys and {len(values)} values")
         outcomes: list[KeyOutcome] = []
-        writes: list[tuple[int, _Entry, torch.Tensor]] = []
+        writes: list[tuple[int, Entry, torch.Tensor]] = []
         for key, value in zip(keys, values, strict=True):
-            reserved = self._reserve(key, value)
-            if isinstance(reserved, _Entry):
+            reserved = self._index.reserve(key, value)
+            if isinstance(reserved, Entry):
                 writes.append((len(outcomes), reserved, value))
                 outcomes.append(STORED)
             else:
@@ -210,14 +159,14 @@ class EmbeddedStore(AsyncResource):
             errors = await anyio.to_thread.run_sync(_copy_pairs, pairs, limiter=self._limiter)
         except BaseException:
             for _, entry, _ in writes:
-                self._abandon(entry)
+                self._index.abandon(entry)
             raise
         for (index, entry, _), error in zip(writes, errors, strict=True):
             if error is None:
-                self._make_ready(entry)
-                self._unpin(entry)
+                self._index.make_ready(entry)
+                self._index.unpin(entry)
             else:
-                self._abandon(entry)
+                self._index.abandon(entry)
                 outcomes[index] = failed(error)
         return outcomes
 
@@ -228,10 +177,10 @@ class EmbeddedStore(AsyncResource):
         if len(keys) != len(buffers):
             raise ValueError(f"get_into got {len(keys)} keys and {len(buffers)} buffers")
         outcomes: list[KeyOutcome] = []
-        reads: list[tuple[int, _Entry, torch.Tensor]] = []
+        reads: list[tuple[int, Entry, torch.Tensor]] = []
         for key, buffer in zip(keys, buffers, strict=True):
-            entry = self._readable(key)
-            problem = _check_bytes(buffer)
+            entry = self._index.readable(key)
+            problem = check_bytes(buffer)
             if entry is None:
                 outcomes.append(MISSING)
             elif problem is not None:
@@ -241,8 +190,8 @@ class EmbeddedStore(AsyncResource):
                     failed(f"size_mismatch: stored {entry.size} bytes, buffer {buffer.numel()}")
                 )
             else:
-                self._pin(entry)
-                self._entries.move_to_end(key)
+                self._index.pin(entry)
+                self._index.entries.move_to_end(key)
                 reads.append((len(outcomes), entry, buffer))
                 outcomes.append(LOADED)
         if not reads:
@@ -252,7 +201,7 @@ class EmbeddedStore(AsyncResource):
             errors = await anyio.to_thread.run_sync(_copy_pairs, pairs, limiter=self._limiter)
         finally:
             for _, entry, _ in reads:
-                self._unpin(entry)
+                self._index.unpin(entry)
         for (index, _, _), error in zip(reads, errors, strict=True):
             if error is not None:
                 outcomes[index] = failed(error)
@@ -263,35 +212,35 @@ class EmbeddedStore(AsyncResource):
 
     async def reserve(self, keys: Sequence[str], size: int) -> Extents:
         self._check_open()
-        fresh = len({key for key in keys if key not in self._entries})
-        span = value_span(size, self._align)
+        fresh = len({key for key in keys if key not in self._index.entries})
+        span = value_span(size, self._index.align)
         # One extent for the whole batch (evicting as needed), so the caller copies the
         # batch as one matrix; if none can be had, one extent per key.
-        run = self._make_room(fresh * span) if fresh > 1 else None
+        run = self._index.make_room(fresh * span) if fresh > 1 else None
         next_offset = run
-        lent: list[tuple[_Entry | None, KeyOutcome]] = []
+        lent: list[tuple[Entry | None, KeyOutcome]] = []
         for key in keys:
-            if key in self._entries:
-                self._entries.move_to_end(key)
+            if key in self._index.entries:
+                self._index.entries.move_to_end(key)
                 lent.append((None, PRESENT))
                 continue
             charge = index_charge(key)
-            if not self._index_room(charge):
+            if not self._index.index_room(charge):
                 lent.append((None, STORE_FULL))
                 continue
             if next_offset is not None:
                 offset: int | None = next_offset
                 next_offset += span
             else:
-                offset = self._make_room(span)
+                offset = self._index.make_room(span)
             if offset is None:
                 lent.append((None, STORE_FULL))
                 continue
-            entry = _Entry(key, offset, size, span, charge)
-            self._add(entry)
+            entry = Entry(key, offset, size, span, charge)
+            self._index.add(entry)
             lent.append((entry, STORED))
         if run is not None and next_offset is not None and next_offset < run + fresh * span:
-            self._allocator.free(next_offset, run + fresh * span - next_offset)
+            self._index.allocator.free(next_offset, run + fresh * span - next_offset)
         return self._extents(lent)
 
     def commit(self, extents: Extents, *, written: bool) -> list[KeyOutcome]:
@@ -300,36 +249,36 @@ class EmbeddedStore(AsyncResource):
             if entry is None:
                 continue
             if written:
-                self._make_ready(entry)
-                self._unpin(entry)
+                self._index.make_ready(entry)
+                self._index.unpin(entry)
             else:
-                self._abandon(entry)
+                self._index.abandon(entry)
                 outcomes[index] = failed("not_written")
         extents.handle = []
         return outcomes
 
     async def lease(self, keys: Sequence[str], size: int) -> Extents:
         self._check_open()
-        lent: list[tuple[_Entry | None, KeyOutcome]] = []
+        lent: list[tuple[Entry | None, KeyOutcome]] = []
         for key in keys:
-            entry = self._readable(key)
+            entry = self._index.readable(key)
             if entry is None:
                 lent.append((None, MISSING))
             elif entry.size != size:
                 lent.append((None, failed(f"size_mismatch: stored {entry.size}, want {size}")))
             else:
-                self._pin(entry)
-                self._entries.move_to_end(key)
+                self._index.pin(entry)
+                self._index.entries.move_to_end(key)
                 lent.append((entry, LOADED))
         return self._extents(lent)
 
     def release(self, extents: Extents) -> None:
         for entry in extents.handle:
             if entry is not None:
-                self._unpin(entry)
+                self._index.unpin(entry)
         extents.handle = []
 
-    def _extents(self, lent: list[tuple[_Entry | None, KeyOutcome]]) -> Extents:
+    def _extents(self, lent: list[tuple[Entry | None, KeyOutcome]]) -> Extents:
         entries = [entry for entry, _ in lent]
         return Extents(
             runs=self._runs(entries),
@@ -337,7 +286,7 @@ class EmbeddedStore(AsyncResource):
             handle=entries,
         )
 
-    def _runs(self, entries: list[_Entry | None]) -> list[Run]:
+    def _runs(self, entries: list[Entry | None]) -> list[Run]:
         """The entries' bytes as runs: entries back to back in the arena (a batch
         reserved as one extent) are one run, whatever their number."""
         result = []
@@ -357,9 +306,9 @@ class EmbeddedStore(AsyncResource):
         self._check_open()
         removed = 0
         for key in keys:
-            entry = self._entries.get(key)
+            entry = self._index.entries.get(key)
             if entry is not None:
-                self._drop(entry)
+                self._index.drop(entry)
                 removed += 1
         return removed
 
@@ -368,137 +317,25 @@ class EmbeddedStore(AsyncResource):
         if self._closed:
             return
         self._closed = True
-        for entry in self._entries.values():
+        for entry in self._index.entries.values():
             entry.removed = True
-        self._entries.clear()
-        self._ready_sizes.clear()
+        self._index.entries.clear()
+        self._index.ready_sizes.clear()
         self._arena = torch.empty(0, dtype=torch.uint8)
 
     # -- inspection --------------------------------------------------------------------
 
     def stats(self) -> EmbeddedStoreStats:
         return EmbeddedStoreStats(
-            used_bytes=self._allocator.capacity - self._allocator.free_bytes,
-            capacity_bytes=self._allocator.capacity,
-            keys=len(self._entries),
-            evictions=self._evictions,
+            used_bytes=self._index.allocator.capacity - self._index.allocator.free_bytes,
+            capacity_bytes=self._index.allocator.capacity,
+            keys=len(self._index.entries),
+            evictions=self._index.evictions,
         )
-
-    # -- index (event loop thread only) ------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
             raise StoreError("the embedded store is closed")
 
-    def _reserve(self, key: str, value: torch.Tensor) -> _Entry | KeyOutcome:
-        """Index a pinned, not yet readable entry for ``key``, or say why not."""
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._entries.move_to_end(key)
-            return PRESENT
-        problem = _check_bytes(value)
-        if problem is not None:
-            # An empty value would let the index grow without using arena bytes.
-            return failed(f"bad_value: {problem}")
-        size = value.numel()
-        span = value_span(size, self._align)
-        charge = index_charge(key)
-        if not self._index_room(charge):
-            return STORE_FULL
-        offset = self._make_room(span)
-        if offset is None:
-            return STORE_FULL
-        entry = _Entry(key, offset, size, span, charge)
-        self._add(entry)
-        return entry
-
-    def _add(self, entry: _Entry) -> None:
-        """Index a new entry, pinned."""
-        self._pin(entry)
-        self._entries[entry.key] = entry
-        self._index_bytes += entry.charge
-
-    def _index_room(self, charge: int) -> bool:
-        """Make the index able to take an entry costing ``charge``, evicting unpinned
-        entries oldest first as needed; False if the pinned ones leave no room."""
-        if self._index_bytes + charge <= self._index_budget:
-            return True
-        evicted = self._drop_oldest(self._index_bytes + charge - self._index_budget, _CHARGE)
-        if evicted:
-            self._evictions += len(evicted)
-            self._on_evicted(evicted)
-        return self._index_bytes + charge <= self._index_budget
-
-    def _drop_oldest(self, short: int, cost: Callable[[_Entry], int]) -> list[str]:
-        """Drop unpinned entries, oldest first, until their ``cost`` makes up ``short``,
-        in one walk of the index; their keys."""
-        victims: list[_Entry] = []
-        for entry in self._entries.values():
-            if short <= 0:
-                break
-            if entry.pins == 0:
-                victims.append(entry)
-                short -= cost(entry)
-        for victim in victims:
-            self._drop(victim)
-        return [victim.key for victim in victims]
-
-    def _make_room(self, size: int) -> int | None:
-        """Allocate ``size`` bytes (whole spans), evicting unpinned entries oldest first
-        as needed."""
-        allocator = self._allocator
-        if size > allocator.capacity - self._pinned_bytes:
-            return None
-        # No hole fits while fewer bytes are free than asked: the oldest entries that
-        # make up the difference go in one walk of the index, not one walk and one
-        # allocation attempt each (a full store evicts on every save).
-        evicted = self._drop_oldest(size - allocator.free_bytes, _SPAN)
-        while (offset := allocator.allocate(size)) is None:
-            oldest = next((entry for entry in self._entries.values() if entry.pins == 0), None)
-            if oldest is None:
-                break
-            self._drop(oldest)
-            evicted.append(oldest.key)
-        if evicted:
-            self._evictions += len(evicted)
-            self._on_evicted(evicted)
-        return offset
-
-    def _slot(self, entry: _Entry) -> torch.Tensor:
+    def _slot(self, entry: Entry) -> torch.Tensor:
         return self._arena[entry.offset : entry.offset + entry.size]
-
-    def _pin(self, entry: _Entry) -> None:
-        if entry.pins == 0:
-            self._pinned_bytes += entry.span
-        entry.pins += 1
-
-    def _unpin(self, entry: _Entry) -> None:
-        entry.pins -= 1
-        if entry.pins == 0:
-            self._pinned_bytes -= entry.span
-            if entry.removed:
-                self._allocator.free(entry.offset, entry.span)
-
-    def _make_ready(self, entry: _Entry) -> None:
-        """Its value is in: readable from now on (unless it was removed meanwhile)."""
-        if not entry.removed:
-            self._ready_sizes[entry.key] = entry.size
-
-    def _readable(self, key: str) -> _Entry | None:
-        """The entry under ``key`` if its value is in."""
-        return self._entries[key] if key in self._ready_sizes else None
-
-    def _drop(self, entry: _Entry) -> None:
-        """Take an entry out of the index; its extent is freed once nothing copies it."""
-        del self._entries[entry.key]
-        self._ready_sizes.pop(entry.key, None)
-        self._index_bytes -= entry.charge
-        entry.removed = True
-        if entry.pins == 0:
-            self._allocator.free(entry.offset, entry.span)
-
-    def _abandon(self, entry: _Entry) -> None:
-        """Undo a reservation whose value never arrived."""
-        if not entry.removed:
-            self._drop(entry)
-        self._unpin(entry)

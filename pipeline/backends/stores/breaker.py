@@ -15,7 +15,7 @@ from typing import TypeVar
 import anyio
 import structlog
 
-from pipeline.backends.wrapper import StoreWrapper
+from pipeline.backends.stores.wrapper import StoreWrapper
 from pipeline.core.errors import StoreError, StoreUnavailable
 from pipeline.core.store import KVStore
 

@@ -18,11 +18,11 @@ import anyio.to_thread
 import msgspec
 import structlog
 
+from pipeline.backends.stores.mooncake.codes import OK
+from pipeline.backends.stores.mooncake.master import MasterEndpoints, open_embedded_master
+from pipeline.backends.stores.mooncake.store import MooncakeClient, MooncakeStore
 from pipeline.core.config import MooncakeStoreConfig
 from pipeline.core.errors import ConfigError, StoreError
-from transport.mooncake_codes import OK
-from transport.mooncake_master import MasterEndpoints, open_embedded_master
-from transport.mooncake_store import MooncakeClient, MooncakeStore
 
 __all__ = ["LIBIBVERBS_HINT", "open_mooncake_store", "replicate"]
 
