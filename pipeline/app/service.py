@@ -14,7 +14,7 @@ import functools
 import secrets
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import structlog
@@ -24,43 +24,32 @@ from anyio.abc import TaskStatus
 from pipeline.app.backends import Backends, open_backends
 from pipeline.app.dispatch import Receiver
 from pipeline.app.graph import AnswerWhereFinished, Resources, build_graph
+from pipeline.app.mapping import (
+    map_registered_tensors,
+    map_shared_tensors,
+    open_handover_desk,
+    step_events,
+)
 from pipeline.app.metrics import BackendGauges, Metrics
 from pipeline.backends.cpu_copy import copy_features
 from pipeline.backends.cuda_copy import KernelForms, compile_kernels, kernel_forms
 from pipeline.backends.faults import Faults
-from pipeline.core.config import Config, ServerConfig
-from pipeline.core.errors import InternalFailure, StoreError, TransportError
+from pipeline.core.config import Config
+from pipeline.core.errors import InternalFailure, StoreError
 from pipeline.core.geometry import StoreGroupGeometry
 from pipeline.core.keys import ValueFormat
-from pipeline.core.messages import CudaIpcEvent, TensorHandle
-from pipeline.core.store import PiecewiseKVStore
-from pipeline.core.tenancy import Peer, Tenancy
+from pipeline.core.tenancy import Tenancy
 from pipeline.state.events import KVEventLog
 from pipeline.state.history import BlockHistory
 from pipeline.state.jobs import Failable, JobTracker, Reply, StorePressure, mark_done
-from pipeline.state.registry import Handed as RegistryHanded
-from pipeline.state.registry import LayerTensors, MappingBudget, SessionRegistry
+from pipeline.state.registry import SessionRegistry
 from stages.completion import CompletionStage
 from transport.events import EventPublisher
-from transport.handover import Handed, HandoverDesk
+from transport.handover import HandoverDesk
 from transport.server import SidecarSocket, hold_endpoint_of, open_server_socket
-from transport.tensors import MappedTensors
 
 __all__ = ["Sidecar", "run_sidecar"]
 
-
-@contextlib.contextmanager
-def open_handover_desk(
-    socket: SidecarSocket, config: ServerConfig
-) -> Iterator[HandoverDesk | None]:
-    """The handover socket beside an ``ipc://`` endpoint, with its permissions; None
-    for tcp, whose peers hand no CPU memory over."""
-    if socket.ipc_path is None:
-        yield None
-        return
-    path = socket.ipc_path.with_name(socket.ipc_path.name + ".handover")
-    with HandoverDesk(path, permissions=config.ipc_permissions) as desk:
-        yield desk
 
 log = structlog.get_logger("kvsidecar.service")
 
@@ -74,94 +63,6 @@ OWNER_CHECK_S = 1.0
 KERNEL_COMPILES = 16
 """Registrations whose GPU kernels may wait to be compiled; past them, an engine's first
 copies compile its kernels (most engines share theirs: one compile serves them all)."""
-
-
-def map_shared_tensors(
-    handles: Sequence[TensorHandle], budget: MappingBudget, peer: Peer,
-    handed: RegistryHanded | None,
-) -> tuple[LayerTensors, MappedTensors]:
-    """The tensors ``handles`` describe, in the memory files ``handed`` (which the
-    mapping then owns) or in CUDA allocations of ``peer``'s own process."""
-    assert handed is None or isinstance(handed, Handed)
-    mapper = MappedTensors(handed=handed, owner_pid=peer.pid,
-                           max_bytes=budget.max_bytes, limit=budget.limit)
-    try:
-        tensors = {
-            handle.layer: (mapper.map_tensor(handle), handle.block_dim) for handle in handles
-        }
-        mapper.done_mapping()
-    except BaseException:
-        mapper.close()
-        raise
-    if mapper.unsealed:
-        # Served all the same: a shrink under the guard reads zeros, never stored.
-        log.info("session.memory.unsealed", files=mapper.unsealed, pid=peer.pid)
-    return tensors, mapper
-
-
-class RegisteredMapping:
-    """An engine's mapped memory, registered with a store that moves values straight
-    from and into it, until the mapping closes (no job of the engine in flight) and no
-    store call given up on may still touch it: only then is it unregistered and
-    unmapped."""
-
-    def __init__(self, mapping: MappedTensors, store: PiecewiseKVStore,
-                 memory: list[torch.Tensor]) -> None:
-        self._mapping = mapping
-        self._store = store
-        self._memory = memory
-
-    def close(self) -> None:
-        self._store.when_calls_returned(self._release)
-
-    def _release(self) -> None:
-        memory, self._memory = self._memory, []
-        for region in memory:
-            self._store.unregister_memory(region)
-        self._mapping.close()
-
-    def owner_exited(self) -> bool:
-        return self._mapping.owner_exited()
-
-    @property
-    def mapped_bytes(self) -> int:
-        return self._mapping.mapped_bytes
-
-    def lost(self) -> bool:
-        return self._mapping.lost()
-
-
-def map_registered_tensors(
-    store: PiecewiseKVStore, handles: Sequence[TensorHandle], budget: MappingBudget,
-    peer: Peer, handed: RegistryHanded | None,
-) -> tuple[LayerTensors, RegisteredMapping]:
-    """``map_shared_tensors``, and the memory under the tensors registered with ``store``
-    (each mapping once, whole)."""
-    tensors, mapper = map_shared_tensors(handles, budget, peer, handed)
-    storages: dict[int, torch.UntypedStorage] = {}
-    for tensor, _ in tensors.values():
-        storage = tensor.untyped_storage()
-        storages.setdefault(storage.data_ptr(), storage)
-    registered: list[torch.Tensor] = []
-    try:
-        for storage in storages.values():
-            region = torch.empty(0, dtype=torch.uint8).set_(storage)
-            store.register_memory(region)
-            registered.append(region)
-    except StoreError as exc:
-        RegisteredMapping(mapper, store, registered).close()
-        raise TransportError(
-            f"the engine's KV memory could not be registered with the store: {exc}") from exc
-    return tensors, RegisteredMapping(mapper, store, registered)
-
-
-def _step_events(config: Config) -> Callable[[CudaIpcEvent], torch.cuda.Event] | None:
-    """How engines' step events are opened, where GPU tensors are served at all."""
-    if config.stages.transfer.device != "cuda":
-        return None
-    from transport.cuda_ipc import open_step_event
-
-    return open_step_event
 
 
 class Sidecar:
@@ -195,7 +96,7 @@ class Sidecar:
             save_capacity_blocks=lambda value_bytes: (
                 (pool.slots - pool.load_slots) * (pool.slot_bytes // value_bytes)
             ),
-            open_step_event=_step_events(config),
+            open_step_event=step_events(config),
             prepare_copies=self._queue_kernels if self._gpu_copies else None,
             limits=config.limits,
             tenancy=tenancy,

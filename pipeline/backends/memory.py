@@ -201,7 +201,7 @@ class InPlaceMemory(_SlotMemory[PiecewiseKVStore]):
     block again before the put reads it, the value stored disagrees with the checksum
     sealed before, and no load takes it. Without checksums nothing would tell, so such a
     put is waited for too. The memory stays mapped until every such call has returned
-    (``RegisteredMapping``).
+    (``pipeline.app.mapping.RegisteredMapping``).
     """
 
     def __init__(self, pool: StagingPool, store: PiecewiseKVStore, *, skip_when_full: bool,
