@@ -15,10 +15,9 @@ from pipeline.backends.cpu_copy import (
     LOAD_INLINE_BYTES,
     LOAD_STREAM_BYTES,
     CpuCopyEngine,
-    HelperThreads,
-    InPlaceCopyEngine,
 )
 from pipeline.backends.faults import Faults, FaultyStore
+from pipeline.backends.in_place_copy import HelperThreads, InPlaceCopyEngine
 from pipeline.backends.memory import InPlaceMemory, LentMemory, StagingMemory
 from pipeline.backends.staging import StagingPool
 from pipeline.backends.stores.beside import ChecksumBesideStore
@@ -139,9 +138,7 @@ def moves_in_place(config: Config) -> bool:
 @contextlib.asynccontextmanager
 async def open_backends(
     config: Config, faults: Faults, on_evicted: Evicted,
-    alone: Callable[[], bool] = lambda: False,
 ) -> AsyncIterator[Backends]:
-    """``alone()``: whether the event loop has nothing else to do now (``CpuCopyEngine``)."""
     staging = config.staging
     transfer = config.stages.transfer
     pool = StagingPool(staging.pool_bytes, staging.slot_bytes, load_slots=staging.load_slots)
@@ -196,11 +193,11 @@ async def open_backends(
             yield Backends(store, guarded, opened.usage, pool, memory,
                            save_copy=_copy_engine(transfer, save_threads, in_place=in_place,
                                                   inline_bytes=INLINE_BYTES,
-                                                  stream_bytes=save_stream_bytes, alone=alone,
+                                                  stream_bytes=save_stream_bytes,
                                                   helpers=cuda_helpers),
                            load_copy=_copy_engine(transfer, load_threads, in_place=in_place,
                                                   inline_bytes=LOAD_INLINE_BYTES,
-                                                  stream_bytes=LOAD_STREAM_BYTES, alone=alone,
+                                                  stream_bytes=LOAD_STREAM_BYTES,
                                                   helpers=cuda_helpers),
                            answers_at_once=opened.answers_at_once,
                            in_place=guarded if in_place else None,
@@ -209,15 +206,13 @@ async def open_backends(
 
 def _copy_engine(transfer: TransferStageConfig, threads: WorkerThreads, *,
                  in_place: bool, inline_bytes: int, stream_bytes: int | None,
-                 alone: Callable[[], bool], helpers: HelperThreads | None) -> CopyEngine:
+                 helpers: HelperThreads | None) -> CopyEngine:
     """One direction's copy engine, with threads (and streams) of its own; batches up to
     ``inline_bytes`` are copied on the event loop, and from ``stream_bytes`` on written
-    around the caches; while ``alone()``, the event loop's thread shares larger ones;
-    ``helpers`` share the checksums of GPU copies."""
+    around the caches; ``helpers`` share the checksums of GPU copies."""
     if in_place:
         return InPlaceCopyEngine()
-    cpu = CpuCopyEngine(threads, inline_bytes=inline_bytes, stream_bytes=stream_bytes,
-                        alone=alone)
+    cpu = CpuCopyEngine(threads, inline_bytes=inline_bytes, stream_bytes=stream_bytes)
     if transfer.device == "cpu":
         return cpu
     from pipeline.backends.cuda_copy import CudaCopyEngine

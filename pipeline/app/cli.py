@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import os
 import signal
 import sys
@@ -18,20 +17,10 @@ from pathlib import Path
 import anyio
 import structlog
 
+from pipeline.app import process
 from pipeline.app.logs import configure_logging
 from pipeline.core.config import Config, load_config, read_config
 from pipeline.core.errors import ConfigError, KVSidecarError
-
-YOUNG_COLLECTION_ALLOCATIONS = 50_000
-"""How many more objects allocated than freed start a collection of the youngest ones
-(Python's default: 700). Serving allocates and frees containers by the hundred thousand
-a second, nearly all freed by their reference counts once a request is answered. Under
-a flood of saves (``benchmarks/soak.py``), the default made for 1.2 s of pauses a
-minute, every request in flight held up by each: some 1000 young collections (0.4 ms
-each), 90 of the middle generation (3.5 ms) and, for what those promoted, 9 of every
-object (45 ms, up to 98). Counted against frees, 50,000 is seldom reached: two
-collections a minute, 25 to 30 ms each, and none in 90 s once what the sidecar keeps
-between requests was made untracked (``EngineSession``'s kept chains, ``BlockHistory``)."""
 
 __all__ = ["main"]
 
@@ -55,13 +44,7 @@ async def serve(config: Config) -> None:
         tg.start_soon(stop_on_signal)
         async with anyio.create_task_group() as sidecar:
             await sidecar.start(run_sidecar, config, stop)
-            # What start-up built (imported modules, torch's among them: some 200k
-            # objects) lives as long as the process. Out of the collector's sight, a full
-            # collection walks only what serving creates: 160 ms less on each, a pause of
-            # every request in flight.
-            gc.collect()
-            gc.freeze()
-            gc.set_threshold(YOUNG_COLLECTION_ALLOCATIONS, *gc.get_threshold()[1:])
+            process.after_start()
         tg.cancel_scope.cancel()
 
 
@@ -156,9 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "serve":
-            # Idle OpenMP workers spinning would steal the CPU that engines on this host
-            # need; set before torch is first imported.
-            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+            process.before_imports()
             loaded = read_config(args.config, endpoint=args.endpoint,
                                  test_config=args.test_config)
             configure_logging(loaded.config.logging)

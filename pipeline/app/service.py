@@ -12,15 +12,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import secrets
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import structlog
-import torch
 from anyio.abc import TaskStatus
 
+from pipeline.app import process
 from pipeline.app.backends import Backends, open_backends
 from pipeline.app.dispatch import Receiver
 from pipeline.app.graph import AnswerWhereFinished, Resources, build_graph
@@ -54,8 +53,6 @@ __all__ = ["Sidecar", "run_sidecar"]
 log = structlog.get_logger("kvsidecar.service")
 
 STRAGGLER_WINDOW_S = 0.1
-SWITCH_INTERVAL_S = 0.0005
-"""How long a thread holds the GIL while another waits for it (Python's default: 5 ms)."""
 COPY_WAIT_S = 5.0
 """At shutdown, how long copies in flight may take to return before the paths stop."""
 OWNER_CHECK_S = 1.0
@@ -129,11 +126,6 @@ class Sidecar:
         (``cuda_copy.compile_kernels``)."""
         async for forms in self._kernels_inbox:
             await anyio.to_thread.run_sync(compile_kernels, forms)
-
-    def alone(self) -> bool:
-        """Whether the event loop has nothing else to do: one job in flight (the one
-        asking) and no request waiting at the socket."""
-        return self.tracker.open_jobs <= 1 and not self.socket.waiting()
 
     def _metrics(self) -> Metrics:
         metrics = Metrics()
@@ -302,12 +294,7 @@ async def run_sidecar(
     task_status: TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Open the backends and the socket, serve until ``stop``, drain, close everything."""
-    # The copy engine splits each batch across its own threads (pipeline.backends.
-    # cpu_copy.CopyThreads); an OpenMP team inside every copy call would only add wake-ups.
-    torch.set_num_threads(1)
-    # A copy thread takes the GIL back between torch calls; from a busy event loop that
-    # waits one switch interval (5 ms by default), several times per batch.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    process.for_serving()
     faults = Faults(config.faults)
     events = KVEventLog(config.events)
     history = BlockHistory(config.explain.max_blocks)
@@ -316,17 +303,12 @@ async def run_sidecar(
         events.removed(keys)
         history.evicted(keys)
 
-    sidecar: Sidecar | None = None
-
-    def alone() -> bool:
-        return sidecar is not None and sidecar.alone()
-
     tenancy = Tenancy(config.tenants, config.server.operators,
                       insecure=config.server.allow_insecure_tcp)
     # The endpoint's lock first and last: while it is held, no other sidecar binds the
     # endpoint, and engines know this one may still touch their memory.
     with hold_endpoint_of(config.server):
-        async with open_backends(config, faults, on_evicted=evicted, alone=alone) as backends:
+        async with open_backends(config, faults, on_evicted=evicted) as backends:
             with open_server_socket(config.server, tenancy) as socket, open_handover_desk(
                     socket, config.server) as desk:
                 sidecar = Sidecar(config, backends, socket, faults, events, history,

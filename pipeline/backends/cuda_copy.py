@@ -36,7 +36,8 @@ import numpy
 import structlog
 import torch
 
-from pipeline.backends.cpu_copy import HelperThreads, page_table, row_digests
+from pipeline.backends.cpu_copy import page_table
+from pipeline.backends.in_place_copy import HelperThreads, row_digests
 from pipeline.core.errors import ConfigError
 from pipeline.core.geometry import Segment, StoreGroupGeometry
 from pipeline.core.integrity import CHECKSUM_BYTES

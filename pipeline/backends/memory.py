@@ -16,12 +16,8 @@ from typing import Generic, TypeVar, cast
 
 import anyio
 
-from pipeline.backends.cpu_copy import (
-    HelperThreads,
-    page_addresses,
-    read_in_place,
-    seal_in_place,
-)
+from pipeline.backends.cpu_copy import page_addresses
+from pipeline.backends.in_place_copy import HelperThreads, read_in_place, seal_in_place
 from pipeline.backends.staging import Slot, StagingPool
 from pipeline.core.errors import StoreCallAbandoned, StoreError
 from pipeline.core.geometry import StoreGroupGeometry

@@ -25,7 +25,7 @@ import pytest_asyncio
 import torch
 from anyio.streams.text import TextReceiveStream
 
-from pipeline.backends.cpu_copy import HelperThreads, InPlaceCopyEngine
+from pipeline.backends.in_place_copy import HelperThreads, InPlaceCopyEngine
 from pipeline.backends.memory import InPlaceMemory
 from pipeline.backends.staging import StagingPool
 from pipeline.backends.stores.mooncake.codes import get_outcome, put_outcome

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.backends import _blockcopy
-from pipeline.backends.cpu_copy import HelperThreads
+from pipeline.backends.in_place_copy import HelperThreads
 from pipeline.core.integrity import CHECKSUM_BYTES, seal_rows, verify_rows
 
 

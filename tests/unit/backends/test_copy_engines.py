@@ -95,38 +95,6 @@ async def test_copies_written_around_the_caches_move_every_byte_and_no_corrupt_o
     assert int(kv[25 + 7].count_nonzero()) == 0
 
 
-async def test_a_copy_of_8_mib_or_more_while_the_loop_is_alone_is_shared_with_it() -> None:
-    """The root asks ``alone`` of each large batch of either direction, and again after
-    each slice the event loop's thread copied; shared with it, a save and a load of 40
-    blocks of 256 KiB (10 MiB) land byte for byte, and a value with one flipped byte
-    writes none of its block."""
-    layout, kv = _one_layer(96)
-    [geometry] = build_store_groups(layout, {"a": (kv, 0)})
-    batch = 40
-    assert batch * geometry.stored_bytes >= SPLIT_BYTES
-    asked: list[bool] = []
-
-    def alone() -> bool:
-        asked.append(True)
-        return True
-
-    values = torch.zeros(batch, geometry.stored_bytes, dtype=torch.uint8)
-    runs = [Run(0, values)]
-    targets = list(range(50, 50 + batch))
-    kv[targets] = 0
-    with anyio.fail_after(TIMEOUT_S):
-        async with open_backends(_small_store(1 << 20), Faults(FaultsConfig()),
-                                 on_evicted=print, alone=alone) as backends:
-            await backends.save_copy.gather(geometry, list(range(1, 1 + batch)), runs)
-            values[7][PAGE_BYTES // 2] ^= 1
-            intact = await backends.load_copy.scatter(geometry, targets, runs)
-    assert len(asked) > 2  # at the start of each copy, then after each slice the loop copied
-    assert intact == [index != 7 for index in range(batch)]
-    kept = [index for index in range(batch) if index != 7]
-    assert torch.equal(kv[[50 + index for index in kept]], kv[[1 + index for index in kept]])
-    assert int(kv[50 + 7].count_nonzero()) == 0
-
-
 async def test_a_save_split_over_the_copy_threads_seals_every_value_batch_after_batch() -> None:
     """Batch after batch of 18 MiB, each shared by the save threads (a value to
     whichever claims it first): every value holds its block's pages, sealed with

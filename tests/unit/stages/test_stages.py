@@ -14,17 +14,18 @@ import pytest
 import torch
 from anyio.abc import ObjectReceiveStream
 
-from pipeline.backends import cpu_copy
 from pipeline.backends.cpu_copy import (
     CopyThreads,
     CpuCopyEngine,
-    HelperThreads,
-    InPlaceCopyEngine,
     gather_and_seal,
     page_addresses,
+    verify_and_scatter,
+)
+from pipeline.backends.in_place_copy import (
+    HelperThreads,
+    InPlaceCopyEngine,
     read_in_place,
     seal_in_place,
-    verify_and_scatter,
 )
 from pipeline.backends.memory import LentMemory, StagingMemory
 from pipeline.backends.staging import StagingPool
@@ -490,16 +491,13 @@ def test_shared_tensors_are_stored_once_per_value() -> None:
     assert groups[0].value_bytes == 2 * 4 * 2 * 4
 
 
-@pytest.mark.parametrize(("threads", "inline_bytes", "alone"), [
-    (1, 0, False), (2, 0, False), (3, 0, False), (2, 1 << 20, False),
-    (2, 0, True), (3, 0, True),  # shared by the event loop's thread and the workers
-])
+@pytest.mark.parametrize(("threads", "inline_bytes"), [(1, 0), (2, 0), (3, 0), (2, 1 << 20)])
 async def test_split_copies_round_trip_and_verify_each_row(
-    hybrid: Harness, threads: int, inline_bytes: int, alone: bool
+    hybrid: Harness, threads: int, inline_bytes: int
 ) -> None:
-    """A batch's copy, split across threads, shared with the event loop's thread or done
-    inline, moves every byte of values in two runs, and the checksums checked row by row
-    fail exactly the corrupted value, which never reaches the engine."""
+    """A batch's copy, split across threads or done inline, moves every byte of values in
+    two runs, and the checksums checked row by row fail exactly the corrupted value,
+    which never reaches the engine."""
     geometry = hybrid.session.store_groups[0]  # two K/V-first layers: four segments
     copy = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=0,
                        inline_bytes=inline_bytes)
@@ -508,11 +506,9 @@ async def test_split_copies_round_trip_and_verify_each_row(
     runs = [Run(0, memory[0:3]), Run(3, memory[4:6])]  # a gap at 3: two runs
     before = hybrid.snapshot()
     with anyio.fail_after(TIMEOUT_S):
-        await gather_and_seal(copy, geometry, [1, 2, 3, 4, 5], runs, alone=lambda: alone)
+        await gather_and_seal(copy, geometry, [1, 2, 3, 4, 5], runs)
         values[3][0] ^= 0xFF
-        intact = await verify_and_scatter(
-            copy, geometry, [11, 12, 13, 14, 15], runs, alone=lambda: alone
-        )
+        intact = await verify_and_scatter(copy, geometry, [11, 12, 13, 14, 15], runs)
     assert intact == [True, True, True, False, True]
     for source, target in ((1, 11), (2, 12), (3, 13), (5, 15)):
         for layer in ("attn.0", "attn.1"):
@@ -638,91 +634,6 @@ async def test_a_copy_runs_on_the_loop_on_one_worker_thread_or_shared_by_them_al
         assert getattr(progress, "shape", None) == (2, 2)
     else:
         assert calls[0][1] is None
-
-
-@pytest.mark.parametrize("threads", [2, 3])
-async def test_a_copy_shared_with_the_loop_offers_every_run_to_it_and_all_threads_but_one(
-    threads: int,
-) -> None:
-    """``alone``: the event loop's thread and all worker threads but one are each handed
-    the batch, with one progress table between them; the call returns only once the
-    workers have too when the values are not all done (here none ever is)."""
-    calls: list[tuple[int, object]] = []
-
-    def copy(progress: object, limit: int) -> int:
-        calls.append((threading.get_ident(), progress))
-        return 0  # claims nothing, and marks nothing done
-
-    copy_threads = CopyThreads(WorkerThreads(threads, name="test"), split_bytes=0,
-                               inline_bytes=0)
-    with anyio.fail_after(TIMEOUT_S):
-        await copy_threads.run(copy, 2, 7, 16, alone=lambda: True)
-    assert len(calls) == threads
-    assert sum(ident == threading.get_ident() for ident, _ in calls) == 1
-    progress = calls[0][1]
-    assert all(table is progress for _, table in calls)
-    assert getattr(progress, "shape", None) == (2, 2)
-
-
-async def test_a_copy_shared_with_the_loop_is_done_while_every_worker_thread_is_busy(
-    hybrid: Harness,
-) -> None:
-    """The event loop's thread copies whatever no worker claims: with both threads held
-    by other work, a shared save and load still move every byte."""
-    geometry = hybrid.session.store_groups[0]
-    threads = WorkerThreads(2, name="test")
-    copy = CopyThreads(threads, split_bytes=0, inline_bytes=0)
-    values = [Run(0, torch.zeros(4, geometry.stored_bytes, dtype=torch.uint8))]
-    before = hybrid.snapshot()
-    release = threading.Event()
-    held = threads.submit([release.wait, release.wait])
-    try:
-        with anyio.fail_after(TIMEOUT_S):
-            await gather_and_seal(copy, geometry, [1, 2, 3, 4], values, alone=lambda: True)
-            intact = await verify_and_scatter(copy, geometry, [11, 12, 13, 14], values,
-                                              alone=lambda: True)
-    finally:
-        release.set()
-    with anyio.fail_after(TIMEOUT_S):
-        await held
-        await threads.run_each([lambda: None, lambda: None])  # the leftover shares ran
-    assert intact == [True] * 4
-    for source, target in ((1, 11), (2, 12), (3, 13), (4, 14)):
-        for layer in ("attn.0", "attn.1"):
-            assert torch.equal(hybrid.block(layer, target), before[layer][:, source])
-
-
-async def test_a_shared_copy_goes_back_to_the_threads_once_the_loop_is_not_alone(
-    hybrid: Harness, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Asked after each slice, a loop no longer alone hands the rest of its share to a
-    worker thread and waits instead of copying on: with both threads held, the copy
-    ends only once they are free, and it lands byte for byte."""
-    monkeypatch.setattr(cpu_copy, "SHARED_SLICE_BYTES", 1)  # a slice of one value
-    geometry = hybrid.session.store_groups[0]
-    threads = WorkerThreads(2, name="test")
-    copy = CopyThreads(threads, split_bytes=0, inline_bytes=0)
-    expected = torch.zeros(4, geometry.stored_bytes, dtype=torch.uint8)
-    values = torch.zeros(4, geometry.stored_bytes, dtype=torch.uint8)
-    answers = iter([True, True, False])  # at the start, after one value, after two
-    copied = anyio.Event()
-
-    async def save() -> None:
-        await gather_and_seal(copy, geometry, [1, 2, 3, 4], [Run(0, values)],
-                              alone=lambda: next(answers))
-        copied.set()
-
-    with anyio.fail_after(TIMEOUT_S):
-        await gather_and_seal(copy, geometry, [1, 2, 3, 4], [Run(0, expected)])
-        release = threading.Event()
-        held = threads.submit([release.wait, release.wait])
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(save)
-            await anyio.sleep(0.05)
-            assert not copied.is_set()
-            release.set()
-        await held
-    assert torch.equal(values, expected)
 
 
 async def test_a_missing_key_fails_the_block_and_never_scatters(hybrid: Harness) -> None:
