@@ -31,7 +31,7 @@ from pipeline.app.mapping import (
 )
 from pipeline.app.metrics import BackendGauges, Metrics
 from pipeline.backends.cpu_copy import copy_features
-from pipeline.backends.cuda_copy import KernelForms, compile_kernels, kernel_forms
+from pipeline.backends.cuda_kernels import KernelForms, compile_kernels, kernel_forms
 from pipeline.backends.faults import Faults
 from pipeline.core.config import Config
 from pipeline.core.errors import InternalFailure, StoreError
@@ -123,7 +123,7 @@ class Sidecar:
     async def _compile_kernels(self) -> None:
         """Compile the kernels each registration queued, in a worker thread, so that no
         compile runs on the event loop while every engine waits
-        (``cuda_copy.compile_kernels``)."""
+        (``cuda_kernels.compile_kernels``)."""
         async for forms in self._kernels_inbox:
             await anyio.to_thread.run_sync(compile_kernels, forms)
 

@@ -17,19 +17,13 @@ Completion is seen through CUDA events awaited in worker threads (blocking-sync 
 the thread sleeps, nothing spins), never by synchronizing the device or a stream the
 engine uses. Host memory the values live in is pinned (``pinned``) so that transfers
 are asynchronous DMA. Geometries of CPU tensors go to the CPU engine this one wraps.
-
-Its tests are marked ``gpu`` (``benchmarks/gpu_check.sh`` runs them on a GPU host).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import itertools
-import time
-import types
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import anyio
 import numpy
@@ -37,16 +31,17 @@ import structlog
 import torch
 
 from pipeline.backends.cpu_copy import page_table
+from pipeline.backends.cuda_kernels import checksums_on_device, triton_kernels, word_bytes
 from pipeline.backends.in_place_copy import HelperThreads, row_digests
 from pipeline.core.errors import ConfigError
 from pipeline.core.geometry import Segment, StoreGroupGeometry
 from pipeline.core.integrity import CHECKSUM_BYTES
-from pipeline.core.runs import Run, value_span
+from pipeline.core.runs import Run
 from pipeline.core.seams import CopyEngine
 
 __all__ = [
-    "CudaCopyEngine", "KernelForms", "compile_kernels", "gather_blocks", "intact_runs",
-    "kernel_forms", "pinned", "scatter_blocks", "seal_runs", "span_of",
+    "CudaCopyEngine", "gather_blocks", "intact_runs", "pinned", "scatter_blocks", "seal_runs",
+    "span_of",
 ]
 
 log = structlog.get_logger("kvsidecar.copy")
@@ -152,35 +147,6 @@ def intact_runs(runs: Sequence[Run], payload_bytes: int, seed: int,
     return intact
 
 
-@functools.cache
-def _kernels() -> tuple[types.ModuleType, types.ModuleType] | None:
-    """The Triton kernels, ``cuda_pages`` (a batch's pages in one launch) and
-    ``cuda_digests``; None where Triton is missing."""
-    try:
-        from pipeline.backends import cuda_digests, cuda_pages
-    except ImportError:
-        return None
-    return cuda_pages, cuda_digests
-
-
-def _checksums_on_device(value_bytes: int, seed: int | None,
-                         row_stride: int) -> tuple[types.ModuleType, int] | None:
-    """``cuda_digests`` and the seed where the checksums of values of ``value_bytes``
-    are computed on the device (one is kept, Triton is, and the kernels take such rows),
-    else None."""
-    kernels = _kernels()
-    if kernels is None or seed is None or not kernels[1].digestible(value_bytes, row_stride):
-        return None
-    return kernels[1], seed
-
-
-def word_bytes(geometry: StoreGroupGeometry, row_stride: int) -> int:
-    """The widest word, 8 bytes at most, that divides every page's address, stride,
-    offset and size and the rows' stride: the unit the page kernel copies in."""
-    bits = int(numpy.bitwise_or.reduce(geometry.segment_table, axis=None)) | row_stride
-    return min(8, bits & -bits)
-
-
 def _kernel_table(geometry: StoreGroupGeometry, block_ids: Sequence[int],
                   rows_of: Sequence[int], width: int, device: torch.device) -> torch.Tensor:
     """The page kernel's table (``cuda_pages``) on the device, copied from pinned memory
@@ -202,7 +168,7 @@ def _move_pages(geometry: StoreGroupGeometry, block_ids: Sequence[int],
     """Engine block ``block_ids[i]``'s pages to row ``rows_of[i]`` of ``rows`` (uint8,
     contiguous, on the device) or back, on the current stream: one kernel where Triton
     is, else a call per segment. ``ok`` (the kernel's only) holds back rows flagged 0."""
-    kernels = _kernels()
+    kernels = triton_kernels()
     if kernels is not None:
         width = word_bytes(geometry, rows.stride(0))
         table = _kernel_table(geometry, block_ids, rows_of, width, device)
@@ -218,75 +184,6 @@ def _move_pages(geometry: StoreGroupGeometry, block_ids: Sequence[int],
         gather_blocks(geometry.segments, ids, picked)
     else:
         scatter_blocks(geometry.segments, ids, picked)
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelForms:
-    """What decides the forms of the kernels a geometry's copies launch, and nothing of
-    its blocks: held while its compile waits, a reference to them would keep an engine's
-    memory mapped after the engine is gone."""
-
-    device: torch.device
-    word: int
-    row_stride: int
-    value_bytes: int
-    checksum_seed: int | None
-
-
-def kernel_forms(geometries: Sequence[StoreGroupGeometry]) -> set[KernelForms]:
-    """The forms the copies of these geometries take, rows lying as a store lending them
-    lays them (``value_span``): rows that lie otherwise may leave a word width for the
-    first copy to compile."""
-    forms = set()
-    for geometry in geometries:
-        if geometry.segments:
-            stride = value_span(geometry.stored_bytes)
-            forms.add(KernelForms(geometry.segments[0].blocks.device,
-                                  word_bytes(geometry, stride), stride,
-                                  geometry.value_bytes, geometry.checksum_seed))
-    return forms
-
-
-def compile_kernels(forms: Iterable[KernelForms]) -> None:
-    """Compile the Triton kernels of these forms (those on a GPU), by launching each once
-    on scratch memory of the device: meant for a worker thread at an engine's
-    registration, so that its first save and load find them compiled instead of
-    compiling them on the event loop while every engine waits (a second or more each
-    where Triton's disk cache is cold). A failure is logged, and the first copy compiles
-    (or fails) as it would have."""
-    kernels = _kernels()
-    on_gpu = [form for form in forms if form.device.type == "cuda"]
-    if kernels is None or not on_gpu:
-        return
-    started = time.monotonic()
-    try:
-        for form in on_gpu:
-            _launch_once(kernels[0], form)
-    except Exception as exc:  # Triton's and CUDA's errors alike
-        log.warning("cuda.kernels.failed", error=repr(exc))
-        return
-    log.info("cuda.kernels.compiled", seconds=round(time.monotonic() - started, 3))
-
-
-def _launch_once(pages: types.ModuleType, form: KernelForms) -> None:
-    """Each kernel of the form, once, on one row and one page of scratch memory, as
-    ``gather`` and ``scatter`` launch them."""
-    device, word, stride = form.device, form.word, form.row_stride
-    on_device = _checksums_on_device(form.value_bytes, form.checksum_seed, stride)
-    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-    with torch.cuda.stream(stream):
-        rows = torch.zeros((1, stride), dtype=torch.uint8, device=device)
-        page = torch.zeros(word, dtype=torch.uint8, device=device)
-        # One value, one segment: its page at row offset 0, one word long, at ``page``.
-        table = torch.tensor([0, 1, page.data_ptr(), 0], dtype=torch.int64, device=device)
-        pages.copy_pages(table, rows, word, 1, 1, 1, to_rows=True)
-        ok = None
-        if on_device is not None:
-            digests, seed = on_device
-            digests.seal_on_device(rows, form.value_bytes, seed)
-            ok = digests.check_on_device(rows, form.value_bytes, seed)
-        pages.copy_pages(table, rows, word, 1, 1, 1, to_rows=False, ok=ok)
-    stream.synchronize()
 
 
 def _device_of(geometry: StoreGroupGeometry) -> torch.device | None:
@@ -329,7 +226,7 @@ class CudaCopyEngine:
             await self._fallback.gather(geometry, block_ids, runs)
             return
         stride = _row_stride(runs, geometry.stored_bytes)
-        on_device = _checksums_on_device(geometry.value_bytes, geometry.checksum_seed, stride)
+        on_device = checksums_on_device(geometry.value_bytes, geometry.checksum_seed, stride)
         stream = self._stream(device)
         done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         with torch.cuda.stream(stream):
@@ -368,7 +265,7 @@ class CudaCopyEngine:
         if device is None:
             return await self._fallback.scatter(geometry, block_ids, runs)
         stride = _row_stride(runs, geometry.stored_bytes)
-        on_device = _checksums_on_device(geometry.value_bytes, geometry.checksum_seed, stride)
+        on_device = checksums_on_device(geometry.value_bytes, geometry.checksum_seed, stride)
         if on_device is None:
             intact = await anyio.to_thread.run_sync(self._verify, geometry, len(block_ids),
                                                     runs, limiter=self._limiter)

@@ -5,7 +5,7 @@ on the host, so a value sealed on a GPU verifies anywhere and the other way roun
 
 A save seals its rows on the device before they are copied to the host, and a load
 checks them on the device after they are copied from it, so no thread reads the host's
-copy again (on an H200 host that second pass over host memory halved a copy's rate).
+copy in a second pass.
 
 xxh3 on a long input (over 240 bytes, which every value is) adds each 1 KiB block's
 stripes into 8 accumulators, then scrambles them, block after block. Within a block the
@@ -17,7 +17,7 @@ with what is there (a check). ``tests/unit/backends/test_cuda_kernels.py`` compa
 digests with ``xxhash`` in Triton's interpreter; the GPU tests run them on a device.
 
 Rows must start and end their payload on 8-byte words (``digestible``); other rows are
-digested on the host, as before.
+digested on the host.
 """
 
 from __future__ import annotations

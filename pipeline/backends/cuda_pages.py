@@ -7,7 +7,7 @@ on an H200 host: about 35 µs a call, most of the sidecar's own time a request).
 Written in Triton, which comes with CUDA builds of torch; imported only where it is
 (``pipeline.backends.cuda_copy`` falls back to the calls per segment). Its forms (each
 direction and word) are compiled as an engine registers, in a worker thread
-(``cuda_copy.compile_kernels``), not at the first copy on the event loop; Triton keeps
+(``cuda_kernels.compile_kernels``), not at the first copy on the event loop; Triton keeps
 what it compiled on disk for the sidecar's next start.
 
 The kernel reads one int64 ``table`` (copied to the device with the batch):

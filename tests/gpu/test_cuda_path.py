@@ -193,10 +193,10 @@ def test_one_launch_moves_the_bytes_of_a_call_per_segment(page_bytes: int,
     segment gathers, at every word it can copy in, and scatters only the rows kept into
     their blocks, touching no other byte."""
     pytest.importorskip("triton")
-    from pipeline.backends import cuda_copy
+    from pipeline.backends import cuda_copy, cuda_kernels
     from pipeline.core.geometry import build_store_groups
 
-    assert cuda_copy._kernels() is not None
+    assert cuda_kernels.triton_kernels() is not None
     layout = KVCacheLayout.from_dict(hybrid_layout(page_bytes=page_bytes))
     generator = torch.Generator(device="cuda").manual_seed(page_bytes)
     shape = (2, NUM_BLOCKS, page_bytes // 2) if kv_first else (NUM_BLOCKS, page_bytes)
@@ -225,7 +225,7 @@ def test_one_launch_moves_the_bytes_of_a_call_per_segment(page_bytes: int,
 
 KERNELS = textwrap.dedent("""
     import json, sys, anyio, torch
-    from pipeline.backends import cuda_copy
+    from pipeline.backends import cuda_copy, cuda_kernels
     from pipeline.backends.cpu_copy import CopyThreads
     from pipeline.backends.threads import WorkerThreads
     from pipeline.core.geometry import build_store_groups
@@ -238,7 +238,7 @@ KERNELS = textwrap.dedent("""
     caches = gpu_caches(layout)
     geometries = build_store_groups(layout, {layer: (t, 0) for layer, t in caches.items()})
     if sys.argv[1] == "compiled":
-        cuda_copy.compile_kernels(cuda_copy.kernel_forms(geometries))
+        cuda_kernels.compile_kernels(cuda_kernels.kernel_forms(geometries))
     compiled = []
 
     def hook(**info):  # Triton's: a kernel not compiled in this process yet
@@ -318,7 +318,7 @@ async def test_gpu_values_are_sealed_as_the_host_seals_and_a_failed_one_never_la
     from pipeline.core.runs import Run
 
     if not on_device:
-        monkeypatch.setattr(cuda_copy, "_checksums_on_device", lambda *args: None)
+        monkeypatch.setattr(cuda_copy, "checksums_on_device", lambda *args: None)
     layout = KVCacheLayout.from_dict(hybrid_layout(page_bytes=PAGE_BYTES))
     caches = gpu_caches(layout, kv_first=True)
     geometry = build_store_groups(layout, {layer: (tensor, 1)

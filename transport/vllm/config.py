@@ -40,7 +40,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A namespace of this deployment's keys (tenants apart, or a model revision)."""
     store_tp_size: Annotated[int, msgspec.Meta(gt=0)] | None = None
     """As vLLM's MooncakeStoreConnector takes it: its keys then carry vLLM's
-    ``store_namespace`` (sidecar ``store.value_format: vllm``)."""
+    ``store_namespace`` (sidecar ``store.format: vllm``)."""
     pinned_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.25
     """At most this share of the engine's KV blocks is held out of vLLM's free pool for
     saves the sidecar has not answered; past it a save is skipped (a cache fill lost),

@@ -22,6 +22,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from pipeline.core.config.base import Positive, Section
 from pipeline.core.config.schema import default_endpoint, own_identity
 
 __all__ = [
@@ -35,14 +36,9 @@ __all__ = [
     "TenantSection",
 ]
 
-Positive = Annotated[int, msgspec.Meta(gt=0)]
 
 
-class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    pass
-
-
-class ServerSection(_Section, frozen=True):
+class ServerSection(Section, frozen=True):
     endpoint: str = msgspec.field(default_factory=default_endpoint)
     """Where engines connect: ``ipc://PATH`` (by default a socket in a directory only
     this user can enter) or ``tcp://HOST:PORT``."""
@@ -65,7 +61,7 @@ class ServerSection(_Section, frozen=True):
     """On SIGTERM, how long in-flight work may take before it is aborted."""
 
 
-class TenantSection(_Section, frozen=True):
+class TenantSection(Section, frozen=True):
     """One tenant: the identities that belong to it and the key prefix forced on every
     key its engines store or look up."""
 
@@ -76,7 +72,7 @@ class TenantSection(_Section, frozen=True):
     """Default: the tenant's name."""
 
 
-class MooncakeSection(_Section, frozen=True):
+class MooncakeSection(Section, frozen=True):
     """Used only with ``store.backend: mooncake``; set with the embedded store, refused."""
 
     master: str = "embedded"
@@ -100,7 +96,7 @@ StoreFormat = Literal["native", "vllm", "vllm_unverified"]
 Overload = Literal["shed_saves", "shed_saves_never_wait", "backpressure"]
 
 
-class StoreSection(_Section, frozen=True):
+class StoreSection(Section, frozen=True):
     backend: Literal["embedded", "mooncake"] = "embedded"
     """``embedded``: in this process's memory. ``mooncake``: a Mooncake cluster, shared by
     every sidecar that joins it."""
@@ -127,7 +123,7 @@ class StoreSection(_Section, frozen=True):
     mooncake: MooncakeSection = MooncakeSection()
 
 
-class MetricsSection(_Section, frozen=True):
+class MetricsSection(Section, frozen=True):
     listen: str = ""
     """Serve Prometheus metrics at ``http://HOST:PORT/metrics``; empty: off."""
 
@@ -145,7 +141,7 @@ class MetricsSection(_Section, frozen=True):
         return host.strip("[]"), int(port)
 
 
-class EventsSection(_Section, frozen=True):
+class EventsSection(Section, frozen=True):
     """KV events for routers, wire-identical to vLLM's ``ZmqEventPublisher``."""
 
     endpoint: str = ""
@@ -160,12 +156,12 @@ class EventsSection(_Section, frozen=True):
     hash (a PUB socket cannot tell its subscribers apart)."""
 
 
-class LoggingSection(_Section, frozen=True):
+class LoggingSection(Section, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
     """``info`` logs one line per finished request; ``warning`` only what went wrong."""
 
 
-class OperatorConfig(_Section, frozen=True):
+class OperatorConfig(Section, frozen=True):
     server: ServerSection = ServerSection()
     tenants: dict[str, TenantSection] = msgspec.field(default_factory=dict)
     """Identities to tenants, each with its own key namespace; empty: one tenant, which

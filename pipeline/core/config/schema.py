@@ -17,6 +17,15 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from pipeline.core.config.base import Positive, PositiveFloat, Section
+from pipeline.core.config.faults import FAULT_POINTS, FaultPointConfig, FaultsConfig
+from pipeline.core.config.store import (
+    BreakerConfig,
+    EmbeddedStoreConfig,
+    MooncakeStoreConfig,
+    StoreConfig,
+)
+
 __all__ = [
     "FAULT_POINTS",
     "BatchingStageConfig",
@@ -46,12 +55,6 @@ __all__ = [
     "runtime_dir",
 ]
 
-Positive = Annotated[int, msgspec.Meta(gt=0)]
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
-
-
-class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    pass
 
 
 def runtime_dir() -> Path:
@@ -85,7 +88,7 @@ def check_identity(identity: str) -> None:
     raise ValueError(f"identity {identity!r} is not one of {_IDENTITY_HELP}")
 
 
-class ServerConfig(_Section, frozen=True):
+class ServerConfig(Section, frozen=True):
     endpoint: str = msgspec.field(default_factory=default_endpoint)
     rcvhwm: Positive = 1000
     """Messages queued per engine before ZMQ pushes back on it."""
@@ -96,7 +99,7 @@ class ServerConfig(_Section, frozen=True):
     handshake. What peers can queue is at most max_peers x rcvhwm frames."""
     ipc_permissions: int = 0o600
     allow_insecure_tcp: bool = False
-    """Allow tcp:// on a non-loopback address without CURVE authentication."""
+    """Allow tcp:// (loopback too) without CURVE authentication."""
     curve_secret_key_file: str = ""
     """The sidecar's Z85 CURVE secret key (``kvsidecar keygen``); empty: CURVE off."""
     curve_allowed_keys_file: str = ""
@@ -118,7 +121,7 @@ class ServerConfig(_Section, frozen=True):
             check_identity(identity)
 
 
-class TenantConfig(_Section, frozen=True):
+class TenantConfig(Section, frozen=True):
     """One tenant: the identities that belong to it and the key prefix forced on every
     key its engines store or look up."""
 
@@ -135,13 +138,13 @@ class TenantConfig(_Section, frozen=True):
             raise ValueError(f"key_prefix must contain no '@', got {self.key_prefix!r}")
 
 
-class StageConfig(_Section, frozen=True):
+class StageConfig(Section, frozen=True):
     inbox_size: Positive = 64
     """Bound of the stream feeding this stage."""
     workers: Positive = 1
 
 
-class ReceiveStageConfig(_Section, frozen=True):
+class ReceiveStageConfig(Section, frozen=True):
     """The receive loop has no inbox of its own (``server.rcvhwm`` bounds the socket): it
     hands requests to each path's first stage, whose inbox bounds what is queued."""
 
@@ -184,7 +187,7 @@ class TransferStageConfig(StageConfig, frozen=True):
     first, and saves still use every core left idle. 0: the same as loads."""
 
 
-class StagesConfig(_Section, frozen=True):
+class StagesConfig(Section, frozen=True):
     """Each stage's inbox and workers. A batch stage's inbox holds whole batches (each up
     to a staging slot): a few are enough to keep its workers busy."""
 
@@ -200,7 +203,7 @@ class StagesConfig(_Section, frozen=True):
     lookup: StageConfig = StageConfig(workers=4)
 
 
-class StagingConfig(_Section, frozen=True):
+class StagingConfig(Section, frozen=True):
     pool_bytes: Positive = 1024 * 1024 * 1024
     """Fixed staging memory for saves and loads; exhausted means backpressure."""
     slot_bytes: Positive = 64 * 1024 * 1024
@@ -218,136 +221,7 @@ class StagingConfig(_Section, frozen=True):
             )
 
 
-class EmbeddedStoreConfig(_Section, frozen=True):
-    capacity_bytes: Positive = 1024 * 1024 * 1024
-    """Byte budget of the preallocated arena; least recently used blocks are evicted."""
-
-
-class MooncakeStoreConfig(_Section, frozen=True):
-    master: str = "embedded"
-    """``embedded`` starts ``mooncake_master`` on loopback; else ``host:port`` of a cluster."""
-    metadata_server: str = ""
-    """Metadata server URL; empty with an embedded master means its HTTP metadata server."""
-    local_hostname: str = "127.0.0.1"
-    """Address other Mooncake clients reach this one's segment at."""
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    device_name: str = ""
-    """RDMA devices (``mlx5_0,mlx5_1``); empty with ``tcp``."""
-    global_segment_bytes: Annotated[int, msgspec.Meta(ge=16 * 1024 * 1024)] = 512 * 1024 * 1024
-    """Memory this sidecar contributes to the cluster (Mooncake's minimum is 16 MiB)."""
-    local_buffer_bytes: Annotated[int, msgspec.Meta(ge=0)] = 128 * 1024 * 1024
-    replica_num: Positive = 1
-    preferred_segment: str = "local"
-    """Where puts land while it has room, then wherever Mooncake places them: ``local``
-    (this sidecar's own segment: a memory copy, no network), a segment's name
-    (``host:port``), or empty (Mooncake places every put)."""
-    tenant_id: str = ""
-    """Mooncake tenant namespace; empty means Mooncake's ``default``."""
-    master_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
-    """RPC port of an embedded master (0: pick a free one)."""
-    metadata_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
-    """HTTP metadata port of an embedded master (0: pick a free one)."""
-    master_binary: str = "mooncake_master"
-    master_log: str = ""
-    """File the embedded master's output is appended to; empty: a temporary file."""
-    kv_lease_ttl_ms: Positive = 1000
-    """Embedded master: how long a read or write lease protects an object from removal.
-    Also the lease a load read from this sidecar's own segment counts on (``read_here``):
-    with a cluster's master, set it no longer than that master's. Every object a call
-    touches (a lookup, a put's presence check, a load) is leased, and only objects whose
-    lease has ended can be evicted: with Mooncake's own 5 s, a segment that filled
-    within a lease stayed full and most saves were skipped (see the README)."""
-    eviction_high_watermark: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
-    """Embedded master: segment usage ratio above which objects are evicted."""
-    eviction_ratio: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.1
-    """Embedded master: share of objects evicted each time usage crosses the watermark."""
-    startup_timeout_s: PositiveFloat = 20.0
-    call_timeout_s: PositiveFloat = 10.0
-    """A Mooncake call that takes longer is abandoned: its staging slot is withheld and
-    the store refuses calls until it returns (the client gives up after 30 s)."""
-    close_timeout_s: PositiveFloat = 5.0
-    """How long close waits for in-flight calls; past it the client is left, not closed."""
-    max_concurrent_calls: Positive = 4
-    in_place: bool = True
-    """Values move straight between the engine's KV memory (registered with Mooncake
-    while mapped) and the store, with no staging copy: native values of CPU engines.
-    Otherwise, and always for vllm values or a CUDA sidecar, they pass through staging."""
-    read_here: bool = True
-    """With ``in_place``: a load of values that lie in this sidecar's own segment copies
-    them from there into the engine's blocks itself, checking each as it goes (one pass
-    over the bytes, no transfer by Mooncake). Needs an HTTP metadata server, which says
-    where the segment lies; otherwise loads move through Mooncake's get."""
-
-
-class BreakerConfig(_Section, frozen=True):
-    call_timeout_s: PositiveFloat = 10.0
-    """A store call taking longer counts as a failure."""
-    failure_threshold: Positive = 3
-    """Consecutive failures that open the circuit (then calls fail at once)."""
-    reset_after_s: PositiveFloat = 2.0
-    """How long an open circuit waits before letting one probing call through."""
-
-
-class StoreConfig(_Section, frozen=True):
-    backend: Literal["embedded", "mooncake"] = "embedded"
-    value_format: Literal["native", "vllm"] = "native"
-    """native: kvsidecar's values, checksum inside, in a namespace vLLM never reads.
-    vllm: values and keys byte-identical to vLLM's MooncakeStoreConnector, so both share
-    one cluster; the checksum is kept beside each value (key + "@xxh3")."""
-    checksum: bool = True
-    """Seal every stored block with an xxh3 checksum and verify it on load; a mismatch
-    fails the block. Off: values are the raw pages."""
-    verify: Literal["required", "if_present"] = "required"
-    """A vllm-format value without its checksum (as vLLM writes it): required: not a hit,
-    never loaded; if_present: loaded as it is."""
-    breaker: BreakerConfig = BreakerConfig()
-    embedded: EmbeddedStoreConfig = EmbeddedStoreConfig()
-    mooncake: MooncakeStoreConfig = MooncakeStoreConfig()
-
-
-FAULT_POINTS = frozenset({
-    "stage.group_filter", "stage.hashing", "stage.dedup", "stage.transfer", "stage.commit",
-    "stage.fetch", "stage.scatter", "store.exists", "store.put", "store.get",
-    "receive.accepted", "transfer.copied",
-})
-Probability = Annotated[float, msgspec.Meta(ge=0, le=1)]
-
-
-class FaultPointConfig(_Section, frozen=True):
-    error_rate: Probability = 0.0
-    """Probability that one call at this point fails."""
-    delay_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    """Added to every call at this point."""
-    corrupt_rate: Probability = 0.0
-    """Probability that one value gets flipped bytes: at ``store.put`` the value as
-    stored (every later load of it must fail), at ``store.get`` the copy one load
-    receives (copying backends; lent memory is shared by readers)."""
-    corrupt_key: str = ""
-    """Only values whose key contains this (e.g. ``@group:1@``, one store group)."""
-    corrupt_limit: Annotated[int, msgspec.Meta(ge=0)] = 0
-    """At most this many values are corrupted at this point (0: no limit)."""
-    corrupt_at: Annotated[float, msgspec.Meta(ge=0, lt=1)] | None = None
-    """Where in the value the flipped bytes start, as a fraction of its size (None: a
-    random byte)."""
-    corrupt_span: Annotated[int, msgspec.Meta(ge=1)] = 1
-    """How many consecutive bytes are flipped."""
-
-
-class FaultsConfig(_Section, frozen=True):
-    """Fault injection for testing: off unless points are named."""
-
-    seed: int = 0
-    points: dict[str, FaultPointConfig] = msgspec.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        unknown = set(self.points) - FAULT_POINTS
-        if unknown:
-            raise ValueError(
-                f"unknown fault points {sorted(unknown)}; known: {sorted(FAULT_POINTS)}"
-            )
-
-
-class EventsConfig(_Section, frozen=True):
+class EventsConfig(Section, frozen=True):
     """KV events for routers, wire-identical to vLLM's ``ZmqEventPublisher``."""
 
     endpoint: str = ""
@@ -379,18 +253,18 @@ class EventsConfig(_Section, frozen=True):
                     "events.allow_insecure: true")
 
 
-class MetricsConfig(_Section, frozen=True):
+class MetricsConfig(Section, frozen=True):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     """Serve Prometheus metrics at http://host:port/metrics (0: off)."""
 
 
-class ExplainConfig(_Section, frozen=True):
+class ExplainConfig(Section, frozen=True):
     max_blocks: Annotated[int, msgspec.Meta(ge=0)] = 16384
     """Blocks whose fate is remembered to explain misses (0: none; ~1 KiB each)."""
 
 
-class LoggingConfig(_Section, frozen=True):
+class LoggingConfig(Section, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
     """``auto``: JSON when stderr is not a terminal."""
@@ -403,7 +277,7 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-class LimitsConfig(_Section, frozen=True):
+class LimitsConfig(Section, frozen=True):
     """What one peer may cost the sidecar. Every size a peer sends is bounded by the wire
     schema; these caps are tighter, so that no legal request is huge. A request or
     registration past one is refused with an error naming the limit."""
@@ -429,7 +303,7 @@ class LimitsConfig(_Section, frozen=True):
         return self.total_mapped_bytes or 2 * host_memory_bytes()
 
 
-class Config(_Section, frozen=True):
+class Config(Section, frozen=True):
     server: ServerConfig = ServerConfig()
     limits: LimitsConfig = LimitsConfig()
     stages: StagesConfig = StagesConfig()

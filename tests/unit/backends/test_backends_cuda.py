@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.app.backends import open_backends
-from pipeline.backends.cuda_copy import KernelForms, compile_kernels, kernel_forms
+from pipeline.backends.cuda_kernels import KernelForms, compile_kernels, kernel_forms
 from pipeline.backends.faults import Faults
 from pipeline.core.config import Config, FaultsConfig
 from pipeline.core.errors import ConfigError
