@@ -119,9 +119,10 @@ def run_sidecar_process(
     metrics: bool = False,
 ) -> Iterator[SidecarProcess]:
     """Start a sidecar with ``config`` (a YAML file; default: the built-in defaults) plus
-    ``overrides`` (a nested dict), on a fresh ipc:// endpoint. Operator keys go to the
-    sidecar's config file, and everything else (fault points, constants, old keys, in
-    the effective tree's shape) to its ``--test-config``.
+    ``overrides`` (a nested dict), on a fresh ipc:// endpoint. The file is read as
+    ``kvsidecar serve`` reads it (old keys migrated); of the overrides, operator keys go
+    to the sidecar's config file and everything else (fault points, constants, old keys,
+    in the effective tree's shape) to its ``--test-config``.
 
     ``python_args`` go before ``-m`` (``["-m", "cProfile", "-o", FILE]`` profiles it).
     ``metrics``: serve Prometheus metrics on a free loopback port (``metrics_url``).
@@ -140,14 +141,14 @@ def run_sidecar_process(
         metrics_url = f"http://127.0.0.1:{port}/metrics"
     with tempfile.TemporaryDirectory(prefix="kvsidecar-") as tmp:
         socket_path = Path(tmp) / "sidecar.sock"
-        base: dict[str, Any] = (
-            msgspec.yaml.decode(Path(config).read_bytes()) or {} if config else {}
-        )
-        merged = merge(
-            merge(base, {"server": {"endpoint": f"ipc://{socket_path}"}}), overrides or {}
-        )
-        merged = merge({"logging": {"format": "json"}}, merged)
-        operator, tuning = _split(merged)
+        # The user's file as ``kvsidecar serve`` reads it (old keys migrated, errors
+        # naming it), then the overrides, split by who may set them.
+        given = read_config(config) if config else None
+        operator, tuning = _split(
+            merge({"server": {"endpoint": f"ipc://{socket_path}"}}, overrides or {}))
+        operator = merge(given.written if given else {}, operator)
+        tuning = merge(merge({"logging": {"format": "json"}}, given.tuning if given else {}),
+                       tuning)
         config_path = Path(tmp) / "config.yaml"
         config_path.write_bytes(msgspec.yaml.encode(operator))
         test_config_path = Path(tmp) / "test-config.yaml"
@@ -163,7 +164,8 @@ def run_sidecar_process(
                 env={**os.environ, **(env or {})},
                 start_new_session=True,
             )
-        sidecar = SidecarProcess(process, merged["server"]["endpoint"], log_path, metrics_url)
+        sidecar = SidecarProcess(process, operator["server"]["endpoint"], log_path,
+                                 metrics_url)
         try:
             deadline = time.monotonic() + startup_timeout_s
             while b"sidecar.ready" not in log_path.read_bytes():

@@ -24,6 +24,7 @@ from pipeline.backends.cpu_copy import INLINE_BYTES, LOAD_INLINE_BYTES, LOAD_STR
 from pipeline.core.config import Config, LoadedConfig, Machine, OperatorConfig, read_config
 from pipeline.core.config.migrate import RENAMED
 from pipeline.core.config.operator import TenantSection
+from pipeline.core.config.resolve import resolved
 from pipeline.core.hashing import INLINE_KEYED_TOKENS, INLINE_TOKENS
 
 __all__ = ["constants", "derived", "operator_keys", "reference", "show_config"]
@@ -61,14 +62,14 @@ def operator_keys(loaded: LoadedConfig) -> Iterator[tuple[str, Any, str]]:
 
 def constants(loaded: LoadedConfig) -> Iterator[tuple[str, Any, str]]:
     """``(key, value, source)`` for every leaf of the effective tree: ``tuning`` where old
-    keys or a test config set it, ``resolved`` where an operator key or the machine gave
-    it a value other than the tree's default, else ``constant``."""
-    defaults = dict(_leaves(Config()))
+    keys or a test config set it, ``resolved`` where an operator key or the machine sets
+    it (``pipeline.core.config.resolve.resolved``), else ``constant``."""
+    by_resolution = resolved(loaded.operator, Machine.detect())
     for key, value in _leaves(loaded.config):
         if _has(loaded.tuning, key):
             source = "tuning"
         else:
-            source = "constant" if value == defaults[key] else "resolved"
+            source = "resolved" if _has(by_resolution, key) else "constant"
         yield key, value, source
 
 
@@ -168,7 +169,7 @@ GROUPS = {
 
 def _default_text(key: str, value: Any) -> str:
     if key == "server.endpoint":
-        return "`ipc://$XDG_RUNTIME_DIR/kvsidecar/sidecar.sock`"
+        return "a socket in the sidecar's own directory"
     if key == "server.operators":
         return "the sidecar's own user"
     if key == "server.ipc_permissions":
@@ -214,9 +215,10 @@ def reference() -> str:
                   for key, default, meaning in rows if GROUPS[key.split(".")[0]] == group]
         lines.append("")
     lines += ["## Derived from the machine", ""]
-    for name in ("copy_threads", "staging_bytes"):
+    for key, name in (("stages.transfer.threads", "copy_threads"),
+                      ("staging.pool_bytes", "staging_bytes")):
         doc = inspect.getdoc(getattr(Machine, name)) or ""
-        lines.append(f"- `{name}`: {' '.join(doc.split())}")
+        lines.append(f"- `{key}`: {' '.join(doc.split())}")
     lines += [
         "",
         "## Upgrading an old config",
@@ -233,8 +235,8 @@ def reference() -> str:
         "",
         "Any other old key (stage inboxes and workers, staging sizes, limits, breaker and",
         "Mooncake internals) is no longer an operator setting: it is honoured, with one",
-        "warning naming them all, and should be removed. Fault injection (`faults`) is",
-        "refused in an operator's file: tests pass it to `kvsidecar serve --test-config`.",
+        "warning naming them all, and should be removed. Fault points (`faults`) are",
+        "refused in an operator's file: tests pass them to `kvsidecar serve --test-config`.",
         "",
     ]
     return "\n".join(lines)

@@ -60,9 +60,27 @@ def _read(path: str | Path) -> Any:
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
     try:
-        return msgspec.yaml.decode(raw) if raw.strip() else {}
+        document = msgspec.yaml.decode(raw) if raw.strip() else None
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    return {} if document is None else document  # empty, or comments only
+
+
+def _room_for_slots(effective: dict[str, Any], tuning: Mapping[str, Any]) -> dict[str, Any]:
+    """Where tuning sets the staging slots but not the pool, a pool the machine sized too
+    small for them grows to the smallest that leaves saves a slot beside the loads'."""
+    staging = effective.get("staging")
+    set_here = tuning.get("staging")
+    if not (isinstance(staging, dict) and isinstance(set_here, dict)) or (
+            "pool_bytes" in set_here):
+        return effective
+    slot, load_slots = staging.get("slot_bytes"), staging.get("load_slots")
+    if not (isinstance(slot, int) and isinstance(load_slots, int) and slot > 0):
+        return effective  # refused with its path when decoded
+    needed = (load_slots + 1) * slot
+    if staging.get("pool_bytes", 0) < needed:
+        return merge(effective, {"staging": {"pool_bytes": needed}})
+    return effective
 
 
 def read_config(
@@ -83,9 +101,12 @@ def read_config(
         operator = msgspec.convert(migrated.operator, OperatorConfig)
         tuning = migrated.tuning
         if test_config is not None:
-            tuning = merge(tuning, _read(test_config) or {})
             where = f"{where} + {test_config}"
-        effective = merge(resolve(operator, machine), tuning)
+            overlay = _read(test_config)
+            if not isinstance(overlay, dict):
+                raise ConfigError(f"a test config is a mapping, got {type(overlay).__name__}")
+            tuning = merge(tuning, overlay)
+        effective = _room_for_slots(merge(resolve(operator, machine), tuning), tuning)
         config = msgspec.convert(effective, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{where}: {exc}") from exc

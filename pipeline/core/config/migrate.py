@@ -57,7 +57,8 @@ RENAMED = {
                                                           "(empty: tcp)",
     "metrics.host, metrics.port": "`metrics.listen: HOST:PORT` (empty: off)",
     "stages.completion": "dropped: a request is answered by the stage that finishes it",
-    "faults": "refused: a test config (`kvsidecar serve --test-config`)",
+    "faults": "refused when it names fault points (tests pass them to `kvsidecar serve "
+              "--test-config`); a section naming none is dropped",
 }
 """Old keys and what replaced them, for the upgrade notes."""
 
@@ -123,12 +124,26 @@ def _put(document: dict[str, Any], path: str, value: Any) -> None:
 
 
 def _leaves(document: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every leaf's dotted path and value; an empty section has none, and a mapping of
+    named entries (tenants) is one."""
     for key, value in document.items():
         path = f"{prefix}{key}"
-        if isinstance(value, dict) and value and path not in _OPERATOR:
+        if isinstance(value, dict) and path not in _OPERATOR:
             yield from _leaves(value, f"{path}.")
         else:
             yield path, value
+
+
+def _refuse_dotted_keys(document: Any, path: str = "$") -> None:
+    """A key is one name: ``a.b: 1`` is not ``a: {b: 1}``. Named entries (tenants, fault
+    points) may hold dots."""
+    if not isinstance(document, dict):
+        return
+    for key, value in document.items():
+        if isinstance(key, str) and "." in key:
+            raise ConfigError(f"Object contains unknown field `{key}` - at `{path}`")
+        if f"{path}.{key}" not in ("$.tenants", "$.faults"):
+            _refuse_dotted_keys(value, f"{path}.{key}")
 
 
 def _choice(path: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -216,7 +231,8 @@ class _Migration:
         found_p, port = _pop(self.document, "metrics.port")
         if not (found_h or found_p):
             return
-        if found_p and not (isinstance(port, int) and 0 <= port <= 65535):
+        if found_p and (isinstance(port, bool) or not (isinstance(port, int)
+                                                        and 0 <= port <= 65535)):
             raise ConfigError(f"Expected a port in [0, 65535], got {port!r} - at `$.metrics.port`")
         old = [key for key, found in (("metrics.host", found_h), ("metrics.port", found_p))
                if found]
@@ -237,6 +253,7 @@ class _Migration:
                 "the values); remove them")
 
     def run(self) -> Migrated:
+        _refuse_dotted_keys(self.document)
         faults = self.document.pop("faults", None)
         idle = isinstance(faults, dict) and set(faults) <= {"seed", "points"} and not (
             faults.get("points"))
@@ -251,8 +268,8 @@ class _Migration:
                                      "is answered where it finishes); dropped")
         self.overload()
         self.store_format()
-        _, device = _pop(self.document, "stages.transfer.device")
-        if device is not None:
+        found, device = _pop(self.document, "stages.transfer.device")
+        if found:
             self.rename("store.engine_memory", ["stages.transfer.device"], device)
         self.capacity()
         self.rdma()

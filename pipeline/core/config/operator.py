@@ -40,8 +40,9 @@ __all__ = [
 
 class ServerSection(Section, frozen=True):
     endpoint: str = msgspec.field(default_factory=default_endpoint)
-    """Where engines connect: ``ipc://PATH`` (by default a socket in a directory only
-    this user can enter) or ``tcp://HOST:PORT``."""
+    """Where engines connect: ``ipc://PATH`` or ``tcp://HOST:PORT``. By default a socket
+    in a directory only this user can enter: ``$XDG_RUNTIME_DIR/kvsidecar/sidecar.sock``,
+    or ``/tmp/kvsidecar-$UID/sidecar.sock`` without ``XDG_RUNTIME_DIR``."""
     ipc_permissions: int = 0o600
     """File mode of an ipc:// socket (octal in YAML: ``0660`` lets the group connect)."""
     allow_insecure_tcp: bool = False
@@ -100,9 +101,10 @@ class StoreSection(Section, frozen=True):
     backend: Literal["embedded", "mooncake"] = "embedded"
     """``embedded``: in this process's memory. ``mooncake``: a Mooncake cluster, shared by
     every sidecar that joins it."""
-    capacity_bytes: Annotated[int, msgspec.Meta(ge=16 * 1024 * 1024)] | None = None
+    capacity_bytes: Positive | None = None
     """Memory this sidecar gives the store: the embedded store's arena, or the segment it
-    contributes to Mooncake. Default: 1 GiB embedded, 512 MiB for Mooncake."""
+    contributes to Mooncake (at least 16 MiB). Default: 1 GiB embedded, 512 MiB for
+    Mooncake."""
     format: StoreFormat = "native"
     """``native``: kvsidecar's values, each sealed with a checksum verified on load, in a
     namespace vLLM never reads. ``vllm``: keys and values byte-identical to vLLM's

@@ -18,7 +18,7 @@ from pipeline.core.config.operator import MooncakeSection, OperatorConfig
 from pipeline.core.config.schema import Config, host_memory_bytes
 from pipeline.core.errors import ConfigError
 
-__all__ = ["Machine", "merge", "resolve"]
+__all__ = ["Machine", "merge", "resolve", "resolved"]
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -38,6 +38,7 @@ FORMATS = {
 """``store.format`` to ``(store.value_format, store.verify)``."""
 
 DEFAULT_CAPACITY = {"embedded": GiB, "mooncake": 512 * MiB}
+MOONCAKE_MIN_SEGMENT = 16 * MiB
 
 
 def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -87,6 +88,10 @@ def _refuse_contradictions(config: OperatorConfig) -> None:
                 raise ConfigError(
                     f"store.mooncake.{item.name} is set but store.backend is "
                     f"{store.backend!r}; set store.backend: mooncake, or drop it")
+    if (store.backend == "mooncake" and store.capacity_bytes is not None
+            and store.capacity_bytes < MOONCAKE_MIN_SEGMENT):
+        raise ConfigError(f"store.capacity_bytes is {store.capacity_bytes}, but Mooncake's "
+                          f"segment is at least {MOONCAKE_MIN_SEGMENT} bytes (16 MiB)")
     if config.events.replay_endpoint and not config.events.endpoint:
         raise ConfigError("events.replay_endpoint is set but events.endpoint is not: "
                           "replay serves the batches the event socket published")
@@ -96,6 +101,11 @@ def resolve(config: OperatorConfig, machine: Machine) -> dict[str, Any]:
     """The effective tree's document for ``config`` on ``machine``: every field, its
     constant where no operator key or machine figure sets it. Refuses (``ConfigError``
     naming both keys) operator keys that contradict each other."""
+    return merge(msgspec.to_builtins(Config()), resolved(config, machine))
+
+
+def resolved(config: OperatorConfig, machine: Machine) -> dict[str, Any]:
+    """The fields of the effective tree that operator keys and the machine set."""
     _refuse_contradictions(config)
     server, store, events = config.server, config.store, config.events
     receive, transfer = OVERFLOWS[store.overload]
@@ -103,7 +113,7 @@ def resolve(config: OperatorConfig, machine: Machine) -> dict[str, Any]:
     capacity = store.capacity_bytes or DEFAULT_CAPACITY[store.backend]
     mooncake = store.mooncake
     host, port = config.metrics.host_port()
-    return merge(msgspec.to_builtins(Config()), {
+    return {
         "server": msgspec.to_builtins(server),
         "tenants": msgspec.to_builtins(config.tenants),
         "stages": {
@@ -132,4 +142,4 @@ def resolve(config: OperatorConfig, machine: Machine) -> dict[str, Any]:
         "metrics": {"host": host, "port": port},
         "events": msgspec.to_builtins(events),
         "logging": msgspec.to_builtins(config.logging),
-    })
+    }

@@ -3,6 +3,7 @@ refusals of contradictions, and the migration of old files."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import msgspec
@@ -207,3 +208,52 @@ def test_a_test_config_overrides_what_the_operators_keys_resolve_to(tmp_path: Pa
     assert config.stages.transfer.overflow == "skip"
     assert config.stages.transfer.workers == 5
     assert config.stages.transfer.inbox_size == 64  # the rest of the section keeps its constants
+
+
+def test_a_dotted_key_is_an_unknown_field_not_a_path(tmp_path: Path) -> None:
+    """``a.b: 1`` is refused by name: read as a path it would slip past the migration
+    and its refusals (here the contradictory pair of overflow policies)."""
+    text = "'stages.receive.overflow': block\nstore: {overload: shed_saves_never_wait}\n"
+    with pytest.raises(ConfigError, match=r"unknown field `stages.receive.overflow` - at `\$`"):
+        load_config(write(tmp_path, text))
+    with pytest.raises(ConfigError, match=r"unknown field `receive.overflow` - at `\$.stages`"):
+        load_config(write(tmp_path, "stages: {'receive.overflow': block}\n"))
+
+
+def test_a_small_embedded_store_loads_and_a_small_mooncake_segment_is_refused(
+    tmp_path: Path,
+) -> None:
+    small = 8 << 20
+    config = load_config(write(tmp_path, f"store: {{embedded: {{capacity_bytes: {small}}}}}\n"))
+    assert config.store.embedded.capacity_bytes == small
+    with pytest.raises(ConfigError, match=r"store\.capacity_bytes"):
+        load_config(write(tmp_path, f"store: {{backend: mooncake, capacity_bytes: {small}}}\n"))
+
+
+def test_old_staging_slots_get_a_pool_they_fit_in_on_a_small_host(tmp_path: Path) -> None:
+    """The pool is sized from the machine; slots an old file sets still fit in it."""
+    path = write(tmp_path, "staging: {slot_bytes: 134217728, load_slots: 4}\n")
+    config = read_config(path, machine=Machine(cpus=2, memory_bytes=8 * GiB)).config
+    assert config.staging.pool_bytes >= 5 * config.staging.slot_bytes
+    config = read_config(path, machine=Machine(cpus=2, memory_bytes=64 * GiB)).config
+    assert config.staging.pool_bytes == 4 * GiB
+
+
+def test_empty_sections_and_comments_need_no_note(tmp_path: Path) -> None:
+    loaded = read_config(write(tmp_path, "server: {}\nstore: {mooncake: {}}\nlogging: {}\n"))
+    assert loaded.notes == ()
+    assert read_config(write(tmp_path, "# nothing but a comment\n")).config == load_config()
+
+
+@pytest.mark.parametrize(("text", "path"), [
+    ("metrics: {port: true}\n", "$.metrics.port"),
+    ("stages: {transfer: {device: gpu}}\n", "$.store.engine_memory"),
+])
+def test_bad_old_values_name_a_path(tmp_path: Path, text: str, path: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(f"`{path}`")):
+        load_config(write(tmp_path, text))
+
+
+def test_a_test_config_must_be_a_mapping(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="a test config is a mapping"):
+        load_config(None, test_config=write(tmp_path, "- 1\n", "test.yaml"))
