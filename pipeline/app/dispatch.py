@@ -118,8 +118,6 @@ class Receiver:
         self.admission = Admission[Held](shed_saves=receive.overflow == "skip",
                                          save_credits=receive.max_saves_per_engine)
         self.replies = Replies(config, socket, metrics, self.admission, paths, epoch)
-        self.send_reply = self.replies.send_reply
-        self.log_refusals = self.replies.log_refusals
         self._faults = faults if faults is not None and faults.enabled else None
         self.accepting = True
         self.last_receive = 0.0
@@ -240,7 +238,7 @@ class Receiver:
                     raise _Answered from exc
                 raise
             if self._tracker.abandon(job, INTERNAL.reason):
-                await self.send_reply(Reply(job.session, failed_completion(job), job))
+                await self.replies.send_reply(Reply(job.session, failed_completion(job), job))
             if not job.copying:  # else stopped: answered once its copy returns
                 self._tracker.answered(job)
             raise _Answered from exc
@@ -366,7 +364,8 @@ class Receiver:
                                          room=self._paths.room("save"))
         if verdict is SaveVerdict.REFUSE:
             self._tracker.refuse(job, OVERLOADED)
-            await self.send_reply(Reply(job.session, completion_message(job), job), line=False)
+            await self.replies.send_reply(Reply(job.session, completion_message(job), job),
+                                         line=False)
             self.admission.refused(job.session.engine_id)
             return
         self._tracker.accept(job)

@@ -20,7 +20,8 @@ import msgspec
 from prometheus_client.samples import Sample
 
 from pipeline.app.status import read_metrics
-from pipeline.core.config import merge, operator_paths, read_config
+from pipeline.core.config import merge, read_config
+from pipeline.core.config.migrate import split_operator_keys
 
 __all__ = ["SidecarProcess", "free_port", "run_sidecar_process"]
 
@@ -84,29 +85,6 @@ def free_port() -> int:
         return port
 
 
-_OPERATOR = frozenset(operator_paths())
-
-
-def _split(document: Mapping[str, Any], prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
-    """An operator's keys (unchanged) and the rest, for the test config: a document in
-    the effective tree's shape, as tests and benchmarks write them."""
-    operator: dict[str, Any] = {}
-    rest: dict[str, Any] = {}
-    for key, value in document.items():
-        path = f"{prefix}{key}"
-        if path in _OPERATOR:
-            operator[key] = value
-        elif isinstance(value, Mapping):
-            inner_operator, inner_rest = _split(value, f"{path}.")
-            if inner_operator:
-                operator[key] = inner_operator
-            if inner_rest:
-                rest[key] = inner_rest
-        else:
-            rest[key] = value
-    return operator, rest
-
-
 @contextlib.contextmanager
 def run_sidecar_process(
     overrides: Mapping[str, Any] | None = None,
@@ -144,7 +122,7 @@ def run_sidecar_process(
         # The user's file as ``kvsidecar serve`` reads it (old keys migrated, errors
         # naming it), then the overrides, split by who may set them.
         given = read_config(config) if config else None
-        operator, tuning = _split(
+        operator, tuning = split_operator_keys(
             merge({"server": {"endpoint": f"ipc://{socket_path}"}}, overrides or {}))
         operator = merge(given.written if given else {}, operator)
         tuning = merge(merge({"logging": {"format": "json"}}, given.tuning if given else {}),

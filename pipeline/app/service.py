@@ -110,7 +110,7 @@ class Sidecar:
             desk=desk,
             epoch=self.epoch,
         )
-        answers.bind(self.tracker, self.receiver.send_reply)
+        answers.bind(self.tracker, self.receiver.replies.send_reply)
         self.socket = socket
 
     def _queue_kernels(self, geometries: tuple[StoreGroupGeometry, ...]) -> None:
@@ -191,7 +191,7 @@ class Sidecar:
         timeout = self.config.server.heartbeat_timeout_s
         while True:
             await anyio.sleep(min(timeout / 4, OWNER_CHECK_S))
-            self.receiver.log_refusals()
+            self.receiver.replies.log_refusals()
             now = time.monotonic()
             for identity, session in list(self.registry.sessions.items()):
                 silent_s = now - session.last_seen
@@ -239,7 +239,7 @@ class Sidecar:
             async def run_pipeline() -> None:
                 with pipeline_scope:
                     await self.graph.run(
-                        self._resources(), sink=receiver.send_reply,
+                        self._resources(), sink=receiver.replies.send_reply,
                         on_failure=self._fail_item, before=self._fault_point,
                         on_done=mark_done,
                     )
@@ -259,7 +259,7 @@ class Sidecar:
             if not drained.is_set():
                 await self._stop_jobs(pipeline_scope)
             await self._answer_stragglers()
-            receiver.log_refusals()
+            receiver.replies.log_refusals()
             root.cancel_scope.cancel()
 
     async def _stop_jobs(self, pipeline: anyio.CancelScope) -> None:
@@ -277,7 +277,7 @@ class Sidecar:
         completion = CompletionStage(self.tracker)
         with anyio.CancelScope(shield=True), anyio.move_on_after(5):
             for job in abandoned:
-                await self.receiver.send_reply(await completion.process(job))
+                await self.receiver.replies.send_reply(await completion.process(job))
 
     async def _answer_stragglers(self) -> None:
         """Keep refusing new requests until engines go quiet, so that a request sent just

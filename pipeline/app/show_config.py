@@ -12,7 +12,7 @@ import ast
 import inspect
 import json
 import textwrap
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -22,7 +22,7 @@ from rich.table import Table
 from pipeline.app.backends import moves_in_place
 from pipeline.backends.cpu_copy import INLINE_BYTES, LOAD_INLINE_BYTES, LOAD_STREAM_BYTES
 from pipeline.core.config import Config, LoadedConfig, Machine, OperatorConfig, read_config
-from pipeline.core.config.migrate import RENAMED
+from pipeline.core.config.migrate import RENAMED, has_path
 from pipeline.core.config.operator import TenantSection
 from pipeline.core.config.resolve import resolved
 from pipeline.core.hashing import INLINE_KEYED_TOKENS, INLINE_TOKENS
@@ -41,14 +41,6 @@ def _leaves(section: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield f"{prefix}{item.name}", msgspec.to_builtins(value)
 
 
-def _has(document: Any, key: str) -> bool:
-    for part in key.split("."):
-        if not isinstance(document, Mapping) or part not in document:
-            return False
-        document = document[part]
-    return True
-
-
 def operator_keys(loaded: LoadedConfig) -> Iterator[tuple[str, Any, str]]:
     """``(key, value, source)`` for every operator key: ``file``, ``file (old key)``
     where it was migrated from an old key, or ``default``."""
@@ -56,7 +48,7 @@ def operator_keys(loaded: LoadedConfig) -> Iterator[tuple[str, Any, str]]:
         if key in loaded.renamed:
             source = f"file ({loaded.renamed[key]})"
         else:
-            source = "file" if _has(loaded.written, key) else "default"
+            source = "file" if has_path(loaded.written, key) else "default"
         yield key, value, source
 
 
@@ -64,12 +56,12 @@ def constants(loaded: LoadedConfig) -> Iterator[tuple[str, Any, str]]:
     """``(key, value, source)`` for every leaf of the effective tree: ``tuning`` where old
     keys or a test config set it, ``resolved`` where an operator key or the machine sets
     it (``pipeline.core.config.resolve.resolved``), else ``constant``."""
-    by_resolution = resolved(loaded.operator, Machine.detect())
+    by_resolution = resolved(loaded.operator, loaded.machine)
     for key, value in _leaves(loaded.config):
-        if _has(loaded.tuning, key):
+        if has_path(loaded.tuning, key):
             source = "tuning"
         else:
-            source = "resolved" if _has(by_resolution, key) else "constant"
+            source = "resolved" if has_path(by_resolution, key) else "constant"
         yield key, value, source
 
 
@@ -105,7 +97,7 @@ def show_config(path: str | None, *, as_json: bool = False, everything: bool = F
     """Print the effective config of ``path`` (the built-in defaults without one)."""
     loaded = read_config(path)
     rows = list(operator_keys(loaded))
-    extra = derived(loaded.config)
+    extra = derived(loaded.config, loaded.machine)
     if as_json:
         print(json.dumps({
             "config": {key: {"value": value, "source": source} for key, value, source in rows},

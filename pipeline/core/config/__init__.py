@@ -52,6 +52,8 @@ class LoadedConfig:
     """Operator key to the old key(s) it was migrated from."""
     tuning: dict[str, Any] = field(default_factory=dict)
     """What old keys and the test config set in the effective tree."""
+    machine: Machine = field(default_factory=Machine.detect)
+    """The machine it was resolved for."""
 
 
 def _read(path: str | Path) -> Any:
@@ -119,7 +121,7 @@ def read_config(
     written = migrated.operator if isinstance(migrated.operator, dict) else {}
     return LoadedConfig(config=config, operator=operator, written=written,
                         notes=tuple(migrated.notes), renamed=migrated.renamed,
-                        tuning=tuning)
+                        tuning=tuning, machine=machine)
 
 
 def load_config(

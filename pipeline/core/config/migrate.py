@@ -15,29 +15,26 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from pipeline.core.config.operator import OperatorConfig
+from pipeline.core.config.resolve import FORMATS, OVERFLOWS, merge
 from pipeline.core.errors import ConfigError
 
-__all__ = ["OVERLOAD_MODES", "RENAMED", "Migrated", "migrate", "operator_paths"]
+__all__ = ["RENAMED", "Migrated", "has_path", "migrate", "operator_paths",
+           "split_operator_keys"]
 
-OVERLOAD_MODES = {
-    ("skip", "block"): "shed_saves",
-    ("skip", "skip"): "shed_saves_never_wait",
-    ("block", "block"): "backpressure",
-}
-"""``(stages.receive.overflow, stages.transfer.overflow)`` to ``store.overload``."""
+OVERLOAD_MODES = {overflows: mode for mode, overflows in OVERFLOWS.items()}
+"""``(stages.receive.overflow, stages.transfer.overflow)`` to ``store.overload``: the
+modes' table read backwards."""
 
-FORMATS = {
-    ("native", "required"): "native",
-    ("native", "if_present"): "native",
-    ("vllm", "required"): "vllm",
-    ("vllm", "if_present"): "vllm_unverified",
+FORMAT_OF = {
+    **{settings: name for name, settings in FORMATS.items()},
+    ("native", "if_present"): "native",  # native values carry their checksum inside
 }
 """``(store.value_format, store.verify)`` to ``store.format``."""
 
@@ -106,7 +103,8 @@ def _pop(document: dict[str, Any], path: str) -> tuple[bool, Any]:
     return True, value
 
 
-def _has(document: dict[str, Any], path: str) -> bool:
+def has_path(document: Any, path: str) -> bool:
+    """Whether the nested mappings of ``document`` hold the dotted ``path``."""
     node: Any = document
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node:
@@ -134,6 +132,29 @@ def _leaves(document: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, A
             yield path, value
 
 
+def split_operator_keys(
+    document: Mapping[str, Any], prefix: str = "",
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``document``'s operator keys, as they are, and the rest, in the effective tree's
+    shape (an empty section goes to neither; named entries keep their names, dots and
+    all)."""
+    operator: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for key, value in document.items():
+        path = f"{prefix}{key}"
+        if path in _OPERATOR:
+            operator[key] = value
+        elif isinstance(value, Mapping):
+            inner_operator, inner_rest = split_operator_keys(value, f"{path}.")
+            if inner_operator:
+                operator[key] = inner_operator
+            if inner_rest:
+                rest[key] = inner_rest
+        else:
+            rest[key] = value
+    return operator, rest
+
+
 def _refuse_dotted_keys(document: Any, path: str = "$") -> None:
     """A key is one name: ``a.b: 1`` is not ``a: {b: 1}``. Named entries (tenants, fault
     points) may hold dots."""
@@ -158,7 +179,7 @@ class _Migration:
         self.result = Migrated(operator={}, tuning={})
 
     def rename(self, new: str, old: list[str], value: Any) -> None:
-        if _has(self.document, new):
+        if has_path(self.document, new):
             raise ConfigError(f"{' and '.join(old)} and {new} both set the same thing; "
                               f"keep {new} alone")
         _put(self.result.operator, new, value)
@@ -166,39 +187,38 @@ class _Migration:
         self.result.notes.append(
             f"{' and '.join(old)}: renamed; write {new}: {json.dumps(value)}")
 
+    def take(self, *paths: str) -> dict[str, Any]:
+        """The old keys of ``paths`` the file sets, taken out of it, with their values."""
+        taken = {path: _pop(self.document, path) for path in paths}
+        return {path: value for path, (found, value) in taken.items() if found}
+
     def overload(self) -> None:
-        found_r, receive = _pop(self.document, "stages.receive.overflow")
-        found_t, transfer = _pop(self.document, "stages.transfer.overflow")
-        if not (found_r or found_t):
+        old = self.take("stages.receive.overflow", "stages.transfer.overflow")
+        if not old:
             return
-        receive = _choice("stages.receive.overflow", receive if found_r else "skip",
-                          ("block", "skip"))
-        transfer = _choice("stages.transfer.overflow", transfer if found_t else "block",
-                           ("block", "skip"))
-        old = [key for key, found in (("stages.receive.overflow", found_r),
-                                      ("stages.transfer.overflow", found_t)) if found]
+        receive = _choice("stages.receive.overflow",
+                          old.get("stages.receive.overflow", "skip"), ("block", "skip"))
+        transfer = _choice("stages.transfer.overflow",
+                           old.get("stages.transfer.overflow", "block"), ("block", "skip"))
         mode = OVERLOAD_MODES.get((receive, transfer))
         if mode is None:
             raise ConfigError(
                 "stages.receive.overflow: block and stages.transfer.overflow: skip contradict "
                 "each other (a save that waited at the door for room would then be dropped "
                 "for want of staging); choose one store.overload mode")
-        self.rename("store.overload", old, mode)
+        self.rename("store.overload", list(old), mode)
 
     def store_format(self) -> None:
-        found_f, value_format = _pop(self.document, "store.value_format")
-        found_v, verify = _pop(self.document, "store.verify")
-        if not (found_f or found_v):
+        old = self.take("store.value_format", "store.verify")
+        if not old:
             return
-        value_format = _choice("store.value_format", value_format if found_f else "native",
+        value_format = _choice("store.value_format", old.get("store.value_format", "native"),
                                ("native", "vllm"))
-        verify = _choice("store.verify", verify if found_v else "required",
+        verify = _choice("store.verify", old.get("store.verify", "required"),
                          ("required", "if_present"))
         if value_format == "native" and verify == "if_present":
             self.result.notes.append("store.verify: has no effect on native values; dropped")
-        old = [key for key, found in (("store.value_format", found_f),
-                                      ("store.verify", found_v)) if found]
-        self.rename("store.format", old, FORMATS[value_format, verify])
+        self.rename("store.format", list(old), FORMAT_OF[value_format, verify])
 
     def capacity(self) -> None:
         store = self.document.get("store")
@@ -210,42 +230,33 @@ class _Migration:
             self.rename("store.capacity_bytes", [active], value)
 
     def rdma(self) -> None:
-        found_p, protocol = _pop(self.document, "store.mooncake.protocol")
-        found_d, devices = _pop(self.document, "store.mooncake.device_name")
-        if not (found_p or found_d):
+        old = self.take("store.mooncake.protocol", "store.mooncake.device_name")
+        if not old:
             return
-        protocol = _choice("store.mooncake.protocol", protocol if found_p else "tcp",
+        protocol = _choice("store.mooncake.protocol", old.get("store.mooncake.protocol", "tcp"),
                            ("tcp", "rdma"))
+        devices = old.get("store.mooncake.device_name")
         if protocol == "rdma" and not devices:
             raise ConfigError("store.mooncake.protocol: rdma needs store.mooncake.device_name; "
                               "write store.mooncake.rdma_devices: <devices> instead")
         if protocol == "tcp" and devices:
             raise ConfigError("store.mooncake.device_name is set but store.mooncake.protocol "
                               "is tcp; write store.mooncake.rdma_devices for RDMA, or drop it")
-        old = [key for key, found in (("store.mooncake.protocol", found_p),
-                                      ("store.mooncake.device_name", found_d)) if found]
-        self.rename("store.mooncake.rdma_devices", old, devices or "")
+        self.rename("store.mooncake.rdma_devices", list(old), devices or "")
 
     def metrics(self) -> None:
-        found_h, host = _pop(self.document, "metrics.host")
-        found_p, port = _pop(self.document, "metrics.port")
-        if not (found_h or found_p):
+        old = self.take("metrics.host", "metrics.port")
+        if not old:
             return
-        if found_p and (isinstance(port, bool) or not (isinstance(port, int)
-                                                        and 0 <= port <= 65535)):
+        host, port = old.get("metrics.host"), old.get("metrics.port", 0)
+        if isinstance(port, bool) or not (isinstance(port, int) and 0 <= port <= 65535):
             raise ConfigError(f"Expected a port in [0, 65535], got {port!r} - at `$.metrics.port`")
-        old = [key for key, found in (("metrics.host", found_h), ("metrics.port", found_p))
-               if found]
-        self.rename("metrics.listen", old, f"{host or '127.0.0.1'}:{port}" if port else "")
+        self.rename("metrics.listen", list(old), f"{host or '127.0.0.1'}:{port}" if port else "")
 
     def rest(self) -> None:
-        moved = []
-        for path, value in _leaves(self.document):
-            if path in _OPERATOR:
-                _put(self.result.operator, path, value)
-            else:
-                _put(self.result.tuning, path, value)
-                moved.append(path)
+        operator, self.result.tuning = split_operator_keys(self.document)
+        self.result.operator = merge(self.result.operator, operator)
+        moved = [path for path, _ in _leaves(self.result.tuning)]
         if moved:
             self.result.notes.append(
                 f"no longer operator settings, honoured for now: {', '.join(moved)}. Each "

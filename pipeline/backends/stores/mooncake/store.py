@@ -108,7 +108,6 @@ class MooncakeStore(AsyncResource):
         self._master_address = master_address
         self._master = master
         self._calls = Calls(config.max_concurrent_calls, config.call_timeout_s, master_address)
-        self._call = self._calls.call
         self._registered: list[tuple[int, int, torch.Tensor]] = []
         self._memory: dict[tuple[int, int], int] = {}  # engine memory -> registrations
         self._closed = False
@@ -142,7 +141,7 @@ class MooncakeStore(AsyncResource):
         start, size = buffer.data_ptr(), buffer.numel()
         if self._registered_range(start, size):
             return
-        rc = await self._call("register_buffer", self._client.register_buffer, start, size)
+        rc = await self._calls.call("register_buffer", self._client.register_buffer, start, size)
         if rc != OK:
             raise StoreError(f"mooncake register_buffer of {size} bytes failed with code {rc}")
         self._registered.append((start, start + size, buffer))
@@ -186,7 +185,7 @@ class MooncakeStore(AsyncResource):
     async def exists(self, keys: Sequence[str], sizes: Sequence[int]) -> list[Presence]:
         if not keys:
             return []
-        return await self._call("batch_is_exist", self._presence, list(keys), list(sizes))
+        return await self._calls.call("batch_is_exist", self._presence, list(keys), list(sizes))
 
     def _presence(self, keys: list[str], sizes: list[int]) -> list[Presence]:
         """In a worker thread: which keys exist, then the sizes of those that do (asking
@@ -208,7 +207,7 @@ class MooncakeStore(AsyncResource):
         batch = self._prepare(keys, values)
         if batch.keys:
             op = "batch_put_from"
-            outcomes = await self._call(
+            outcomes = await self._calls.call(
                 op, self._put_absent, batch, batch.sizes, op, self._client.batch_put_from
             )
             for i, outcome in zip(batch.index, outcomes, strict=True):
@@ -221,7 +220,7 @@ class MooncakeStore(AsyncResource):
         batch = self._prepare_pieces(keys, values)
         if batch.keys:
             op = "batch_put_from_multi_buffers"
-            outcomes = await self._call(
+            outcomes = await self._calls.call(
                 op, self._put_absent, batch, [sum(sizes) for sizes in batch.sizes], op,
                 self._client.batch_put_from_multi_buffers, seal,
             )
@@ -234,7 +233,7 @@ class MooncakeStore(AsyncResource):
     ) -> list[KeyOutcome]:
         batch = self._prepare(keys, buffers)
         if batch.keys:
-            codes = await self._call(
+            codes = await self._calls.call(
                 "batch_get_into", self._client.batch_get_into, batch.keys, batch.ptrs, batch.sizes
             )
             self._raise_if_unreachable("batch_get_into", codes)
@@ -248,7 +247,7 @@ class MooncakeStore(AsyncResource):
     ) -> list[KeyOutcome]:
         batch = self._prepare_pieces(keys, buffers)
         if batch.keys:
-            codes = await self._call(
+            codes = await self._calls.call(
                 "batch_get_into_multi_buffers", self._get_measured, batch, measure, read)
             for i, code, sizes in zip(batch.index, codes, batch.sizes, strict=True):
                 batch.outcomes[i] = get_outcome(code, sum(sizes))
@@ -257,7 +256,7 @@ class MooncakeStore(AsyncResource):
     async def remove(self, keys: Sequence[str]) -> int:
         if not keys:
             return 0
-        codes = await self._call("batch_remove", self._client.batch_remove, list(keys), True)
+        codes = await self._calls.call("batch_remove", self._client.batch_remove, list(keys), True)
         self._raise_if_unreachable("batch_remove", codes)
         return sum(code == OK for code in codes)
 
