@@ -61,7 +61,7 @@ async def open_store(
     """The configured store backend behind a circuit breaker (and fault points, if any),
     closed on exit. ``on_evicted`` hears of the embedded store's evictions; ``pin`` pins
     its memory, which GPU blocks are copied into and out of."""
-    with contextlib.ExitStack() as pinned:
+    async with contextlib.AsyncExitStack() as held:
         store: KVStore
         usage: Usage | None = None
         reads_here: ReadsHere | None = None
@@ -74,9 +74,17 @@ async def open_store(
         else:
             from pipeline.backends.stores.embedded import EmbeddedStore
 
-            embedded = EmbeddedStore(config.embedded, on_evicted=on_evicted)
+            disk = None
+            if config.disk.path:
+                from pipeline.backends.stores.disk import open_disk_tier
+
+                disk = await held.enter_async_context(open_disk_tier(
+                    config.disk, fault=faults.fires if faults is not None else None,
+                    on_removed=lambda keys: embedded.disk_removed(keys)))
+            embedded = EmbeddedStore(config.embedded, on_evicted=on_evicted, disk=disk,
+                                     promote=config.disk.promote == "on_hit")
             if pin is not None:
-                pinned.enter_context(pin(embedded.memory))
+                held.enter_context(pin(embedded.memory))
             store = embedded
 
             def usage() -> tuple[int, int, int]:

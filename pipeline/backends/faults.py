@@ -23,7 +23,7 @@ from pipeline.core.config import FaultsConfig
 from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import STORED, KeyOutcome
 from pipeline.core.runs import value_views
-from pipeline.core.store import Extents, KVStore, Pieces, ReadHere, Seal
+from pipeline.core.store import Extents, KVStore, Pieces, ReadHere, Seal, ValueScope
 
 __all__ = ["Faults", "FaultyStore", "InjectedBug", "InjectedFault"]
 
@@ -59,6 +59,15 @@ class Faults:
         if point.error_rate and self._rng.random() < point.error_rate:
             self.fired[name] = self.fired.get(name, 0) + 1
             raise InjectedFault(f"injected fault at {name}")
+
+    def fires(self, name: str) -> bool:
+        """Whether fault point ``name`` fails now (its ``error_rate``), for callers that
+        fail in their own way (the disk tier raises an I/O error)."""
+        point = self._points.get(name)
+        if point is not None and point.error_rate and self._rng.random() < point.error_rate:
+            self.fired[name] = self.fired.get(name, 0) + 1
+            return True
+        return False
 
     def bug(self, name: str) -> None:
         """Maybe raise ``InjectedBug`` at fault point ``name`` (its ``error_rate``)."""
@@ -136,8 +145,9 @@ class FaultyStore(StoreWrapper):
             self._faults.corrupt("store.get", list(buffers.trailers), keys)
         return outcomes
 
-    async def reserve(self, keys: Sequence[str], size: int) -> Extents:
-        extents = await super().reserve(keys, size)
+    async def reserve(self, keys: Sequence[str], size: int, *,
+                      scope: ValueScope | None = None) -> Extents:
+        extents = await super().reserve(keys, size, scope=scope)
         self._reserved[extents] = [key for key, outcome in zip(keys, extents.outcomes,
                                                               strict=True)
                                    if outcome == STORED]

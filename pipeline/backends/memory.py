@@ -284,7 +284,8 @@ class LentMemory:
     async def reserve(
         self, geometry: StoreGroupGeometry, block_ids: Sequence[int], keys: Sequence[str]
     ) -> Values:
-        extents = await self._store.reserve(keys, geometry.stored_bytes)
+        extents = await self._store.reserve(keys, geometry.stored_bytes,
+                                            scope=geometry.scope)
         return Values(list(keys), extents.runs, list(extents.outcomes),
                       _ReservationHold(self._store, extents))
 
@@ -300,7 +301,8 @@ class LentMemory:
         if admit is not None and not admit():
             return _refused(keys, NOT_ADMITTED)
         try:
-            extents = await self._store.lease(keys, geometry.stored_bytes)
+            extents = await self._store.lease(keys, geometry.stored_bytes,
+                                              scope=geometry.scope)
         except StoreError as exc:
             return _refused(keys, store_error_outcome(exc, saving=False))
         return Values(list(keys), extents.runs, list(extents.outcomes),

@@ -24,6 +24,7 @@ from pipeline.core.errors import LayoutError
 from pipeline.core.integrity import CHECKSUM_BYTES, VLLM_FORMAT_SEED, fingerprint_seed
 from pipeline.core.keys import GroupKeys, ValueFormat, layout_keys
 from pipeline.core.layout import KVCacheGroup, KVCacheLayout
+from pipeline.core.store import ValueScope
 
 __all__ = ["Segment", "StoreGroupGeometry", "build_lookup_groups", "build_store_groups"]
 
@@ -51,6 +52,9 @@ class StoreGroupGeometry:
     keys: GroupKeys
     checksum_seed: int | None = None
     """Seed of the checksum sealed after the payload; None: values carry no checksum."""
+    scope: ValueScope | None = None
+    """Whose its values are and the layout that reads them (the tenant, the layout's
+    fingerprint): kept with each value by a store that outlives the sidecar."""
     step_event: torch.cuda.Event | None = None
     """GPU blocks only: the event the engine records after each forward; a copy out of
     its blocks waits on it."""
@@ -108,24 +112,30 @@ def build_store_groups(
     *,
     checksum: bool = True,
     value_format: ValueFormat = ValueFormat.NATIVE,
+    tenant: str = "",
 ) -> tuple[StoreGroupGeometry, ...]:
     """Store-group geometry from the mapped tensors of the payload layers (in the order
     the engine registered them).
 
     With ``checksum`` every value is sealed with a checksum: seeded by the fingerprint
     in the native format, by a constant in vLLM's (its keys already name the engine).
+    Each group's ``scope`` names ``tenant`` and the fingerprint of what its keys name:
+    the layout in the native format, the geometry alone in vLLM's (whose keys are shared
+    by ranks holding the same KV).
     """
     keys = layout_keys(layout, value_format)
     if value_format is ValueFormat.VLLM:
         regions, num_blocks = _vllm_regions(layout, tensors)
         value_bytes = sum(segment.page_bytes for segment in regions)
         seed = VLLM_FORMAT_SEED if checksum else None
+        shared = ValueScope(tenant, layout.geometry_fingerprint)
         return tuple(
             StoreGroupGeometry(kv_group_id, layout.groups[kv_group_id], regions,
-                               value_bytes, num_blocks, keys[index], seed)
+                               value_bytes, num_blocks, keys[index], seed, shared)
             for index, kv_group_id in enumerate(layout.prefix_cacheable_group_ids)
         )
     seed = fingerprint_seed(layout.fingerprint) if checksum else None
+    scope = ValueScope(tenant, layout.fingerprint)
     result = []
     for index, kv_group_id in enumerate(layout.prefix_cacheable_group_ids):
         group = layout.groups[kv_group_id]
@@ -153,7 +163,7 @@ def build_store_groups(
                 offset += int(page.shape[1])
         assert blocks is not None
         result.append(StoreGroupGeometry(
-            kv_group_id, group, tuple(segments), offset, blocks, keys[index], seed
+            kv_group_id, group, tuple(segments), offset, blocks, keys[index], seed, scope
         ))
     return tuple(result)
 

@@ -29,7 +29,19 @@ __all__ = [
     "Presence",
     "ReadHere",
     "Seal",
+    "ValueScope",
 ]
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ValueScope:
+    """Whose a value is and what it means, beside its key: the tenant that stored it and
+    the fingerprint of the layout that reads it. A store that keeps values past the
+    sidecar's life (the disk tier) keeps these with each and loads a value only for the
+    scope it was stored in."""
+
+    tenant: str
+    fingerprint: str
+
 
 class Presence(enum.Enum):
     """What the store holds under a key, as one engine would read it."""
@@ -104,15 +116,19 @@ class DirectKVStore(Protocol):
     its memory, one copy instead of two through staging. Values lent side by side are
     ``value_span(size)`` bytes apart (each on a cache line), or packed."""
 
-    async def reserve(self, keys: Sequence[str], size: int) -> Extents:
+    async def reserve(self, keys: Sequence[str], size: int, *,
+                      scope: ValueScope | None = None) -> Extents:
         """Writable, not yet readable extents of ``size`` bytes for new keys (outcome
-        ``STORED`` once committed); present keys and a full store say so instead."""
+        ``STORED`` once committed); present keys and a full store say so instead.
+        ``scope``: whose the values are (None: nobody's in particular)."""
 
     def commit(self, extents: Extents, *, written: bool) -> list[KeyOutcome]:
         """Make reserved extents readable (``written``) or give them back."""
 
-    async def lease(self, keys: Sequence[str], size: int) -> Extents:
-        """Pinned, readable extents of stored values (outcome ``LOADED``)."""
+    async def lease(self, keys: Sequence[str], size: int, *,
+                    scope: ValueScope | None = None) -> Extents:
+        """Pinned, readable extents of stored values (outcome ``LOADED``); a value kept
+        with another ``scope`` than the one asked for is not lent."""
 
     def release(self, extents: Extents) -> None:
         """End a lease; the store may evict those values again."""

@@ -294,7 +294,8 @@ class SessionRegistry:
             raise RequestRejected(ErrorCode.BAD_TENSORS, str(exc)) from exc
         try:
             store_groups = build_store_groups(
-                layout, tensors, checksum=self._checksum, value_format=self._value_format
+                layout, tensors, checksum=self._checksum, value_format=self._value_format,
+                tenant=tenant.name,
             )
             if message.step_event is not None and self._open_step_event is not None:
                 event = self._open_step_event(message.step_event)

@@ -23,6 +23,10 @@ is never evicted, and one removed while pinned keeps its extent until the last p
 released. Pinning rather than copying under a lock lets reads and writes of different
 entries copy in parallel while the loop keeps indexing, and the loop never waits on a
 lock that a copy thread holds.
+
+With a disk tier (``disk``) every value made readable is also written to disk behind
+the caller, and a value found only there is read back, checked, into the arena before
+it is lent (``pipeline.backends.stores.disk.behind``).
 """
 
 from __future__ import annotations
@@ -36,10 +40,14 @@ import torch
 from anyio.abc import AsyncResource
 
 from pipeline.backends.stores.arena import ArenaAllocator
+from pipeline.backends.stores.disk.behind import DiskBehind, Lent
+from pipeline.backends.stores.disk.tier import DiskRecord, DiskTier
 from pipeline.backends.stores.embedded_index import (
     Entry,
     Index,
     check_bytes,
+    copy_pairs,
+    follows,
     index_budget,
     index_charge,
 )
@@ -47,7 +55,7 @@ from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORE_FULL, STORED, KeyOutcome, failed
 from pipeline.core.runs import VALUE_ALIGN, Run, value_span
-from pipeline.core.store import Extents, Presence
+from pipeline.core.store import Extents, Presence, ValueScope
 
 __all__ = ["EmbeddedStore", "EmbeddedStoreStats", "index_budget", "index_charge"]
 
@@ -59,25 +67,6 @@ class EmbeddedStoreStats:
     capacity_bytes: int
     keys: int
     evictions: int
-
-
-def _follows(entry: Entry | None, previous: Entry | None) -> bool:
-    """Whether ``entry`` starts where ``previous``'s span ends, at the same size."""
-    return (entry is not None and previous is not None and entry.size == previous.size
-            and entry.offset == previous.offset + previous.span)
-
-
-def _copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[str | None]:
-    """Copy each (source, destination) pair; runs in a worker thread."""
-    errors: list[str | None] = []
-    for source, destination in pairs:
-        try:
-            destination.copy_(source)
-        except RuntimeError as exc:
-            errors.append(f"copy_failed: {exc}")
-        else:
-            errors.append(None)
-    return errors
 
 
 class EmbeddedStore(AsyncResource):
@@ -94,10 +83,14 @@ class EmbeddedStore(AsyncResource):
         copy_limiter: anyio.CapacityLimiter | None = None,
         on_evicted: Callable[[Sequence[str]], None] = lambda keys: None,
         value_align: int = VALUE_ALIGN,
+        disk: DiskTier | None = None,
+        promote: bool = True,
     ) -> None:
-        """``on_evicted`` hears the keys evicted to make room (on the event loop).
-        ``value_align``: each value is padded to a multiple of it (1 packs them back to
-        back, the smallest footprint, but rows side by side then straddle cache lines)."""
+        """``on_evicted`` hears the keys evicted to make room (on the event loop) that
+        are not on disk either. ``value_align``: each value is padded to a multiple of it
+        (1 packs them back to back, the smallest footprint, but rows side by side then
+        straddle cache lines). ``disk``: the disk tier under it; ``promote``: a value read
+        from disk stays in memory."""
         try:
             # Touched once now: a page's first write costs a fault, several times the
             # copy itself, and the whole budget is held from the start anyway.
@@ -108,10 +101,28 @@ class EmbeddedStore(AsyncResource):
                 f"(store.capacity_bytes): {exc}"
             ) from exc
         self._arena_address = self._arena.data_ptr()
+        self._on_evicted = on_evicted
         self._index = Index(ArenaAllocator(config.capacity_bytes), align=value_align,
-                            on_evicted=on_evicted)
+                            on_evicted=self._evicted)
+        self._disk = (None if disk is None
+                      else DiskBehind(disk, self._index, self._slot, promote=promote))
         self._limiter = copy_limiter or anyio.CapacityLimiter(DEFAULT_COPY_THREADS)
         self._closed = False
+
+    def _evicted(self, keys: Sequence[str]) -> None:
+        gone = keys if self._disk is None else self._disk.not_on_disk(keys)
+        if gone:
+            self._on_evicted(gone)
+
+    def disk_removed(self, keys: Sequence[str]) -> None:
+        """Keys whose record left the disk: those not in memory either are gone."""
+        gone = [key for key in keys if key not in self._index.ready_sizes]
+        if gone:
+            self._on_evicted(gone)
+
+    @property
+    def disk(self) -> DiskTier | None:
+        return None if self._disk is None else self._disk.tier
 
     @property
     def memory(self) -> torch.Tensor:
@@ -135,6 +146,8 @@ class EmbeddedStore(AsyncResource):
         if stored == (sizes if isinstance(sizes, list) else list(sizes)):
             # The usual hit: every block present, in one comparison.
             return [Presence.PRESENT] * len(keys)
+        if self._disk is not None and self._disk.tier.enabled:
+            stored = self._disk.presence(keys, sizes, stored)
         absent, present, foreign = Presence.ABSENT, Presence.PRESENT, Presence.FOREIGN
         return [absent if have is None else present if have == want else foreign
                 for have, want in zip(stored, sizes, strict=True)]
@@ -156,15 +169,14 @@ class EmbeddedStore(AsyncResource):
             return outcomes
         pairs = [(value, self._slot(entry)) for _, entry, value in writes]
         try:
-            errors = await anyio.to_thread.run_sync(_copy_pairs, pairs, limiter=self._limiter)
+            errors = await anyio.to_thread.run_sync(copy_pairs, pairs, limiter=self._limiter)
         except BaseException:
             for _, entry, _ in writes:
                 self._index.abandon(entry)
             raise
         for (index, entry, _), error in zip(writes, errors, strict=True):
             if error is None:
-                self._index.make_ready(entry)
-                self._index.unpin(entry)
+                self._ready(entry)
             else:
                 self._index.abandon(entry)
                 outcomes[index] = failed(error)
@@ -178,10 +190,15 @@ class EmbeddedStore(AsyncResource):
             raise ValueError(f"get_into got {len(keys)} keys and {len(buffers)} buffers")
         outcomes: list[KeyOutcome] = []
         reads: list[tuple[int, Entry, torch.Tensor]] = []
+        from_disk: list[tuple[int, DiskRecord, torch.Tensor]] = []
         for key, buffer in zip(keys, buffers, strict=True):
             entry = self._index.readable(key)
             problem = check_bytes(buffer)
-            if entry is None:
+            record = None if entry is not None or self._disk is None else self._disk.record(key)
+            if record is not None and problem is None and buffer.numel() == record.size:
+                from_disk.append((len(outcomes), record, buffer))
+                outcomes.append(MISSING)
+            elif entry is None:
                 outcomes.append(MISSING)
             elif problem is not None:
                 outcomes.append(failed(f"bad_buffer: {problem}"))
@@ -194,11 +211,16 @@ class EmbeddedStore(AsyncResource):
                 self._index.entries.move_to_end(key)
                 reads.append((len(outcomes), entry, buffer))
                 outcomes.append(LOADED)
+        if from_disk and self._disk is not None:
+            for (index, _, _), ok in zip(from_disk, await self._disk.read(from_disk, keys),
+                                         strict=True):
+                if ok:
+                    outcomes[index] = LOADED
         if not reads:
             return outcomes
         pairs = [(self._slot(entry), buffer) for _, entry, buffer in reads]
         try:
-            errors = await anyio.to_thread.run_sync(_copy_pairs, pairs, limiter=self._limiter)
+            errors = await anyio.to_thread.run_sync(copy_pairs, pairs, limiter=self._limiter)
         finally:
             for _, entry, _ in reads:
                 self._index.unpin(entry)
@@ -210,7 +232,8 @@ class EmbeddedStore(AsyncResource):
     # -- DirectKVStore: stages copy straight into and out of the arena ---------------------
 
 
-    async def reserve(self, keys: Sequence[str], size: int) -> Extents:
+    async def reserve(self, keys: Sequence[str], size: int, *,
+                      scope: ValueScope | None = None) -> Extents:
         self._check_open()
         fresh = len({key for key in keys if key not in self._index.entries})
         span = value_span(size, self._index.align)
@@ -222,6 +245,9 @@ class EmbeddedStore(AsyncResource):
         for key in keys:
             if key in self._index.entries:
                 self._index.entries.move_to_end(key)
+                lent.append((None, PRESENT))
+                continue
+            if self._disk is not None and self._disk.holds(key):
                 lent.append((None, PRESENT))
                 continue
             charge = index_charge(key)
@@ -236,7 +262,7 @@ class EmbeddedStore(AsyncResource):
             if offset is None:
                 lent.append((None, STORE_FULL))
                 continue
-            entry = Entry(key, offset, size, span, charge)
+            entry = Entry(key, offset, size, span, charge, scope=scope)
             self._index.add(entry)
             lent.append((entry, STORED))
         if run is not None and next_offset is not None and next_offset < run + fresh * span:
@@ -249,20 +275,24 @@ class EmbeddedStore(AsyncResource):
             if entry is None:
                 continue
             if written:
-                self._index.make_ready(entry)
-                self._index.unpin(entry)
+                self._ready(entry)
             else:
                 self._index.abandon(entry)
                 outcomes[index] = failed("not_written")
         extents.handle = []
         return outcomes
 
-    async def lease(self, keys: Sequence[str], size: int) -> Extents:
+    async def lease(self, keys: Sequence[str], size: int, *,
+                    scope: ValueScope | None = None) -> Extents:
         self._check_open()
-        lent: list[tuple[Entry | None, KeyOutcome]] = []
+        lent: Lent = []
+        from_disk: list[tuple[int, DiskRecord]] = []
         for key in keys:
             entry = self._index.readable(key)
             if entry is None:
+                record = None if self._disk is None else self._disk.record(key)
+                if record is not None:
+                    from_disk.append((len(lent), record))
                 lent.append((None, MISSING))
             elif entry.size != size:
                 lent.append((None, failed(f"size_mismatch: stored {entry.size}, want {size}")))
@@ -270,6 +300,8 @@ class EmbeddedStore(AsyncResource):
                 self._index.pin(entry)
                 self._index.entries.move_to_end(key)
                 lent.append((entry, LOADED))
+        if from_disk and self._disk is not None:
+            await self._disk.lend(from_disk, keys, size, scope, lent)
         return self._extents(lent)
 
     def release(self, extents: Extents) -> None:
@@ -278,7 +310,14 @@ class EmbeddedStore(AsyncResource):
                 self._index.unpin(entry)
         extents.handle = []
 
-    def _extents(self, lent: list[tuple[Entry | None, KeyOutcome]]) -> Extents:
+    def _ready(self, entry: Entry) -> None:
+        """A reserved entry's value is in: readable, and written to disk behind us."""
+        self._index.make_ready(entry)
+        if self._disk is not None:
+            self._disk.demote(entry)
+        self._index.unpin(entry)
+
+    def _extents(self, lent: Lent) -> Extents:
         entries = [entry for entry, _ in lent]
         return Extents(
             runs=self._runs(entries),
@@ -293,7 +332,7 @@ class EmbeddedStore(AsyncResource):
         start = 0
         for end in range(1, len(entries) + 1):
             first = entries[start]
-            growing = end < len(entries) and _follows(entries[end], entries[end - 1])
+            growing = end < len(entries) and follows(entries[end], entries[end - 1])
             if first is not None and growing:
                 continue
             if first is not None:
@@ -310,13 +349,21 @@ class EmbeddedStore(AsyncResource):
             if entry is not None:
                 self._index.drop(entry)
                 removed += 1
+            elif self._disk is not None and self._disk.holds(key):
+                removed += 1
+        if self._disk is not None:
+            self._disk.tier.remove(keys)
         return removed
 
     async def aclose(self) -> None:
-        """Forget every entry and release the arena; copies in flight keep their slices."""
+        """Write what is only in memory to disk (if there is a disk tier, within its
+        ``flush_timeout_s``), then forget every entry and release the arena; copies in
+        flight keep their slices."""
         if self._closed:
             return
         self._closed = True
+        if self._disk is not None:
+            await self._disk.flush(list(self._index.entries.values()))
         for entry in self._index.entries.values():
             entry.removed = True
         self._index.entries.clear()

@@ -21,8 +21,9 @@ import torch
 from pipeline.backends.stores.arena import ArenaAllocator
 from pipeline.core.outcomes import PRESENT, STORE_FULL, KeyOutcome, failed
 from pipeline.core.runs import value_span
+from pipeline.core.store import ValueScope
 
-__all__ = ["Entry", "Index", "index_budget", "index_charge"]
+__all__ = ["Entry", "Index", "copy_pairs", "follows", "index_budget", "index_charge"]
 
 ENTRY_OVERHEAD_BYTES = 256
 """An index entry's memory besides its key: the entry, its slots in two dictionaries."""
@@ -51,6 +52,10 @@ class Entry:
     pins: int = 0
     removed: bool = False
     """Out of the index; the extent is freed when the last pin goes."""
+    scope: ValueScope | None = None
+    """Whose the value is (kept with it on disk)."""
+    on_disk: bool = False
+    """Its value is durable in the disk tier too: evicting it drops only this copy."""
 
 
 SPAN: Callable[[Entry], int] = operator.attrgetter("span")
@@ -69,6 +74,24 @@ def check_bytes(tensor: object) -> str | None:
         return "empty"
     return None
 
+
+def follows(entry: Entry | None, previous: Entry | None) -> bool:
+    """Whether ``entry`` starts where ``previous``'s span ends, at the same size."""
+    return (entry is not None and previous is not None and entry.size == previous.size
+            and entry.offset == previous.offset + previous.span)
+
+
+def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[str | None]:
+    """Copy each (source, destination) pair; runs in a worker thread."""
+    errors: list[str | None] = []
+    for source, destination in pairs:
+        try:
+            destination.copy_(source)
+        except RuntimeError as exc:
+            errors.append(f"copy_failed: {exc}")
+        else:
+            errors.append(None)
+    return errors
 
 
 class Index:

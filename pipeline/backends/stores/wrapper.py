@@ -18,6 +18,7 @@ from pipeline.core.store import (
     Presence,
     ReadHere,
     Seal,
+    ValueScope,
 )
 
 __all__ = ["StoreWrapper"]
@@ -58,14 +59,18 @@ class StoreWrapper:
     async def aclose(self) -> None:
         await self.inner.aclose()
 
-    async def reserve(self, keys: Sequence[str], size: int) -> Extents:
-        return await self._around("put", lambda: self._direct().reserve(keys, size))
+    async def reserve(self, keys: Sequence[str], size: int, *,
+                      scope: ValueScope | None = None) -> Extents:
+        return await self._around("put", lambda: self._direct().reserve(keys, size,
+                                                                         scope=scope))
 
     def commit(self, extents: Extents, *, written: bool) -> list[KeyOutcome]:
         return self._direct().commit(extents, written=written)
 
-    async def lease(self, keys: Sequence[str], size: int) -> Extents:
-        return await self._around("get", lambda: self._direct().lease(keys, size))
+    async def lease(self, keys: Sequence[str], size: int, *,
+                    scope: ValueScope | None = None) -> Extents:
+        return await self._around("get", lambda: self._direct().lease(keys, size,
+                                                                       scope=scope))
 
     def release(self, extents: Extents) -> None:
         self._direct().release(extents)

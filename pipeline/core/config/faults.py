@@ -16,7 +16,7 @@ __all__ = ["FAULT_POINTS", "FaultPointConfig", "FaultsConfig"]
 FAULT_POINTS = frozenset({
     "stage.group_filter", "stage.hashing", "stage.dedup", "stage.transfer", "stage.commit",
     "stage.fetch", "stage.scatter", "store.exists", "store.put", "store.get",
-    "receive.accepted", "transfer.copied",
+    "receive.accepted", "transfer.copied", "disk.write", "disk.read",
 })
 Probability = Annotated[float, msgspec.Meta(ge=0, le=1)]
 

@@ -93,6 +93,19 @@ class MooncakeSection(Section, frozen=True):
     places every put)."""
 
 
+class DiskSection(Section, frozen=True):
+    """A disk tier under the embedded store: values written behind memory, read back
+    checked, kept across restarts. Refused with Mooncake, which has its own."""
+
+    path: str = ""
+    """Its directory, created 0700 and owned by this sidecar alone; empty: no disk tier."""
+    bytes: Annotated[int, msgspec.Meta(ge=64 * 1024 * 1024)] = 64 * 1024 * 1024 * 1024
+    """The most it takes on disk (default 64 GiB)."""
+    promote: Literal["on_hit", "never"] = "on_hit"
+    """A value loaded from disk stays in memory (``on_hit``) or is only read through it
+    (``never``)."""
+
+
 StoreFormat = Literal["native", "vllm", "vllm_unverified"]
 Overload = Literal["shed_saves", "shed_saves_never_wait", "backpressure"]
 
@@ -122,6 +135,7 @@ class StoreSection(Section, frozen=True):
     save finding staging memory exhausted is skipped too (``staging_full``) instead of
     waiting. ``backpressure``: nothing is shed; the sidecar stops reading requests until
     there is room, so every engine waits."""
+    disk: DiskSection = DiskSection()
     mooncake: MooncakeSection = MooncakeSection()
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from pipeline.core.config.operator import MooncakeSection, OperatorConfig
+from pipeline.core.config.operator import DiskSection, MooncakeSection, OperatorConfig
 from pipeline.core.config.schema import Config, host_memory_bytes
 from pipeline.core.errors import ConfigError
 
@@ -79,6 +79,20 @@ class Machine:
         return min(4 * GiB, max(512 * MiB, 1 << (share.bit_length() - 1)))
 
 
+def disk_segment_bytes(budget: int) -> int:
+    """A disk tier's segment size: the largest power of two at most an eighth of its
+    budget, within [8 MiB, 256 MiB]. Segments are what the budget evicts whole, so the
+    budget holds at least eight; past 256 MiB one eviction would drop too much at once."""
+    share = max(1, budget // 8)
+    return min(256 * MiB, max(8 * MiB, 1 << (share.bit_length() - 1)))
+
+
+def disk_queue_bytes(capacity: int) -> int:
+    """Values waiting for the disk, pinned in memory meanwhile: an eighth of the memory
+    tier, within [8 MiB, 256 MiB] (a full batch at least)."""
+    return min(256 * MiB, max(8 * MiB, capacity // 8))
+
+
 def _refuse_contradictions(config: OperatorConfig) -> None:
     store = config.store
     if store.backend != "mooncake":
@@ -88,6 +102,10 @@ def _refuse_contradictions(config: OperatorConfig) -> None:
                 raise ConfigError(
                     f"store.mooncake.{item.name} is set but store.backend is "
                     f"{store.backend!r}; set store.backend: mooncake, or drop it")
+    if store.backend == "mooncake" and store.disk != DiskSection():
+        raise ConfigError("store.disk is set but store.backend is 'mooncake'; Mooncake "
+                          "keeps its own SSD offload: drop store.disk, or use the embedded "
+                          "store")
     if (store.backend == "mooncake" and store.capacity_bytes is not None
             and store.capacity_bytes < MOONCAKE_MIN_SEGMENT):
         raise ConfigError(f"store.capacity_bytes is {store.capacity_bytes}, but Mooncake's "
@@ -127,6 +145,11 @@ def resolved(config: OperatorConfig, machine: Machine) -> dict[str, Any]:
             "value_format": value_format,
             "verify": verify,
             "embedded": {"capacity_bytes": capacity if store.backend == "embedded" else GiB},
+            "disk": {"path": store.disk.path, "bytes": store.disk.bytes,
+                     "promote": store.disk.promote,
+                     "segment_bytes": disk_segment_bytes(store.disk.bytes),
+                     "max_queued_bytes": disk_queue_bytes(capacity),
+                     "flush_timeout_s": server.drain_timeout_s},
             "mooncake": {
                 "master": mooncake.master,
                 "metadata_server": mooncake.metadata_server,

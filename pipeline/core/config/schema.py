@@ -21,6 +21,7 @@ from pipeline.core.config.base import Positive, PositiveFloat, Section
 from pipeline.core.config.faults import FAULT_POINTS, FaultPointConfig, FaultsConfig
 from pipeline.core.config.store import (
     BreakerConfig,
+    DiskStoreConfig,
     EmbeddedStoreConfig,
     MooncakeStoreConfig,
     StoreConfig,
@@ -31,6 +32,7 @@ __all__ = [
     "BatchingStageConfig",
     "BreakerConfig",
     "Config",
+    "DiskStoreConfig",
     "EmbeddedStoreConfig",
     "EventsConfig",
     "ExplainConfig",

@@ -9,13 +9,46 @@ import msgspec
 
 from pipeline.core.config.base import Positive, PositiveFloat, Section
 
-__all__ = ["BreakerConfig", "EmbeddedStoreConfig", "MooncakeStoreConfig", "StoreConfig"]
+__all__ = [
+    "BreakerConfig",
+    "DiskStoreConfig",
+    "EmbeddedStoreConfig",
+    "MooncakeStoreConfig",
+    "StoreConfig",
+]
 
 
 
 class EmbeddedStoreConfig(Section, frozen=True):
     capacity_bytes: Positive = 1024 * 1024 * 1024
     """Byte budget of the preallocated arena; least recently used blocks are evicted."""
+
+
+MiB = 1 << 20
+
+
+class DiskStoreConfig(Section, frozen=True):
+    """The disk tier under the embedded store (``pipeline.backends.stores.disk``)."""
+
+    path: str = ""
+    """Its directory, owned by this sidecar alone; empty: no disk tier."""
+    bytes: Annotated[int, msgspec.Meta(ge=64 * MiB)] = 64 * 1024 * MiB
+    """The most its segment files take on disk."""
+    promote: Literal["on_hit", "never"] = "on_hit"
+    """A value loaded from disk stays in memory (``on_hit``), or is read through memory
+    and not kept there (``never``)."""
+    segment_bytes: Annotated[int, msgspec.Meta(ge=4 * MiB, multiple_of=4096)] = 256 * MiB
+    """Each segment file's size: the unit of allocation and of eviction."""
+    batch_bytes: Annotated[int, msgspec.Meta(ge=4096, multiple_of=4096)] = 8 * MiB
+    """The most one write takes; a record longer than it is not written."""
+    max_queued_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 128 * MiB
+    """Values waiting to be written, held in memory meanwhile; one more is skipped."""
+    writers: Positive = 2
+    """Batches written at once."""
+    readers: Positive = 4
+    """Reads at once, on threads apart from the writers'."""
+    flush_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+    """On a graceful stop, how long values still only in memory may take to be written."""
 
 
 class MooncakeStoreConfig(Section, frozen=True):
@@ -95,4 +128,5 @@ class StoreConfig(Section, frozen=True):
     never loaded; if_present: loaded as it is."""
     breaker: BreakerConfig = BreakerConfig()
     embedded: EmbeddedStoreConfig = EmbeddedStoreConfig()
+    disk: DiskStoreConfig = DiskStoreConfig()
     mooncake: MooncakeStoreConfig = MooncakeStoreConfig()

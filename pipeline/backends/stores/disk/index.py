@@ -1,0 +1,69 @@
+"""The disk tier's index: the record that stands under each key, the bytes each tenant
+holds on disk, and which keys each segment holds (to forget them when it goes). It lives
+on the event loop thread and is only touched there."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+from pipeline.backends.stores.disk.io import DiskRecord
+
+__all__ = ["DiskIndex"]
+
+
+class DiskIndex:
+    def __init__(self) -> None:
+        self.records: dict[str, DiskRecord] = {}
+        self.sizes: dict[str, int] = {}
+        """The value size of every record, by key: what ``exists`` asks, in C loops."""
+        self.tenant_bytes: collections.Counter[str] = collections.Counter()
+        """Bytes of the records that stand, by tenant."""
+        self._segment_keys: dict[int, list[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(self.tenant_bytes.values())
+
+    def add(self, key: str, record: DiskRecord) -> None:
+        """``record`` stands under ``key`` from now on."""
+        self.forget(key)
+        self.records[key] = record
+        self.sizes[key] = record.size
+        self.tenant_bytes[record.tenant] += record.span
+        self._segment_keys.setdefault(record.segment.number, []).append(key)
+
+    def forget(self, key: str) -> DiskRecord | None:
+        """Nothing stands under ``key`` any more; what did."""
+        record = self.records.pop(key, None)
+        if record is not None:
+            del self.sizes[key]
+            self.tenant_bytes[record.tenant] -= record.span
+            if not self.tenant_bytes[record.tenant]:
+                del self.tenant_bytes[record.tenant]
+        return record
+
+    def forget_segment(self, number: int) -> list[str]:
+        """Forget every record that stands in segment ``number``; their keys."""
+        gone = [key for key in self._segment_keys.pop(number, [])
+                if (record := self.records.get(key)) is not None
+                and record.segment.number == number]
+        for key in gone:
+            self.forget(key)
+        return gone
+
+    def clear(self) -> list[str]:
+        """Forget every record; their keys."""
+        keys = list(self.records)
+        self.records.clear()
+        self.sizes.clear()
+        self.tenant_bytes.clear()
+        self._segment_keys.clear()
+        return keys
+
+    def remove(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self.forget(key)

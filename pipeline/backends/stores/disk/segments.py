@@ -1,0 +1,206 @@
+"""The disk tier's directory and segment files, and the I/O on them.
+
+The directory belongs to one sidecar at a time: it is created 0700, must be owned by
+this process's user and closed to others, and is held by an exclusive ``flock`` on its
+``lock`` file for as long as the tier is open. Every file in it is created 0600 and
+opened relative to the directory with ``O_NOFOLLOW``, so a symlink planted in it is
+never followed.
+
+A segment is a file of fixed size, allocated whole when it is created (so that a full
+disk is found then, not halfway through a write), filled with records from its start
+and never rewritten. I/O is direct (``O_DIRECT``) where the file system allows it, so
+values do not also sit in the page cache; elsewhere (tmpfs, say) it is buffered, and
+written pages are dropped from the cache once synced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import re
+import stat
+import threading
+from pathlib import Path
+
+from pipeline.backends.stores.disk.records import BLOCK
+from pipeline.core.errors import StoreError
+
+__all__ = ["AlignedBuffers", "Segment", "TierDirectory", "aligned"]
+
+SEGMENT_NAME = re.compile(r"segment-(\d{10})\.kv")
+LOCK_NAME = "lock"
+
+
+def aligned(size: int) -> mmap.mmap:
+    """Zeroed memory of ``size`` bytes (rounded up to ``BLOCK``), page-aligned as direct
+    I/O needs."""
+    return mmap.mmap(-1, max(BLOCK, -(-size // BLOCK) * BLOCK))
+
+
+class AlignedBuffers:
+    """One aligned buffer per thread, grown to the largest size asked of it."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, size: int) -> mmap.mmap:
+        buffer: mmap.mmap | None = getattr(self._local, "buffer", None)
+        if buffer is None or len(buffer) < size:
+            if buffer is not None:
+                buffer.close()
+            buffer = self._local.buffer = aligned(max(size, 1 << 20))
+        return buffer
+
+
+class Segment:
+    """One segment file, open for reading and writing."""
+
+    def __init__(self, number: int, fd: int, size: int, *, direct: bool) -> None:
+        self.number = number
+        self.fd = fd
+        self.size = size
+        self.direct = direct
+        self.readers = 0
+        """Reads in flight (counted on the event loop); a removed segment's file is
+        closed when the last one ends."""
+        self.removed = False
+        self.closed = False
+
+    def write(self, buffer: memoryview, offset: int) -> None:
+        """Write ``buffer`` (BLOCK-aligned in memory and length) at ``offset`` and make it
+        durable (``fdatasync``). Raises ``OSError``."""
+        written = 0
+        while written < len(buffer):
+            count = os.pwrite(self.fd, buffer[written:], offset + written)
+            if count <= 0:
+                raise OSError(errno.EIO, f"short write to segment {self.number}")
+            written += count
+        os.fdatasync(self.fd)
+        if not self.direct:
+            os.posix_fadvise(self.fd, offset, len(buffer), os.POSIX_FADV_DONTNEED)
+
+    def read(self, buffer: memoryview, offset: int) -> int:
+        """Read up to ``len(buffer)`` bytes at ``offset``; the bytes read (fewer at the
+        file's end). Raises ``OSError``."""
+        done = 0
+        while done < len(buffer):
+            count = os.preadv(self.fd, [buffer[done:]], offset + done)
+            if count == 0:
+                break
+            done += count
+        return done
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            os.close(self.fd)
+
+
+class TierDirectory:
+    """The tier's directory, locked for this process until ``close``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        _make_private_directory(path)
+        try:
+            self._fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise StoreError(f"cannot open the disk tier's directory {path}: {exc}") from exc
+        try:
+            self._lock = self._open_file(LOCK_NAME, os.O_RDWR | os.O_CREAT)
+        except OSError as exc:
+            os.close(self._fd)
+            raise StoreError(f"cannot open {path / LOCK_NAME}: {exc}") from exc
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            holder = os.pread(self._lock, 32, 0).decode(errors="replace").strip()
+            os.close(self._lock)
+            os.close(self._fd)
+            raise StoreError(
+                f"the disk tier at {path} belongs to another sidecar (pid {holder or '?'}), "
+                "which holds its lock; give each sidecar a store.disk.path of its own"
+            ) from exc
+        os.ftruncate(self._lock, 0)
+        os.pwrite(self._lock, f"{os.getpid()}\n".encode(), 0)
+
+    def segment_numbers(self) -> list[int]:
+        """The numbers of the segment files present, in order."""
+        found = []
+        for name in os.listdir(self._fd):
+            match = SEGMENT_NAME.fullmatch(name)
+            if match is not None:
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    def create_segment(self, number: int, size: int) -> Segment:
+        """A new segment file of ``size`` bytes, allocated whole. Raises ``OSError``
+        (``ENOSPC`` when the file system cannot hold it)."""
+        name = _segment_name(number)
+        fd, direct = self._open_segment(name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=self._fd)
+            raise
+        return Segment(number, fd, size, direct=direct)
+
+    def open_segment(self, number: int) -> Segment:
+        """An existing segment file. Raises ``OSError``."""
+        fd, direct = self._open_segment(_segment_name(number), os.O_RDWR)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            os.close(fd)
+            raise OSError(errno.EPERM, f"segment {number} is not a file this user owns")
+        return Segment(number, fd, info.st_size, direct=direct)
+
+    def remove_segment(self, number: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_segment_name(number), dir_fd=self._fd)
+
+    def close(self) -> None:
+        """Unlock and close the directory."""
+        os.close(self._lock)
+        os.close(self._fd)
+
+    def _open_file(self, name: str, flags: int) -> int:
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._fd)
+
+    def _open_segment(self, name: str, flags: int) -> tuple[int, bool]:
+        try:
+            return self._open_file(name, flags | os.O_DIRECT), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+        return self._open_file(name, flags), False
+
+
+def _segment_name(number: int) -> str:
+    return f"segment-{number:010d}.kv"
+
+
+def _make_private_directory(path: Path) -> None:
+    """Create ``path`` 0700 (its parents as needed), or check that it is a directory of
+    this user's, closed to others, and not a symlink."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise StoreError(f"cannot create the disk tier's directory {path}: {exc}") from exc
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise StoreError(f"the disk tier's path {path} is not a directory (a symlink is "
+                         "not followed)")
+    if info.st_uid != os.geteuid():
+        raise StoreError(f"the disk tier's directory {path} belongs to uid {info.st_uid}, "
+                         f"not to this sidecar's user (uid {os.geteuid()})")
+    if info.st_mode & 0o077:
+        raise StoreError(f"the disk tier's directory {path} is open to other users "
+                         f"(mode {stat.S_IMODE(info.st_mode):o}); chmod 700 it")

@@ -1,0 +1,389 @@
+"""The disk tier on a real file system: values written behind memory come back whole
+after a restart, damage is caught and dropped, a full or failing disk turns the tier off
+while memory goes on serving, and the directory is the sidecar's alone."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import anyio
+import anyio.lowlevel
+import pytest
+import torch
+
+from pipeline.backends.stores.disk import DiskTier, open_disk_tier
+from pipeline.backends.stores.disk.records import BLOCK
+from pipeline.backends.stores.embedded import EmbeddedStore
+from pipeline.core.config import DiskStoreConfig, EmbeddedStoreConfig
+from pipeline.core.errors import StoreError
+from pipeline.core.outcomes import LOADED, MISSING, BlockStatus
+from pipeline.core.runs import value_views
+from pipeline.core.store import Presence, ValueScope
+
+MiB = 1 << 20
+SIZE = 60_000
+SCOPE = ValueScope("tenant-a", "f00d")
+WAIT_S = 20
+
+
+def value(seed: int, size: int = SIZE) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+
+
+def disk_config(path: Path, **overrides: object) -> DiskStoreConfig:
+    settings: dict[str, object] = {"path": str(path), "bytes": 64 * MiB,
+                                   "segment_bytes": 8 * MiB, "max_queued_bytes": 8 * MiB}
+    settings.update(overrides)
+    return DiskStoreConfig(**settings)  # type: ignore[arg-type]
+
+
+@contextlib.asynccontextmanager
+async def opened(config: DiskStoreConfig, capacity: int = 4 * MiB, *, promote: bool = True,
+                 fault: object = None) -> AsyncIterator[tuple[EmbeddedStore, DiskTier]]:
+    """A memory tier of ``capacity`` over the disk tier of ``config``."""
+    async with open_disk_tier(config, fault=fault) as tier:  # type: ignore[arg-type]
+        store = EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=capacity), disk=tier,
+                              on_evicted=lambda keys: None, promote=promote)
+        try:
+            yield store, tier
+        finally:
+            await store.aclose()
+
+
+async def save(store: EmbeddedStore, key: str, data: torch.Tensor,
+               scope: ValueScope = SCOPE) -> None:
+    extents = await store.reserve([key], data.numel(), scope=scope)
+    views = value_views(extents.runs)
+    if views:
+        views[0].copy_(data)
+    store.commit(extents, written=True)
+
+
+async def load(store: EmbeddedStore, key: str, size: int = SIZE,
+               scope: ValueScope | None = SCOPE) -> torch.Tensor | BlockStatus | str:
+    extents = await store.lease([key], size, scope=scope)
+    try:
+        outcome = extents.outcomes[0]
+        if outcome != LOADED:
+            return outcome.reason or outcome.status
+        return value_views(extents.runs)[0].clone()
+    finally:
+        store.release(extents)
+
+
+async def settle(tier: DiskTier) -> None:
+    assert await tier.flush(WAIT_S)
+
+
+@contextlib.asynccontextmanager
+async def writers_held(tier: DiskTier) -> AsyncIterator[None]:
+    """Every writer thread's slot taken: nothing is written until the block ends."""
+    limiter = tier._write_limiter
+    borrowers = [object() for _ in range(int(limiter.total_tokens))]
+    for borrower in borrowers:
+        await limiter.acquire_on_behalf_of(borrower)
+    try:
+        yield
+    finally:
+        for borrower in borrowers:
+            limiter.release_on_behalf_of(borrower)
+
+
+async def test_values_written_behind_memory_come_back_after_a_restart(tmp_path: Path) -> None:
+    """Save more than memory holds; every value is on disk, and after the tier is closed
+    and opened again (a restart), each loads byte for byte from disk."""
+    config = disk_config(tmp_path / "tier", max_queued_bytes=MiB // 2)
+    truth = {f"key-{i}": value(i) for i in range(150)}  # 9 MB through a 4 MiB memory tier
+    async with opened(config) as (store, tier):
+        for i, (key, data) in enumerate(truth.items()):
+            await save(store, key, data)
+            if i % 8 == 7:
+                await settle(tier)
+        await settle(tier)
+        assert len(tier.records) == len(truth) and tier.counters.skipped == 0
+    async with opened(config) as (store, tier):
+        assert len(tier.records) == len(truth)
+        assert await store.exists(list(truth), [SIZE] * len(truth)) == [
+            Presence.PRESENT] * len(truth)
+        for key, data in truth.items():
+            loaded = await load(store, key)
+            assert isinstance(loaded, torch.Tensor) and torch.equal(loaded, data), key
+        assert tier.counters.reads >= len(truth) - 4 * MiB // SIZE
+
+
+async def test_a_graceful_stop_writes_what_was_only_in_memory(tmp_path: Path) -> None:
+    """Values the queue had no room for are written when the store closes (within the
+    flush deadline), so the restart finds every one."""
+    config = disk_config(tmp_path / "tier", max_queued_bytes=BLOCK * 16)  # one value queued
+    truth = {f"key-{i}": value(i) for i in range(20)}
+    async with opened(config, capacity=8 * MiB) as (store, tier):
+        for key, data in truth.items():
+            await save(store, key, data)  # no await between saves: the queue overflows
+        assert tier.counters.skipped > 0
+    async with opened(config) as (store, tier):
+        assert set(tier.records) == set(truth)
+        for key, data in truth.items():
+            loaded = await load(store, key)
+            assert isinstance(loaded, torch.Tensor) and torch.equal(loaded, data)
+
+
+async def test_a_full_queue_skips_and_counts_and_never_waits(tmp_path: Path) -> None:
+    """While the writers cannot write, offers past the queue's bound are refused at once
+    and counted; saves to memory go on."""
+    config = disk_config(tmp_path / "tier", max_queued_bytes=4 * 16 * BLOCK)
+    async with opened(config, capacity=8 * MiB) as (store, tier):
+        async with writers_held(tier):
+            with anyio.fail_after(5):
+                for i in range(20):
+                    await save(store, f"key-{i}", value(i))
+                    await anyio.lowlevel.checkpoint()
+            assert tier.counters.skipped >= 20 - 4 - config.writers
+            loaded = await load(store, "key-19")
+            assert isinstance(loaded, torch.Tensor) and torch.equal(loaded, value(19))
+
+
+async def test_loads_from_disk_do_not_wait_behind_writes(tmp_path: Path) -> None:
+    """With every writer thread held, a value on disk still loads: reads have threads of
+    their own."""
+    config = disk_config(tmp_path / "tier")
+    async with opened(config, capacity=SIZE * 3) as (store, tier):
+        for i in range(10):
+            await save(store, f"key-{i}", value(i))
+            await settle(tier)
+        async with writers_held(tier):
+            await save(store, "queued", value(99))  # its write waits for a writer
+            with anyio.fail_after(5):
+                loaded = await load(store, "key-0")
+            assert isinstance(loaded, torch.Tensor) and torch.equal(loaded, value(0))
+
+
+async def test_the_budget_holds_and_the_oldest_segments_go(tmp_path: Path) -> None:
+    """Past its budget the tier drops its oldest segment whole; it never holds more."""
+    config = disk_config(tmp_path / "tier", bytes=64 * MiB, segment_bytes=8 * MiB)
+    removed: list[str] = []
+    async with open_disk_tier(config, on_removed=removed.extend) as tier:
+        store = EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=2 * MiB), disk=tier)
+        for i in range(1400):  # ~90 MB of records
+            await save(store, f"key-{i}", value(i))
+            await anyio.lowlevel.checkpoint()
+            assert tier.used_bytes <= config.bytes
+        await settle(tier)
+        await store.aclose()
+        files = sum(f.stat().st_size for f in (tmp_path / "tier").glob("segment-*"))
+        assert files <= config.bytes
+        assert tier.counters.evicted > 0 and "key-0" in removed
+        assert "key-1399" in tier.records and "key-0" not in tier.records
+
+
+def flip(path: Path, offset: int) -> None:
+    with path.open("r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 0xFF]))
+
+
+async def test_flipped_bytes_on_disk_are_caught_dropped_and_recomputed(tmp_path: Path) -> None:
+    """A flipped value byte fails the read (the block is missing, to be recomputed) and
+    its record leaves the index; a flipped header byte drops the record at the next
+    start, and the records after it are still found."""
+    config = disk_config(tmp_path / "tier")
+    truth = {f"key-{i}": value(i) for i in range(6)}
+    async with opened(config, capacity=SIZE * 2) as (store, tier):
+        for key, data in truth.items():
+            await save(store, key, data)
+            await settle(tier)
+        where = {key: tier.records[key].offset for key in truth}
+    segment = next((tmp_path / "tier").glob("segment-*"))
+    flip(segment, where["key-1"] + BLOCK + 10)  # in the value
+    flip(segment, where["key-3"] + 70)  # in the key, under the header checksum
+    async with opened(config, capacity=SIZE * 2) as (store, tier):
+        assert "key-3" not in tier.records and tier.counters.dropped == {"checksum": 1}
+        assert await load(store, "key-1") == MISSING.reason
+        assert "key-1" not in tier.records
+        assert tier.counters.dropped == {"checksum": 2}
+        for key in ("key-0", "key-2", "key-4", "key-5"):
+            loaded = await load(store, key)
+            assert isinstance(loaded, torch.Tensor) and torch.equal(loaded, truth[key])
+
+
+async def test_a_record_of_an_unknown_version_is_dropped(tmp_path: Path) -> None:
+    """A record written by another format version is never loaded; the rest are."""
+    config = disk_config(tmp_path / "tier")
+    async with opened(config, capacity=SIZE * 2) as (store, tier):
+        for i in range(3):
+            await save(store, f"key-{i}", value(i))
+            await settle(tier)
+        at = tier.records["key-1"].offset
+    segment = next((tmp_path / "tier").glob("segment-*"))
+    with segment.open("r+b") as file:
+        file.seek(at + 4)
+        file.write((2).to_bytes(2, "little"))
+    async with opened(config) as (store, tier):
+        assert set(tier.records) == {"key-0", "key-2"}
+        assert tier.counters.dropped == {"version": 1}
+
+
+async def test_a_write_cut_off_is_never_loaded(tmp_path: Path) -> None:
+    """A record whose value was not all written (the tail of its blocks never reached
+    the disk) fails its checksum: missing, never wrong."""
+    config = disk_config(tmp_path / "tier")
+    async with opened(config, capacity=SIZE * 2) as (store, tier):
+        for i in range(3):
+            await save(store, f"key-{i}", value(i))
+            await settle(tier)
+        record = tier.records["key-2"]
+    segment = next((tmp_path / "tier").glob("segment-*"))
+    with segment.open("r+b") as file:
+        file.seek(record.offset + record.span - 2 * BLOCK)
+        file.write(bytes(2 * BLOCK))
+    async with opened(config) as (store, tier):
+        assert await load(store, "key-2") == MISSING.reason
+        loaded = await load(store, "key-0")
+        assert isinstance(loaded, torch.Tensor) and torch.equal(loaded, value(0))
+
+
+async def test_values_are_lent_only_to_their_scope(tmp_path: Path) -> None:
+    """A value on disk is a miss for another tenant and foreign for another layout."""
+    config = disk_config(tmp_path / "tier")
+    async with opened(config, capacity=SIZE * 2) as (store, tier):
+        await save(store, "key", value(1))
+        await settle(tier)
+    async with opened(config) as (store, tier):
+        assert await load(store, "key", scope=ValueScope("tenant-b", SCOPE.fingerprint)) \
+            == MISSING.reason
+        reason = await load(store, "key", scope=ValueScope(SCOPE.tenant, "beef"))
+        assert isinstance(reason, str) and reason.startswith("foreign_value")
+        loaded = await load(store, "key")
+        assert isinstance(loaded, torch.Tensor) and torch.equal(loaded, value(1))
+        assert tier.index.tenant_bytes == {SCOPE.tenant: tier.records["key"].span}
+
+
+@pytest.mark.parametrize("promote", [True, False])
+async def test_promotion_is_a_policy(tmp_path: Path, promote: bool) -> None:
+    """on_hit: a value loaded from disk is in memory afterwards; never: it is not."""
+    config = disk_config(tmp_path / "tier")
+    async with opened(config, capacity=SIZE * 4) as (store, tier):
+        await save(store, "key", value(1))
+        await settle(tier)
+    async with opened(config, capacity=SIZE * 4, promote=promote) as (store, tier):
+        loaded = await load(store, "key")
+        assert isinstance(loaded, torch.Tensor) and torch.equal(loaded, value(1))
+        assert (store.stats().keys == 1) is promote
+        await load(store, "key")
+        assert tier.counters.reads == (1 if promote else 2)
+
+
+async def test_an_io_error_turns_the_tier_off_and_memory_serves(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """EIO on a write (a fault point): the tier is off, says so once, and saves and
+    loads of values in memory go on."""
+    config = disk_config(tmp_path / "tier")
+    failing = {"disk.write": False}
+    async with opened(config, capacity=SIZE * 8,
+                      fault=lambda name: failing.get(name, False)) as (store, tier):
+        await save(store, "before", value(1))
+        await settle(tier)
+        failing["disk.write"] = True
+        await save(store, "during", value(2))
+        with anyio.fail_after(WAIT_S):
+            while tier.enabled:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        assert tier.counters.errors == 1 and not tier.records
+        await save(store, "after", value(3))
+        for key, seed in (("during", 2), ("after", 3)):
+            loaded = await load(store, key)
+            assert isinstance(loaded, torch.Tensor) and torch.equal(loaded, value(seed))
+    assert capsys.readouterr().out.count("store.disk.disabled") == 1
+
+
+async def test_an_io_error_on_a_read_is_a_miss_and_turns_the_tier_off(tmp_path: Path) -> None:
+    """EIO on a read: the block is missing (recomputed), the tier is off."""
+    config = disk_config(tmp_path / "tier")
+    async with opened(config, capacity=SIZE * 2) as (store, tier):
+        await save(store, "key", value(1))
+        await settle(tier)
+    async with opened(config, fault=lambda name: name == "disk.read") as (store, tier):
+        assert await load(store, "key") == MISSING.reason
+        assert not tier.enabled
+        assert await store.exists(["key"], [SIZE]) == [Presence.ABSENT]
+
+
+@contextlib.contextmanager
+def small_tmpfs(tmp_path: Path, size: str) -> Iterator[Path]:
+    mount = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                           str(mount)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+async def test_a_full_disk_turns_the_tier_off_and_memory_serves(tmp_path: Path) -> None:
+    """On a 20 MiB tmpfs under a 64 MiB budget, the third segment cannot be allocated
+    (ENOSPC): the tier turns off with its reason, and memory keeps every value since."""
+    with small_tmpfs(tmp_path, "20m") as mount:
+        config = disk_config(mount / "tier")
+        async with opened(config, capacity=8 * MiB) as (store, tier):
+            with anyio.fail_after(WAIT_S * 2):
+                i = 0
+                while tier.enabled:
+                    await save(store, f"key-{i}", value(i))
+                    await anyio.lowlevel.checkpoint()
+                    i += 1
+            assert tier.counters.errors == 1
+            for j in range(i - 5, i):
+                loaded = await load(store, f"key-{j}")
+                assert isinstance(loaded, torch.Tensor) and torch.equal(loaded, value(j))
+
+
+async def test_the_directory_is_private_and_locked(tmp_path: Path) -> None:
+    """Created 0700 with 0600 files; a second opener is refused while the first holds it;
+    a directory open to others, or a symlink for one, is refused."""
+    path = tmp_path / "a" / "tier"
+    config = disk_config(path)
+    async with opened(config) as (store, tier):
+        await save(store, "key", value(1))
+        await settle(tier)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700
+        assert {stat.S_IMODE(f.stat().st_mode) for f in path.iterdir()} == {0o600}
+        with pytest.raises(StoreError, match=f"pid {os.getpid()}"):
+            async with open_disk_tier(config):
+                pass
+    path.chmod(0o755)
+    with pytest.raises(StoreError, match="chmod 700"):
+        async with open_disk_tier(config):
+            pass
+    link = tmp_path / "link"
+    link.symlink_to(path, target_is_directory=True)
+    path.chmod(0o700)
+    with pytest.raises(StoreError, match="symlink"):
+        async with open_disk_tier(disk_config(link)):
+            pass
+
+
+async def test_a_symlink_planted_as_a_segment_is_not_followed(tmp_path: Path) -> None:
+    """A segment name that is a symlink (to a file the sidecar could read) is refused at
+    the scan: the target is neither read nor written."""
+    path = tmp_path / "tier"
+    config = disk_config(path)
+    async with opened(config):
+        pass
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"KVSD" + bytes(BLOCK * 4))
+    (path / "segment-0000000009.kv").symlink_to(secret)
+    with pytest.raises(StoreError, match="cannot read the disk tier"):
+        async with open_disk_tier(config):
+            pass
+    assert secret.read_bytes() == b"KVSD" + bytes(BLOCK * 4)
