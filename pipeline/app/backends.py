@@ -22,6 +22,7 @@ from pipeline.backends.memory import InPlaceMemory, LentMemory, StagingMemory
 from pipeline.backends.staging import StagingPool
 from pipeline.backends.stores.beside import ChecksumBesideStore
 from pipeline.backends.stores.breaker import CircuitBreakerStore
+from pipeline.backends.stores.disk.tier import DiskTier
 from pipeline.backends.threads import WorkerThreads
 from pipeline.core.config import Config, StoreConfig, TransferStageConfig
 from pipeline.core.errors import ConfigError
@@ -52,6 +53,8 @@ class OpenStore:
     answered in the receiving task."""
     reads_here: ReadsHere | None = None
     """None: loads never read values where they lie (not Mooncake)."""
+    disk: DiskTier | None = None
+    """The disk tier under the embedded store, if one is configured."""
 
 
 @contextlib.asynccontextmanager
@@ -65,6 +68,7 @@ async def open_store(
         store: KVStore
         usage: Usage | None = None
         reads_here: ReadsHere | None = None
+        disk: DiskTier | None = None
         call_timeout_s: float | None = config.breaker.call_timeout_s
         if config.backend == "mooncake":
             from pipeline.backends.stores.mooncake.setup import open_mooncake_store
@@ -74,7 +78,6 @@ async def open_store(
         else:
             from pipeline.backends.stores.embedded import EmbeddedStore
 
-            disk = None
             if config.disk.path:
                 from pipeline.backends.stores.disk import open_disk_tier
 
@@ -103,7 +106,7 @@ async def open_store(
         try:
             yield OpenStore(guarded, usage, answers_at_once=answers_at_once(
                 config.backend, faults_on=isinstance(store, FaultyStore)),
-                reads_here=reads_here)
+                reads_here=reads_here, disk=disk)
         finally:
             with anyio.CancelScope(shield=True):
                 await guarded.aclose()
@@ -127,6 +130,8 @@ class Backends:
     registered with it while mapped; None: values are copied."""
     reads_here: ReadsHere | None = None
     """``OpenStore.reads_here``."""
+    disk: DiskTier | None = None
+    """``OpenStore.disk``."""
 
 
 def answers_at_once(backend: str, *, faults_on: bool) -> bool:
@@ -209,7 +214,7 @@ async def open_backends(
                                                   helpers=cuda_helpers),
                            answers_at_once=opened.answers_at_once,
                            in_place=guarded if in_place else None,
-                           reads_here=opened.reads_here)
+                           reads_here=opened.reads_here, disk=opened.disk)
 
 
 def _copy_engine(transfer: TransferStageConfig, threads: WorkerThreads, *,

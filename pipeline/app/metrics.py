@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from pipeline.app.backends import Usage
+from pipeline.backends.stores.disk.tier import DiskTier
 from pipeline.core.messages import LoadDone, Lookup, LookupReply, SaveDone, prompt_length
 from pipeline.core.outcomes import BlockStatus
 from pipeline.state.jobs import Reply
@@ -62,6 +63,8 @@ class BackendGauges:
     reads_here: Callable[[], tuple[int, int]] | None = None
     """Values loads read where they lie: (loaded, failed as read past their lease); None
     where loads never do."""
+    disk: DiskTier | None = None
+    """The disk tier, if there is one."""
 
 
 class _Collector(Collector):
@@ -91,6 +94,8 @@ class _Collector(Collector):
                                       strict=True):
                 read.add_metric([outcome], count)
             yield read
+        if backends.disk is not None:
+            yield from _disk_metrics(backends.disk)
         breaker = GaugeMetricFamily(
             "kvsidecar_store_breaker", "The store's circuit breaker (1: its state now)",
             labels=["state"])
@@ -118,6 +123,46 @@ class _Collector(Collector):
                      "" if store_group is None else str(store_group)],
                     float(store_group is not None))
         yield groups
+
+
+def _disk_metrics(disk: DiskTier) -> Iterator[Metric]:
+    """The disk tier's fill and traffic (read from the scraping thread: copies only)."""
+    counters = disk.counters
+    yield GaugeMetricFamily("kvsidecar_disk_enabled",
+                            "1 while the disk tier serves; 0 once a disk error turned it off",
+                            value=float(disk.enabled))
+    yield GaugeMetricFamily("kvsidecar_disk_used_bytes",
+                            "Bytes the disk tier's segment files take", value=disk.used_bytes)
+    yield GaugeMetricFamily("kvsidecar_disk_capacity_bytes",
+                            "Bytes the disk tier may take (store.disk.bytes)",
+                            value=disk.budget_bytes)
+    yield GaugeMetricFamily("kvsidecar_disk_values", "Values durable on disk",
+                            value=len(disk.sizes))
+    by_tenant = GaugeMetricFamily("kvsidecar_disk_value_bytes",
+                                  "Bytes of the values on disk, by tenant", labels=["tenant"])
+    for tenant, held in dict(disk.index.tenant_bytes).items():
+        by_tenant.add_metric([tenant], held)
+    yield by_tenant
+    yield GaugeMetricFamily("kvsidecar_disk_queued_bytes",
+                            "Bytes of values waiting to be written to disk",
+                            value=disk.queued_bytes)
+    for name, help_text, count in (
+            ("writes", "Values written to disk (durable)", counters.writes),
+            ("written_bytes", "Bytes written to disk", counters.written_bytes),
+            ("reads", "Values read back from disk, checked", counters.reads),
+            ("read_bytes", "Bytes read back from disk", counters.read_bytes),
+            ("skipped", "Values not written: the disk fell behind (its queue was full)",
+             counters.skipped),
+            ("errors", "Disk errors (the first turns the tier off)", counters.errors),
+            ("evicted", "Values on disk dropped with their segment to keep the budget",
+             counters.evicted)):
+        yield CounterMetricFamily(f"kvsidecar_disk_{name}", help_text, value=count)
+    dropped = CounterMetricFamily("kvsidecar_disk_dropped",
+                                  "Records found bad and never loaded, by reason",
+                                  labels=["reason"])
+    for reason, count in dict(counters.dropped).items():
+        dropped.add_metric([reason], count)
+    yield dropped
 
 
 class _Waits:

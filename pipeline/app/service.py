@@ -144,6 +144,7 @@ class Sidecar:
                 staging=lambda: (save_slots - pool.free_slots("save"), save_slots,
                                  pool.load_slots - pool.free_slots("load"), pool.load_slots),
                 reads_here=self.backends.reads_here,
+                disk=self.backends.disk,
             ),
             lambda: self.registry.sessions.values(),
         )

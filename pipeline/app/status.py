@@ -148,6 +148,7 @@ def _store(now: Snapshot) -> Table:
         table.add_row("values loads read where they lie",
                       f"{read_here.get(('loaded',), 0):.0f} "
                       f"({read_here.get(('lease_expired',), 0):.0f} failed, past their lease)")
+    _disk(now, table)
     breaker = [state for (state,), on in now.by("kvsidecar_store_breaker", "state").items() if on]
     table.add_row("breaker", ", ".join(breaker) or "-")
     slots = now.by("kvsidecar_staging_slots", "lane", "use")
@@ -160,6 +161,28 @@ def _store(now: Snapshot) -> Table:
                        ("kvsidecar_sessions_reaped_total", "engines reaped")):
         table.add_row(what, f"{now.total(name):.0f}")
     return table
+
+
+def _disk(now: Snapshot, table: Table) -> None:
+    """The disk tier's rows, if it has one."""
+    capacity = now.total("kvsidecar_disk_capacity_bytes")
+    if not capacity:
+        return
+    used = now.total("kvsidecar_disk_used_bytes")
+    state = "on" if now.total("kvsidecar_disk_enabled") else "OFF (a disk error; see the log)"
+    table.add_row("disk tier", state)
+    table.add_row("disk fill", f"{used / 2**30:.2f} / {capacity / 2**30:.2f} GiB "
+                               f"({100 * used / capacity:.1f}%), "
+                               f"{now.total('kvsidecar_disk_values'):.0f} values")
+    table.add_row("disk writes, reads",
+                  f"{now.total('kvsidecar_disk_writes_total'):.0f} "
+                  f"({now.total('kvsidecar_disk_written_bytes_total') / 2**20:.0f} MiB), "
+                  f"{now.total('kvsidecar_disk_reads_total'):.0f} "
+                  f"({now.total('kvsidecar_disk_read_bytes_total') / 2**20:.0f} MiB)")
+    dropped = now.total("kvsidecar_disk_dropped_total")
+    table.add_row("disk skipped, errors, dropped",
+                  f"{now.total('kvsidecar_disk_skipped_total'):.0f}, "
+                  f"{now.total('kvsidecar_disk_errors_total'):.0f}, {dropped:.0f}")
 
 
 def _traffic(now: Snapshot, before: Snapshot | None) -> Table:

@@ -135,6 +135,10 @@ class DiskTier:
         return len(self._segments) * self.segment_bytes
 
     @property
+    def budget_bytes(self) -> int:
+        return self._config.bytes
+
+    @property
     def queued_bytes(self) -> int:
         return self._queued_bytes
 
