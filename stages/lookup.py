@@ -16,7 +16,7 @@ the block history why each one absent is absent.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import anyio.lowlevel
 
@@ -57,17 +57,20 @@ class LookupStage:
     def __init__(
         self, store: KVStore, value_sizes: Mapping[str, Mapping[str, int]],
         history: BlockHistory | None = None, *, probe_first: bool = False,
+        where: Callable[[str], str] | None = None,
     ) -> None:
         """``value_sizes``: per tenant, the stored bytes of a value under each key
         prefix, as its engines registered them; a key under a prefix of unknown size is
         a miss.
         ``history`` explains absent blocks (without it every absent block is
         never_stored). ``probe_first``: the store answers in-process, so a query costs
-        its keys, not a round trip: a long prompt's known hashes are probed first."""
+        its keys, not a round trip: a long prompt's known hashes are probed first.
+        ``where``: where the store keeps a present block's value, for explanations."""
         self._store = store
         self._value_sizes = value_sizes
         self._history = history or BlockHistory(0)
         self._probe_first = probe_first
+        self._where = where
 
     async def hit_tokens(self, session: EngineSession, message: Lookup) -> int:
         bound = max_hit_tokens(session.layout, prompt_length(message))
@@ -201,6 +204,8 @@ class LookupStage:
             verdict, reason, age_s = self._history.why(
                 keys[at + shard], geometry.keys.lookup[shard], (g, block_hash),
                 presence[at + shard], message.keys, prompt, end, tenant=session.tenant)
+            if verdict is Verdict.PRESENT and self._where is not None:
+                reason = self._where(keys[at + shard])
             explained.append(BlockWhy(geometry.kv_group_id, j, block_hash, verdict, reason,
                                       round(age_s, 3)))
         return tuple(explained)

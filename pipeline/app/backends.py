@@ -22,6 +22,7 @@ from pipeline.backends.memory import InPlaceMemory, LentMemory, StagingMemory
 from pipeline.backends.staging import StagingPool
 from pipeline.backends.stores.beside import ChecksumBesideStore
 from pipeline.backends.stores.breaker import CircuitBreakerStore
+from pipeline.backends.stores.disk.behind import Moved
 from pipeline.backends.stores.disk.tier import DiskTier
 from pipeline.backends.threads import WorkerThreads
 from pipeline.core.config import Config, StoreConfig, TransferStageConfig
@@ -55,20 +56,25 @@ class OpenStore:
     """None: loads never read values where they lie (not Mooncake)."""
     disk: DiskTier | None = None
     """The disk tier under the embedded store, if one is configured."""
+    where: Callable[[str], str] | None = None
+    """Where the store keeps a key's value (``EmbeddedStore.where``); None: not said."""
 
 
 @contextlib.asynccontextmanager
 async def open_store(
     config: StoreConfig, faults: Faults | None, on_evicted: Evicted, pin: Pin | None = None,
+    on_moved: Moved | None = None,
 ) -> AsyncIterator[OpenStore]:
     """The configured store backend behind a circuit breaker (and fault points, if any),
-    closed on exit. ``on_evicted`` hears of the embedded store's evictions; ``pin`` pins
-    its memory, which GPU blocks are copied into and out of."""
+    closed on exit. ``on_evicted`` hears of the embedded store's evictions, ``on_moved``
+    of its values arriving in and leaving memory and disk (``EmbeddedStore``); ``pin``
+    pins its memory, which GPU blocks are copied into and out of."""
     async with contextlib.AsyncExitStack() as held:
         store: KVStore
         usage: Usage | None = None
         reads_here: ReadsHere | None = None
         disk: DiskTier | None = None
+        where: Callable[[str], str] | None = None
         call_timeout_s: float | None = config.breaker.call_timeout_s
         if config.backend == "mooncake":
             from pipeline.backends.stores.mooncake.setup import open_mooncake_store
@@ -84,11 +90,14 @@ async def open_store(
                 disk = await held.enter_async_context(open_disk_tier(
                     config.disk, fault=faults.fires if faults is not None else None,
                     on_removed=lambda keys: embedded.disk_removed(keys)))
-            embedded = EmbeddedStore(config.embedded, on_evicted=on_evicted, disk=disk,
-                                     promote=config.disk.promote == "on_hit")
+            embedded = EmbeddedStore(
+                config.embedded, on_evicted=on_evicted, disk=disk,
+                promote=config.disk.promote == "on_hit",
+                on_moved=on_moved or (lambda keys, medium, present: None))
             if pin is not None:
                 held.enter_context(pin(embedded.memory))
             store = embedded
+            where = embedded.where
 
             def usage() -> tuple[int, int, int]:
                 stats = embedded.stats()
@@ -106,7 +115,7 @@ async def open_store(
         try:
             yield OpenStore(guarded, usage, answers_at_once=answers_at_once(
                 config.backend, faults_on=isinstance(store, FaultyStore)),
-                reads_here=reads_here, disk=disk)
+                reads_here=reads_here, disk=disk, where=where)
         finally:
             with anyio.CancelScope(shield=True):
                 await guarded.aclose()
@@ -132,6 +141,8 @@ class Backends:
     """``OpenStore.reads_here``."""
     disk: DiskTier | None = None
     """``OpenStore.disk``."""
+    where: Callable[[str], str] | None = None
+    """``OpenStore.where``."""
 
 
 def answers_at_once(backend: str, *, faults_on: bool) -> bool:
@@ -150,7 +161,7 @@ def moves_in_place(config: Config) -> bool:
 
 @contextlib.asynccontextmanager
 async def open_backends(
-    config: Config, faults: Faults, on_evicted: Evicted,
+    config: Config, faults: Faults, on_evicted: Evicted, on_moved: Moved | None = None,
 ) -> AsyncIterator[Backends]:
     staging = config.staging
     transfer = config.stages.transfer
@@ -160,7 +171,7 @@ async def open_backends(
         if transfer.device == "cuda":
             pin = _cuda_pin()
             held.enter_context(pin(pool.buffer))
-        async with open_store(config.store, faults, on_evicted, pin) as opened:
+        async with open_store(config.store, faults, on_evicted, pin, on_moved) as opened:
             guarded = opened.store
             await guarded.register_buffer(pool.buffer)
             store: KVStore = guarded
@@ -214,7 +225,8 @@ async def open_backends(
                                                   helpers=cuda_helpers),
                            answers_at_once=opened.answers_at_once,
                            in_place=guarded if in_place else None,
-                           reads_here=opened.reads_here, disk=opened.disk)
+                           reads_here=opened.reads_here, disk=opened.disk,
+                           where=opened.where)
 
 
 def _copy_engine(transfer: TransferStageConfig, threads: WorkerThreads, *,

@@ -88,6 +88,9 @@ class Resources:
     history: BlockHistory
     answers_at_once: bool
     """The store's queries wait on nothing (in-process): a query costs only its keys."""
+    where: Callable[[str], str] | None = None
+    """Where the store keeps the value under a key (``in memory``, ``on disk``), for
+    explanations; None: the store does not say."""
     after_copy: Callable[[], Awaitable[None]] | None = None
     """Awaited between a save batch's copy and its check (fault point
     ``transfer.copied``)."""
@@ -177,7 +180,7 @@ def _stages(config: Config) -> tuple[tuple[Spec | BatchSpec[Resources], ...], ..
         ), "scatter", SCATTER_WAITS),
     )
     lookup = (Spec("lookup", lambda r: LookupStage(
-        r.store, r.value_sizes, r.history, probe_first=r.answers_at_once,
+        r.store, r.value_sizes, r.history, probe_first=r.answers_at_once, where=r.where,
     ), "lookup", _lookup_rule(config)),)
     return save, load, lookup
 
@@ -279,6 +282,15 @@ def show_graph(config: Config) -> None:
     console.print(f"store: {store.backend} behind a circuit breaker "
                   f"(call timeout {store.breaker.call_timeout_s:g} s), "
                   f"{store.value_format} values, checksums {'on' if store.checksum else 'off'}")
+    disk = store.disk
+    if store.backend == "embedded" and disk.path:
+        console.print(
+            f"disk tier: {disk.path}, {disk.bytes / 2**30:g} GiB in segments of "
+            f"{disk.segment_bytes >> 20} MiB (the oldest goes whole); every value the store "
+            f"takes is written behind it ({disk.writers} writers, batches up to "
+            f"{disk.batch_bytes >> 20} MiB, queue {disk.max_queued_bytes >> 20} MiB, skipped "
+            f"when full); loads read from disk on {disk.readers} threads of their own, "
+            f"checked first; promote: {disk.promote}")
     console.print(f"batch memory: {memory}")
     work = "checksums in place" if in_place else "cpu"
     console.print(f"copy engine: {work}, {config.stages.transfer.threads} threads for saves "

@@ -169,6 +169,7 @@ class Sidecar:
             moved=self.metrics.mover,
             history=self.history,
             answers_at_once=backends.answers_at_once,
+            where=backends.where,
             after_copy=self._fault_point("transfer.copied"),
         )
 
@@ -227,7 +228,10 @@ class Sidecar:
             if self.publisher is not None:
                 await root.start(self.publisher.run, name="events")
                 if self.config.store.backend == "embedded":
-                    self.events.cleared()  # the store starts empty
+                    # The store starts empty but for what its disk tier kept.
+                    self.events.cleared()
+                    if self.backends.disk is not None:
+                        self.events.moved(list(self.backends.disk.records), "disk", True)
             root.start_soon(receiver.run, name="receive")
             if self.desk is not None:
                 root.start_soon(self.desk.run, name="handover")
@@ -300,16 +304,16 @@ async def run_sidecar(
     events = KVEventLog(config.events)
     history = BlockHistory(config.explain.max_blocks)
 
-    def evicted(keys: Sequence[str]) -> None:
-        events.removed(keys)
-        history.evicted(keys)
+    def moved(keys: Sequence[str], medium: str, present: bool) -> None:
+        events.moved(keys, medium, present)
 
     tenancy = Tenancy(config.tenants, config.server.operators,
                       insecure=config.server.allow_insecure_tcp)
     # The endpoint's lock first and last: while it is held, no other sidecar binds the
     # endpoint, and engines know this one may still touch their memory.
     with hold_endpoint_of(config.server):
-        async with open_backends(config, faults, on_evicted=evicted) as backends:
+        async with open_backends(config, faults, on_evicted=history.evicted,
+                                 on_moved=moved) as backends:
             with open_server_socket(config.server, tenancy) as socket, open_handover_desk(
                     socket, config.server) as desk:
                 sidecar = Sidecar(config, backends, socket, faults, events, history,

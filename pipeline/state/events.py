@@ -29,6 +29,10 @@ __all__ = ["KVEventLog"]
 log = structlog.get_logger("kvsidecar.events")
 
 
+MAX_SHAPES = 4096
+"""Key prefixes whose shape ``KVEventLog`` remembers: engines x groups x ranks."""
+
+
 class KVEventLog:
     def __init__(self, config: EventsConfig) -> None:
         self.enabled = bool(config.endpoint)
@@ -40,6 +44,8 @@ class KVEventLog:
         self.pending: MemoryObjectReceiveStream[KVCacheEvent] = receive
         """What the publisher drains."""
         self.dropped = 0
+        self._shapes: dict[str, tuple[int, str | None, int | None]] = {}
+        """Block size, kind and window of each key prefix saved under (``moved``)."""
 
     def stored(self, tasks: Sequence[BlockTask]) -> None:
         """Blocks just stored, one event each (as vLLM's store connector sends them)."""
@@ -48,6 +54,9 @@ class KVEventLog:
         for task in tasks:
             group = task.geometry.group
             message = task.job.message
+            prefix = task.key.rpartition("@")[0]
+            if prefix not in self._shapes and len(self._shapes) < MAX_SHAPES:
+                self._shapes[prefix] = (group.block_size, str(group.kind), group.sliding_window)
             tokens: list[int] = []
             if self._config.include_token_ids:
                 start = task.block_index * group.block_size
@@ -78,6 +87,29 @@ class KVEventLog:
                 self._put(BlockRemoved(
                     [self._hash(block_hash)], medium=self._config.medium, group_idx=group
                 ))
+
+    def moved(self, keys: Sequence[str], medium: str, present: bool) -> None:
+        """Keys that arrived in (``present``) or left a medium of the store: ``memory``
+        (named ``events.medium``) or ``disk``. A block announced from disk carries the
+        block size and kind its group had when an engine last saved under its key
+        prefix in this process, or 0 and none if none has."""
+        if not self.enabled:
+            return
+        name = self._config.medium if medium == "memory" else medium
+        for key in keys:
+            parsed = parse_key(key)
+            if parsed is None:
+                continue
+            group, block_hash = parsed
+            if not present:
+                self._put(BlockRemoved([self._hash(block_hash)], medium=name, group_idx=group))
+                continue
+            block_size, kind, window = self._shapes.get(key.rpartition("@")[0], (0, None, None))
+            self._put(BlockStored(
+                block_hashes=[self._hash(block_hash)], parent_block_hash=None, token_ids=[],
+                block_size=block_size, lora_id=None, medium=name, lora_name=None,
+                group_idx=group, kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=window))
 
     def cleared(self) -> None:
         if self.enabled:

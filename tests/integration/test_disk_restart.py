@@ -8,8 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
+import zmq
 
+from pipeline.core.events import external_hash
+from pipeline.core.hashing import block_hashes
+from pipeline.core.runs import value_span
 from pipeline.testing import SidecarProcess, run_sidecar_process
 from tests.kit import KVEngine, hybrid_layout, random_tokens
 
@@ -35,11 +40,11 @@ def prompt(index: int) -> list[int]:
     return random_tokens(TOKENS, seed=5000 + index)
 
 
-async def load_and_check(sidecar: SidecarProcess, saver: KVEngine,
-                         indices: range) -> dict[int, int]:
-    """Load each prompt into a fresh engine; the tokens each hit, after checking that
-    every block loaded equals the block it was saved from."""
-    reader = KVEngine(LAYOUT)
+async def load_and_check(sidecar: SidecarProcess, saver: KVEngine, indices: range,
+                         layout: dict[str, Any] = LAYOUT) -> dict[int, int]:
+    """Load each prompt into a fresh engine of ``layout``; the tokens each hit, after
+    checking that every block loaded equals the block it was saved from."""
+    reader = KVEngine(layout)
     hits = {}
     async with await reader.connect(sidecar.endpoint) as client:
         for index in indices:
@@ -117,3 +122,75 @@ async def test_one_tier_belongs_to_one_sidecar(tmp_path: Path) -> None:
         with pytest.raises(RuntimeError, match=f"another sidecar \\(pid {first.pid}\\)"):
             with run_sidecar_process(with_tier(tmp_path / "tier")):
                 pass
+
+
+def replayed(endpoint: str) -> list[dict[str, Any]]:
+    """Every event the sidecar's replay socket still holds, from sequence 0, in order."""
+    context = zmq.Context()
+    try:
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(endpoint)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        events: list[dict[str, Any]] = []
+        while True:
+            assert dealer.poll(TIMEOUT * 1000), "no replay answer"
+            _, _, seq, payload = dealer.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                return events
+            batch = msgspec.msgpack.decode(payload)
+            events.extend(batch[1])
+    finally:
+        context.destroy(linger=0)
+
+
+def media(events: list[dict[str, Any]], block_hash: int) -> list[tuple[str, str]]:
+    """(event type, medium) of every event about one block of store group 0, in order."""
+    return [(event["type"], event["medium"]) for event in events
+            if block_hash in event.get("block_hashes", ()) and event.get("group_idx") == 0]
+
+
+async def test_explain_and_kv_events_follow_a_value_between_memory_and_disk(
+        tmp_path: Path) -> None:
+    """A value evicted from memory is still present, ``on disk``; KV events announce it
+    stored in cpu, then on disk, removed from cpu, and stored in cpu again when a load
+    promotes it. After a restart the first event clears everything and every value on
+    disk is announced again, from sequence 0."""
+    layout = hybrid_layout(page_bytes=4096)
+    saver = KVEngine(layout)
+    span = value_span(2 * 4096 + 8)
+    events_dir = tmp_path / "events"
+    events_dir.mkdir()
+    overrides = with_tier(tmp_path / "tier", capacity_bytes=2 * 8 * span + 1000)
+    overrides["events"] = {"endpoint": f"ipc://{events_dir}/pub",
+                           "replay_endpoint": f"ipc://{events_dir}/replay"}
+    first_prompt, second, third = (prompt(index) for index in range(3))
+    first_hash = external_hash(block_hashes(first_prompt, 16)[0], as_int=True)
+    with anyio.fail_after(TIMEOUT * 2):
+        with run_sidecar_process(overrides, metrics=True) as sidecar:
+            async with await saver.connect(sidecar.endpoint) as client:
+                stored = 0
+                for index, tokens in enumerate((first_prompt, second, third)):
+                    stored += (await client.save(f"s{index}", tokens, blocks_of(index))).stored
+                    while written(sidecar) < stored:  # noqa: ASYNC110
+                        await anyio.sleep(0.02)
+                evicted = await client.lookup(first_prompt, explain=True)
+                assert evicted.hit_tokens == 64
+                assert {(b.verdict, b.reason) for b in evicted.blocks} == {("present", "on disk")}
+                kept = await client.lookup(third, explain=True)
+                assert {(b.verdict, b.reason) for b in kept.blocks} == {
+                    ("present", "in memory and on disk")}
+            hits = await load_and_check(sidecar, saver, range(1), layout)
+            assert hits == {0: 64}
+            events = replayed(f"ipc://{events_dir}/replay")
+            assert events[0]["type"] == "AllBlocksCleared"
+            assert media(events, first_hash) == [
+                ("BlockStored", "cpu"), ("BlockStored", "disk"), ("BlockRemoved", "cpu"),
+                ("BlockStored", "cpu")]
+            assert sidecar.terminate() == 0
+        with run_sidecar_process(overrides):
+            await anyio.sleep(0.5)
+            events = replayed(f"ipc://{events_dir}/replay")
+    assert events[0]["type"] == "AllBlocksCleared"
+    announced = [event for event in events[1:] if event["type"] == "BlockStored"]
+    assert {event["medium"] for event in announced} == {"disk"}
+    assert len(announced) == stored and media(events, first_hash) == [("BlockStored", "disk")]

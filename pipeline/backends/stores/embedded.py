@@ -40,7 +40,7 @@ import torch
 from anyio.abc import AsyncResource
 
 from pipeline.backends.stores.arena import ArenaAllocator
-from pipeline.backends.stores.disk.behind import DiskBehind, Lent
+from pipeline.backends.stores.disk.behind import DISK, MEMORY, DiskBehind, Lent, Moved
 from pipeline.backends.stores.disk.tier import DiskRecord, DiskTier
 from pipeline.backends.stores.embedded_index import (
     Entry,
@@ -57,7 +57,7 @@ from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORE_FULL, STORED,
 from pipeline.core.runs import VALUE_ALIGN, Run, value_span
 from pipeline.core.store import Extents, Presence, ValueScope
 
-__all__ = ["EmbeddedStore", "EmbeddedStoreStats", "index_budget", "index_charge"]
+__all__ = ["EmbeddedStore", "EmbeddedStoreStats", "Moved", "index_budget", "index_charge"]
 
 DEFAULT_COPY_THREADS = 2
 
@@ -85,9 +85,12 @@ class EmbeddedStore(AsyncResource):
         value_align: int = VALUE_ALIGN,
         disk: DiskTier | None = None,
         promote: bool = True,
+        on_moved: Moved = lambda keys, medium, present: None,
     ) -> None:
         """``on_evicted`` hears the keys evicted to make room (on the event loop) that
-        are not on disk either. ``value_align``: each value is padded to a multiple of it
+        are not on disk either; ``on_moved`` every key that arrives in a medium
+        (``memory``, ``disk``) or leaves one, but for the values ``put`` or committed,
+        which the caller knows of. ``value_align``: each value is padded to a multiple of it
         (1 packs them back to back, the smallest footprint, but rows side by side then
         straddle cache lines). ``disk``: the disk tier under it; ``promote``: a value read
         from disk stays in memory."""
@@ -102,23 +105,32 @@ class EmbeddedStore(AsyncResource):
             ) from exc
         self._arena_address = self._arena.data_ptr()
         self._on_evicted = on_evicted
+        self._on_moved = on_moved
         self._index = Index(ArenaAllocator(config.capacity_bytes), align=value_align,
                             on_evicted=self._evicted)
-        self._disk = (None if disk is None
-                      else DiskBehind(disk, self._index, self._slot, promote=promote))
+        self._disk = (None if disk is None else DiskBehind(
+            disk, self._index, self._slot, promote=promote, on_moved=on_moved))
         self._limiter = copy_limiter or anyio.CapacityLimiter(DEFAULT_COPY_THREADS)
         self._closed = False
 
     def _evicted(self, keys: Sequence[str]) -> None:
+        self._on_moved(keys, MEMORY, False)
         gone = keys if self._disk is None else self._disk.not_on_disk(keys)
         if gone:
             self._on_evicted(gone)
 
     def disk_removed(self, keys: Sequence[str]) -> None:
         """Keys whose record left the disk: those not in memory either are gone."""
+        self._on_moved(keys, DISK, False)
         gone = [key for key in keys if key not in self._index.ready_sizes]
         if gone:
             self._on_evicted(gone)
+
+    def where(self, key: str) -> str:
+        """Where the value under ``key`` is kept (``in memory``, ``on disk``, both), or ''."""
+        memory = key in self._index.ready_sizes
+        disk = self._disk is not None and self._disk.holds(key)
+        return " and ".join(p for p, here in (("in memory", memory), ("on disk", disk)) if here)
 
     @property
     def disk(self) -> DiskTier | None:
@@ -230,7 +242,6 @@ class EmbeddedStore(AsyncResource):
         return outcomes
 
     # -- DirectKVStore: stages copy straight into and out of the arena ---------------------
-
 
     async def reserve(self, keys: Sequence[str], size: int, *,
                       scope: ValueScope | None = None) -> Extents:
@@ -352,7 +363,7 @@ class EmbeddedStore(AsyncResource):
             elif self._disk is not None and self._disk.holds(key):
                 removed += 1
         if self._disk is not None:
-            self._disk.tier.remove(keys)
+            self._on_moved(self._disk.tier.remove(keys), DISK, False)
         return removed
 
     async def aclose(self) -> None:

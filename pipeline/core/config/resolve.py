@@ -89,8 +89,8 @@ def disk_segment_bytes(budget: int) -> int:
 
 def disk_queue_bytes(capacity: int) -> int:
     """Values waiting for the disk, pinned in memory meanwhile: an eighth of the memory
-    tier, within [8 MiB, 256 MiB] (a full batch at least)."""
-    return min(256 * MiB, max(8 * MiB, capacity // 8))
+    tier, at most 256 MiB, so that a disk that falls behind holds little of it."""
+    return max(4096, min(256 * MiB, capacity // 8))
 
 
 def _refuse_contradictions(config: OperatorConfig) -> None:

@@ -2,28 +2,36 @@
 
 Every value the memory tier makes readable is offered to the disk (write-through), its
 entry pinned until the write ends; eviction then drops only the memory copy of a value
-on disk. A lease of a value found only on disk reads it into an extent of the arena and
-lends it once it checks out: with ``promote: on_hit`` the extent becomes the value's
-memory entry, with ``never`` it is freed when the lease ends.
+on disk. A value the disk's queue has no room for waits, unpinned, in ``behind`` (in the
+order they came) and is offered again as the queue drains; one evicted from memory
+before that is never written, and counted (``skipped``). A lease of a value found only
+on disk reads it into an extent of the arena and lends it once it checks out: with
+``promote: on_hit`` the extent becomes the value's memory entry, with ``never`` it is
+freed when the lease ends.
 
 It runs on the event loop, as the memory tier's index does.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 
 import torch
 
-from pipeline.backends.stores.disk.tier import DiskRecord, DiskTier
+from pipeline.backends.stores.disk.tier import DiskRecord, DiskTier, Offer
 from pipeline.backends.stores.embedded_index import Entry, Index, index_charge
 from pipeline.core.outcomes import LOADED, KeyOutcome, failed
 from pipeline.core.runs import value_span
 from pipeline.core.store import ValueScope
 
-__all__ = ["DiskBehind", "Lent"]
+__all__ = ["DISK", "MEMORY", "DiskBehind", "Lent", "Moved"]
 
 Lent = list[tuple[Entry | None, KeyOutcome]]
+MEMORY = "memory"
+DISK = "disk"
+Moved = Callable[[Sequence[str], str, bool], None]
+"""Hears keys that arrived in (True) or left (False) a medium, ``MEMORY`` or ``DISK``."""
 FOREIGN = failed("foreign_value: stored on disk for another layout")
 
 
@@ -31,8 +39,11 @@ class DiskBehind:
     """The disk tier under one memory tier (``index``, whose values ``slot`` gives)."""
 
     def __init__(self, tier: DiskTier, index: Index, slot: Callable[[Entry], torch.Tensor],
-                 *, promote: bool) -> None:
+                 *, promote: bool, on_moved: Moved) -> None:
         self.tier = tier
+        self._on_moved = on_moved
+        self._behind: collections.OrderedDict[str, Entry] = collections.OrderedDict()
+        tier.on_room = self._catch_up
         self._index = index
         self._slot = slot
         self._promote = promote
@@ -50,26 +61,48 @@ class DiskBehind:
     def demote(self, entry: Entry, *, force: bool = False) -> None:
         """Write a readable entry's value to disk, behind the caller (pinned meanwhile);
         ``force``: past the queue's bound (a graceful stop's flush)."""
+        if self._offer(entry, force=force) == "full":
+            self._behind[entry.key] = entry
+
+    def _offer(self, entry: Entry, *, force: bool = False) -> Offer | None:
+        """Offer a readable entry to the disk (None: it needs no writing)."""
         if entry.on_disk or entry.removed:
-            return
+            return None
         if self.tier.has(entry.key):
             entry.on_disk = True
-            return
+            return None
         scope = entry.scope
         offered = self.tier.offer(
             entry.key, self._slot(entry), scope.tenant if scope else "",
             scope.fingerprint if scope else "", lambda written: self._written(entry, written),
             force=force)
-        if offered:
+        if offered == "queued":
             self._index.pin(entry)
+        return offered
+
+    def _catch_up(self) -> None:
+        """Offer the values the disk is behind on, oldest first, while the queue has room."""
+        behind = self._behind
+        while behind:
+            key, entry = next(iter(behind.items()))
+            if self._offer(entry) == "full":
+                return
+            del behind[key]
 
     def _written(self, entry: Entry, written: bool) -> None:
         entry.on_disk = written
         self._index.unpin(entry)
+        if written:
+            self._on_moved([entry.key], DISK, True)
 
     def not_on_disk(self, keys: Sequence[str]) -> list[str]:
-        """Of keys just evicted from memory, those that are gone from the store."""
-        return [key for key in keys if not self.holds(key)]
+        """Of keys just evicted from memory, those that are gone from the store (a value
+        the disk was behind on is counted ``skipped``)."""
+        gone = [key for key in keys if not self.holds(key)]
+        for key in gone:
+            if self._behind.pop(key, None) is not None:
+                self.tier.counters.skipped += 1
+        return gone
 
     def record(self, key: str) -> DiskRecord | None:
         return self.tier.record(key) if self.tier.enabled else None
@@ -109,6 +142,7 @@ class DiskBehind:
             if kept:
                 entry.on_disk = True
                 self._index.make_ready(entry)
+                self._on_moved([entry.key], MEMORY, True)
             lent[position] = (entry, LOADED)
 
     def _room(self, key: str, size: int, record: DiskRecord) -> tuple[Entry, bool] | None:
@@ -140,7 +174,8 @@ class DiskBehind:
     async def flush(self, entries: Sequence[Entry]) -> None:
         """Write every readable entry not yet on disk, past the queue's bound, within the
         tier's ``flush_timeout_s``; what is not written by then is lost, and logged."""
+        self._behind.clear()
         for entry in entries:
             if entry.key in self._index.ready_sizes:
-                self.demote(entry, force=True)
+                self._offer(entry, force=True)
         await self.tier.flush(self.tier.flush_timeout_s)

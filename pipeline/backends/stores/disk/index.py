@@ -1,15 +1,33 @@
-"""The disk tier's index: the record that stands under each key, the bytes each tenant
-holds on disk, and which keys each segment holds (to forget them when it goes). It lives
-on the event loop thread and is only touched there."""
+"""The disk tier's books: its index (the record that stands under each key, the bytes
+each tenant holds on disk, and which keys each segment holds, to forget them when it
+goes) and its counters. They live on the event loop thread and are only touched there."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Sequence
 
 from pipeline.backends.stores.disk.io import DiskRecord
 
-__all__ = ["DiskIndex"]
+__all__ = ["DiskCounters", "DiskIndex"]
+
+
+@dataclasses.dataclass
+class DiskCounters:
+    writes: int = 0
+    written_bytes: int = 0
+    reads: int = 0
+    read_bytes: int = 0
+    skipped: int = 0
+    """Values never written: gone from memory while the disk was behind, or too large
+    for a record."""
+    errors: int = 0
+    evicted: int = 0
+    """Records gone with their segment, to make room."""
+    dropped: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Records found bad, by reason (``checksum``, ``version``, ``malformed``,
+    ``mismatch``): never loaded."""
 
 
 class DiskIndex:
@@ -64,6 +82,6 @@ class DiskIndex:
         self._segment_keys.clear()
         return keys
 
-    def remove(self, keys: Sequence[str]) -> None:
-        for key in keys:
-            self.forget(key)
+    def remove(self, keys: Sequence[str]) -> list[str]:
+        """Forget the records under ``keys``; the keys that had one."""
+        return [key for key in keys if self.forget(key) is not None]

@@ -2,9 +2,10 @@
 
 Writes go through: every value the memory tier takes is offered to the tier. A bounded
 queue (``max_queued_bytes``) holds what waits, each value pinned in memory until its
-record is written; a value offered to a full queue is skipped and counted, never waited
-for. Writers take the queue in batches of up to ``batch_bytes`` and write each batch
-with one call at the end of the open segment, several batches in flight.
+record is written; an offer to a full queue is refused at once, never waited for, and
+the caller offers again when ``on_room`` says the queue took a batch. Writers take the
+queue in batches of up to ``batch_bytes`` and write each batch with one call at the end
+of the open segment, several batches in flight.
 
 A value is *durable* once the write of its batch and the ``fdatasync`` after it
 returned: from then on it is in the index, readable, and it survives the process
@@ -19,8 +20,8 @@ Reads run on threads of their own, never behind writes. A record read back is ch
 fails is dropped from the index and reported, and the caller recomputes it.
 
 An error of the file system on a write or a read (a full disk, EIO, a vanished mount)
-disables the tier: it logs ``store.disk.disabled`` once, counts it, answers nothing
-from disk from then on, and the memory tier goes on serving.
+disables the tier: it logs ``store.disk.disabled`` once, counts it, answers nothing from
+disk from then on, and the memory tier goes on serving.
 
 The index lives on the event loop thread and is only touched there.
 """
@@ -28,9 +29,9 @@ The index lives on the event loop thread and is only touched there.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import errno
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import anyio
 import anyio.to_thread
@@ -38,7 +39,7 @@ import numpy
 import structlog
 import torch
 
-from pipeline.backends.stores.disk.index import DiskIndex
+from pipeline.backends.stores.disk.index import DiskCounters, DiskIndex
 from pipeline.backends.stores.disk.io import (
     DiskRecord,
     Found,
@@ -59,24 +60,9 @@ __all__ = ["DiskCounters", "DiskRecord", "DiskTier"]
 
 log = structlog.get_logger("kvsidecar.store.disk")
 
+Offer = Literal["queued", "full", "refused"]
 Fault = Callable[[str], bool]
 """Whether the named fault point fires now (tests inject I/O errors through it)."""
-
-
-@dataclasses.dataclass
-class DiskCounters:
-    writes: int = 0
-    written_bytes: int = 0
-    reads: int = 0
-    read_bytes: int = 0
-    skipped: int = 0
-    """Values not written because the queue was full (the disk fell behind)."""
-    errors: int = 0
-    evicted: int = 0
-    """Records gone with their segment, to make room."""
-    dropped: dict[str, int] = dataclasses.field(default_factory=dict)
-    """Records found bad, by reason (``checksum``, ``version``, ``malformed``,
-    ``mismatch``): never loaded."""
 
 
 class DiskTier:
@@ -92,6 +78,8 @@ class DiskTier:
         self._config = config
         self._fault = fault or (lambda name: False)
         self._on_removed = on_removed
+        self.on_room: Callable[[], None] = lambda: None
+        """Told (on the event loop) when the queue has taken a batch off: room for more."""
         self.enabled = True
         self.index = DiskIndex()
         self.counters = DiskCounters()
@@ -142,30 +130,31 @@ class DiskTier:
     def queued_bytes(self) -> int:
         return self._queued_bytes
 
-    def remove(self, keys: Sequence[str]) -> None:
-        """Forget the records under ``keys`` (their bytes stay until their segment goes)."""
-        self.index.remove(keys)
+    def remove(self, keys: Sequence[str]) -> list[str]:
+        """Forget the records under ``keys`` (their bytes stay until their segment
+        goes); the keys that had one."""
+        return self.index.remove(keys)
 
     # -- writes ------------------------------------------------------------------------
 
     def offer(self, key: str, value: torch.Tensor, tenant: str, fingerprint: str,
-              done: Callable[[bool], None], *, force: bool = False) -> bool:
+              done: Callable[[bool], None], *, force: bool = False) -> Offer:
         """Queue ``value`` (uint8, held unchanged until ``done``) to be written under
-        ``key``; False, without calling ``done``, when the tier is off, full of pending
-        writes (unless ``force``), or the record could never fit a batch."""
+        ``key``: ``queued``; else, without calling ``done``, ``full`` (pending writes
+        fill the queue: offer it again after ``on_room``; ``force`` queues it anyway) or
+        ``refused`` (the tier is off, or the record could never fit a batch)."""
         if not self.enabled:
-            return False
+            return "refused"
         span = record_span(key, tenant, fingerprint, value.numel())
         if span is None or span > self._config.batch_bytes:
             self.counters.skipped += 1
-            return False
+            return "refused"
         if not force and self._queued_bytes + span > self._config.max_queued_bytes:
-            self.counters.skipped += 1
-            return False
+            return "full"
         self._queue.append(Pending(key, value, tenant, fingerprint, span, done))
         self._queued_bytes += span
         self._work.set()
-        return True
+        return "queued"
 
     @property
     def flush_timeout_s(self) -> float:
@@ -193,6 +182,7 @@ class DiskTier:
                 if self._work is work:
                     self._work = anyio.Event()
             batch, span = self._take()
+            self.on_room()
             self._in_flight += 1
             try:
                 if buffer is None or buffer.size < span:
