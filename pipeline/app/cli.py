@@ -1,4 +1,4 @@
-"""``kvsidecar``: serve, demo, engine-sim, status, explain, graph, bench, keygen.
+"""``kvsidecar``: serve, demo, engine-sim, status, explain, graph, bench, keygen, disk.
 
 Exit codes: 0 clean shutdown (or a demo whose every byte verified), 1 failure at run
 time, 2 bad configuration or arguments.
@@ -114,6 +114,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--config", type=Path, default=None,
                        help="sidecar YAML config (default: configs/default.yaml)")
 
+    from pipeline.app.disk import add_disk_arguments
+
+    add_disk_arguments(commands.add_parser(
+        "disk", help="what a disk tier holds (show), or empty it (clear); not while a "
+                     "sidecar holds it"))
     keygen = commands.add_parser("keygen", help="write a CURVE key pair (sidecar or engine)")
     keygen.add_argument("--out", required=True, help="writes OUT.key (secret) and OUT.key.pub")
     return parser
@@ -162,6 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pipeline.app.explain import run_explain
 
             return run_explain(args)
+        if args.command == "disk":
+            from pipeline.app.disk import run_disk
+
+            return run_disk(args)
         if args.command == "graph":
             from pipeline.app.graph import show_graph
 

@@ -288,9 +288,9 @@ def show_graph(config: Config) -> None:
             f"disk tier: {disk.path}, {disk.bytes / 2**30:g} GiB in segments of "
             f"{disk.segment_bytes >> 20} MiB (the oldest goes whole); every value the store "
             f"takes is written behind it ({disk.writers} writers, batches up to "
-            f"{disk.batch_bytes >> 20} MiB, queue {disk.max_queued_bytes >> 20} MiB, skipped "
-            f"when full); loads read from disk on {disk.readers} threads of their own, "
-            f"checked first; promote: {disk.promote}")
+            f"{disk.batch_bytes >> 20} MiB, queue {disk.max_queued_bytes >> 20} MiB; past it a "
+            f"value waits in memory, skipped if evicted first); loads read from disk on "
+            f"{disk.readers} threads of their own, checked first; promote: {disk.promote}")
     console.print(f"batch memory: {memory}")
     work = "checksums in place" if in_place else "cpu"
     console.print(f"copy engine: {work}, {config.stages.transfer.threads} threads for saves "

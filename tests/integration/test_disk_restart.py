@@ -3,7 +3,10 @@ SIGTERM, and after a SIGKILL on every value that was durable, byte for byte."""
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -194,3 +197,31 @@ async def test_explain_and_kv_events_follow_a_value_between_memory_and_disk(
     announced = [event for event in events[1:] if event["type"] == "BlockStored"]
     assert {event["medium"] for event in announced} == {"disk"}
     assert len(announced) == stored and media(events, first_hash) == [("BlockStored", "disk")]
+
+
+def disk_command(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pipeline.app.cli", "disk", *args],
+                          capture_output=True, text=True, timeout=TIMEOUT, check=False)
+
+
+async def test_an_operator_shows_and_clears_a_tier(tmp_path: Path) -> None:
+    """``kvsidecar disk`` refuses while a sidecar holds the tier; once it is stopped,
+    ``show`` counts the values per tenant and ``clear`` empties the tier, so the next
+    sidecar starts cold."""
+    saver = KVEngine(LAYOUT)
+    tier = str(tmp_path / "tier")
+    with anyio.fail_after(TIMEOUT * 2):
+        with run_sidecar_process(with_tier(tmp_path / "tier")) as sidecar:
+            async with await saver.connect(sidecar.endpoint) as client:
+                stored = (await client.save("s", prompt(0), blocks_of(0))).stored
+            held = await anyio.to_thread.run_sync(disk_command, "clear", "--path", tier)
+            assert held.returncode == 1 and f"pid {sidecar.pid}" in held.stderr
+            assert sidecar.terminate() == 0
+        shown = await anyio.to_thread.run_sync(disk_command, "show", "--path", tier, "--json")
+        assert shown.returncode == 0, shown.stderr
+        summary = json.loads(shown.stdout)
+        assert summary["values"] == stored and set(summary["value_bytes"]) == {"default"}
+        cleared = await anyio.to_thread.run_sync(disk_command, "clear", "--path", tier)
+        assert cleared.returncode == 0 and "starts cold" in cleared.stdout
+        with run_sidecar_process(with_tier(tmp_path / "tier")) as cold:
+            assert await load_and_check(cold, saver, range(1)) == {0: 0}

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 
-from pipeline.app.graph import build_graph, paths
-from pipeline.core.config import Config, MooncakeStoreConfig, StoreConfig
+from pipeline.app.graph import build_graph, paths, show_graph
+from pipeline.core.config import Config, DiskStoreConfig, MooncakeStoreConfig, StoreConfig
 from pipeline.runner import ALWAYS, NEVER
 
 
@@ -83,3 +84,17 @@ async def test_shedding_answers_a_jobs_or_a_batchs_blocks_skipped_overloaded() -
         assert replies[-1] is job and job.done
         assert [(r.status, r.reason) for r in job.reports] == [
             (BlockStatus.SKIPPED, OVERLOADED.reason)] * 2
+
+
+def test_the_graph_shows_the_disk_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    """With store.disk, ``kvsidecar graph`` names the tier, its budget, its writers,
+    queue and readers, and the promotion policy; without it, no tier line."""
+    show_graph(Config())
+    assert "disk tier" not in capsys.readouterr().out
+    config = msgspec.structs.replace(Config(), store=StoreConfig(
+        disk=DiskStoreConfig(path="/srv/tier", bytes=1 << 30, promote="never")))
+    show_graph(config)
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "disk tier: /srv/tier, 1 GiB in segments of 256 MiB" in printed
+    assert "2 writers" in printed and "4 threads of their own" in printed
+    assert "promote: never" in printed

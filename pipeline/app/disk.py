@@ -1,0 +1,100 @@
+"""``kvsidecar disk show|clear``: what a disk tier holds, and emptying it.
+
+Both take the tier's lock as a sidecar does, so neither runs while a sidecar holds the
+tier: stop it first. ``clear`` removes every segment file; the next sidecar on the tier
+starts cold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from pipeline.backends.stores.disk.io import Found, scan
+from pipeline.backends.stores.disk.records import FORMAT_VERSION
+from pipeline.backends.stores.disk.segments import TierDirectory
+from pipeline.core.config import load_config
+from pipeline.core.errors import ConfigError
+
+__all__ = ["add_disk_arguments", "run_disk"]
+
+
+def add_disk_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=("show", "clear"),
+                        help="show: what the tier holds; clear: remove every value in it")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--config", type=Path, help="the sidecar's config (its store.disk.path)")
+    where.add_argument("--path", type=Path, help="the tier's directory")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _path(args: argparse.Namespace) -> Path:
+    if args.path is not None:
+        return Path(args.path)
+    path = load_config(args.config).store.disk.path
+    if not path:
+        raise ConfigError("store.disk.path is not set: this config has no disk tier "
+                          "(give --path, or --config of one that has)")
+    return Path(path)
+
+
+def _standing(found: list[Found]) -> dict[str, Found]:
+    """The record that stands under each key (the later one)."""
+    standing: dict[str, Found] = {}
+    for item in found:
+        current = standing.get(item.header.key)
+        if current is None or current.header.sequence < item.header.sequence:
+            standing[item.header.key] = item
+    return standing
+
+
+def run_disk(args: argparse.Namespace) -> int:
+    """Show or clear the tier; the exit code."""
+    path = _path(args)
+    directory = TierDirectory(path)
+    try:
+        found, segments, dropped = scan(directory)
+        standing = _standing(found)
+        by_tenant: collections.Counter[str] = collections.Counter()
+        for item in standing.values():
+            by_tenant[item.header.tenant or "-"] += item.header.span
+        summary: dict[str, Any] = {
+            "path": str(path), "format_version": FORMAT_VERSION,
+            "segments": len(segments),
+            "segment_bytes": sum(segment.size for segment in segments.values()),
+            "values": len(standing), "value_bytes": dict(by_tenant), "dropped": dropped,
+        }
+        for segment in segments.values():
+            segment.close()
+        if args.action == "clear":
+            for number in segments:
+                directory.remove_segment(number)
+            summary["cleared"] = True
+    finally:
+        directory.close()
+    _print(summary, as_json=args.json)
+    return 0
+
+
+def _print(summary: dict[str, Any], *, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    table = Table(title=f"disk tier at {summary['path']}", show_header=False)
+    table.add_column("what")
+    table.add_column("value")
+    table.add_row("segments",
+                  f"{summary['segments']} ({summary['segment_bytes'] / 2**20:.0f} MiB)")
+    table.add_row("values", str(summary["values"]))
+    for tenant, held in summary["value_bytes"].items():
+        table.add_row(f"  of tenant {tenant}", f"{held / 2**20:.1f} MiB")
+    table.add_row("records dropped as bad", json.dumps(summary["dropped"]))
+    if summary.get("cleared"):
+        table.add_row("cleared", "every segment removed: the next sidecar starts cold")
+    Console().print(table)
