@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import functools
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -54,11 +55,17 @@ from pipeline.backends.stores.disk.segments import (
     TierDirectory,
     aligned,
 )
+from pipeline.backends.threads import WorkerThreads
 from pipeline.core.config import DiskStoreConfig
 
 __all__ = ["DiskCounters", "DiskRecord", "DiskTier"]
 
 log = structlog.get_logger("kvsidecar.store.disk")
+
+WRITER_NICE = 15
+"""How much lower the writers' CPU priority is than the sidecar's: below a save's copies
+(10). Writing behind memory is the most deferrable work the sidecar has; on a busy host
+the disk falls behind (values wait, then are skipped) before saves or loads slow down."""
 
 Offer = Literal["queued", "full", "refused"]
 Fault = Callable[[str], bool]
@@ -97,6 +104,7 @@ class DiskTier:
         self._in_flight = 0
         self._roll_lock = anyio.Lock()
         self._write_limiter = anyio.CapacityLimiter(config.writers)
+        self._writers = WorkerThreads(config.writers, name="kvsidecar-disk", nice=WRITER_NICE)
         self._read_limiter = anyio.CapacityLimiter(config.readers)
         self._read_buffers = AlignedBuffers()
 
@@ -221,9 +229,9 @@ class DiskTier:
             failing = self._fault("disk.write")
             segment.readers += 1
             try:
-                spans = await anyio.to_thread.run_sync(
-                    write_batch, segment, offset, batch, sequences, buffer, failing,
-                    limiter=self._write_limiter)
+                async with self._write_limiter:
+                    (spans,) = await self._writers.run_each([functools.partial(
+                        write_batch, segment, offset, batch, sequences, buffer, failing)])
             finally:
                 self._release(segment)
         except OSError as exc:
@@ -375,6 +383,7 @@ class DiskTier:
             self._on_removed(lost)
 
     def close(self) -> None:
+        self._writers.close()
         queued, self._queue = list(self._queue), collections.deque()
         self._queued_bytes = 0
         self._settle(queued, None)
