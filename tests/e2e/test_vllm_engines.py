@@ -199,3 +199,24 @@ def test_vllm_format_values_on_mooncake_serve_the_engine(
     assert computed["num_cached_tokens"] == 0 and same_output(computed, baseline)
     assert loaded["num_cached_tokens"] == (PROMPT_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert same_output(loaded, baseline), (max_logprob_diff(loaded, baseline), loaded, baseline)
+
+
+def test_a_restarted_sidecar_serves_a_new_engine_from_its_disk_tier(
+    engines: tuple[Engines, dict[str, Any]], tmp_path: Path,
+) -> None:
+    """An engine computes and saves the prompt; the sidecar stops (its memory written
+    to its disk tier) and another starts on the same tier; a new engine loads the prefix
+    from it and generates exactly as an engine without the connector."""
+    runner, baseline = engines
+    with_disk = {"store": {"disk": {"path": str(tmp_path / "tier"), "bytes": 256 << 20}}}
+    with run_sidecar_process(with_disk) as sidecar:
+        (first,) = runner.run(sidecar.endpoint)
+        assert sidecar.terminate() == 0
+    with run_sidecar_process(with_disk) as restarted:
+        opened = next(json.loads(line) for line in restarted.log().splitlines()
+                      if '"store.disk.opened"' in line)
+        (second,) = runner.run(restarted.endpoint)
+    assert opened["records"] > 0
+    assert first["num_cached_tokens"] == 0 and same_output(first, baseline)
+    assert second["num_cached_tokens"] == (PROMPT_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert same_output(second, baseline), (max_logprob_diff(second, baseline), second, baseline)
