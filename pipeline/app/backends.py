@@ -88,8 +88,7 @@ async def open_store(
                 from pipeline.backends.stores.disk import open_disk_tier
 
                 disk = await held.enter_async_context(open_disk_tier(
-                    config.disk, fault=faults.fires if faults is not None else None,
-                    on_removed=lambda keys: embedded.disk_removed(keys)))
+                    config.disk, fault=faults.fires if faults is not None else None))
             embedded = EmbeddedStore(
                 config.embedded, on_evicted=on_evicted, disk=disk,
                 promote=config.disk.promote == "on_hit",

@@ -45,22 +45,23 @@ def _path(args: argparse.Namespace) -> Path:
 
 
 def _standing(found: list[Found]) -> dict[str, Found]:
-    """The record that stands under each key (the later one)."""
-    standing: dict[str, Found] = {}
+    """The record that stands under each key (the latest, unless a later tombstone)."""
+    latest: dict[str, Found] = {}
     for item in found:
-        current = standing.get(item.header.key)
+        current = latest.get(item.header.key)
         if current is None or current.header.sequence < item.header.sequence:
-            standing[item.header.key] = item
-    return standing
+            latest[item.header.key] = item
+    return {key: item for key, item in latest.items() if not item.header.removal}
 
 
 def run_disk(args: argparse.Namespace) -> int:
     """Show or clear the tier; the exit code."""
     path = _path(args)
-    directory = TierDirectory(path)
+    directory = TierDirectory(path, create=False)
     try:
-        found, segments, dropped = scan(directory)
-        standing = _standing(found)
+        scanned = scan(directory)
+        segments, dropped = scanned.segments, scanned.dropped
+        standing = _standing(scanned.found)
         by_tenant: collections.Counter[str] = collections.Counter()
         for item in standing.values():
             by_tenant[item.header.tenant or "-"] += item.header.span
@@ -72,8 +73,10 @@ def run_disk(args: argparse.Namespace) -> int:
         }
         for segment in segments.values():
             segment.close()
+        if scanned.unreadable:
+            summary["unreadable_segments"] = scanned.unreadable
         if args.action == "clear":
-            for number in segments:
+            for number in directory.segment_numbers():
                 directory.remove_segment(number)
             summary["cleared"] = True
     finally:

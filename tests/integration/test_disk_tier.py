@@ -9,16 +9,17 @@ import os
 import stat
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import anyio
 import anyio.lowlevel
+import numpy
 import pytest
 import torch
 
 from pipeline.backends.stores.disk import DiskTier, open_disk_tier
-from pipeline.backends.stores.disk.records import BLOCK
+from pipeline.backends.stores.disk.records import BLOCK, encode
 from pipeline.backends.stores.embedded import EmbeddedStore
 from pipeline.core.config import DiskStoreConfig, EmbeddedStoreConfig
 from pipeline.core.errors import StoreError
@@ -44,15 +45,24 @@ def disk_config(path: Path, **overrides: object) -> DiskStoreConfig:
     return DiskStoreConfig(**settings)  # type: ignore[arg-type]
 
 
+def unpinned(store: EmbeddedStore) -> bool:
+    """Whether no entry of the memory tier is pinned (no copy, lease or write holds one)."""
+    index = store._index
+    return index.pinned_bytes == 0 and all(e.pins == 0 for e in index.entries.values())
+
+
 @contextlib.asynccontextmanager
 async def opened(config: DiskStoreConfig, capacity: int = 4 * MiB, *, promote: bool = True,
                  fault: object = None) -> AsyncIterator[tuple[EmbeddedStore, DiskTier]]:
-    """A memory tier of ``capacity`` over the disk tier of ``config``."""
+    """A memory tier of ``capacity`` over the disk tier of ``config``; once the disk is
+    quiet at the end, nothing may be left pinned."""
     async with open_disk_tier(config, fault=fault) as tier:  # type: ignore[arg-type]
         store = EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=capacity), disk=tier,
                               on_evicted=lambda keys: None, promote=promote)
         try:
             yield store, tier
+            await tier.flush(WAIT_S)
+            assert unpinned(store)
         finally:
             await store.aclose()
 
@@ -185,8 +195,14 @@ async def test_the_budget_holds_and_the_oldest_segments_go(tmp_path: Path) -> No
     """Past its budget the tier drops its oldest segment whole; it never holds more."""
     config = disk_config(tmp_path / "tier", bytes=64 * MiB, segment_bytes=8 * MiB)
     removed: list[str] = []
-    async with open_disk_tier(config, on_removed=removed.extend) as tier:
-        store = EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=2 * MiB), disk=tier)
+
+    def moved(keys: Sequence[str], medium: str, present: bool) -> None:
+        if medium == "disk" and not present:
+            removed.extend(keys)
+
+    async with open_disk_tier(config) as tier:
+        store = EmbeddedStore(EmbeddedStoreConfig(capacity_bytes=2 * MiB), disk=tier,
+                              on_moved=moved)
         for i in range(1400):  # ~90 MB of records
             await save(store, f"key-{i}", value(i))
             if i % 16 == 15:  # a disk that keeps up: nothing is skipped
@@ -195,7 +211,7 @@ async def test_the_budget_holds_and_the_oldest_segments_go(tmp_path: Path) -> No
         await settle(tier)
         await store.aclose()
         files = sum(f.stat().st_size for f in (tmp_path / "tier").glob("segment-*"))
-        assert files <= config.bytes
+        assert files == tier.used_bytes <= config.bytes
         assert tier.counters.skipped == 0
         assert tier.counters.evicted > 0 and "key-0" in removed
         assert "key-1399" in tier.records and "key-0" not in tier.records
@@ -353,7 +369,7 @@ async def test_a_full_disk_turns_the_tier_off_and_memory_serves(tmp_path: Path) 
     """On a 20 MiB tmpfs under a 64 MiB budget, the third segment cannot be allocated
     (ENOSPC): the tier turns off with its reason, and memory keeps every value since."""
     with small_tmpfs(tmp_path, "20m") as mount:
-        config = disk_config(mount / "tier")
+        config = disk_config(mount / "tier", max_queued_bytes=MiB)  # memory / 8
         async with opened(config, capacity=8 * MiB) as (store, tier):
             with anyio.fail_after(WAIT_S * 2):
                 i = 0
@@ -393,16 +409,162 @@ async def test_the_directory_is_private_and_locked(tmp_path: Path) -> None:
 
 
 async def test_a_symlink_planted_as_a_segment_is_not_followed(tmp_path: Path) -> None:
-    """A segment name that is a symlink (to a file the sidecar could read) is refused at
-    the scan: the target is neither read nor written."""
+    """A segment name that is a symlink (to a file the sidecar could read) is left
+    alone: the tier opens without it, and the target is neither read nor written."""
     path = tmp_path / "tier"
     config = disk_config(path)
-    async with opened(config):
-        pass
+    async with opened(config) as (store, tier):
+        await save(store, "key", value(1))
+        await settle(tier)
     secret = tmp_path / "secret"
     secret.write_bytes(b"KVSD" + bytes(BLOCK * 4))
     (path / "segment-0000000009.kv").symlink_to(secret)
-    with pytest.raises(StoreError, match="cannot read the disk tier"):
-        async with open_disk_tier(config):
-            pass
+    async with opened(config) as (store, tier):
+        assert set(tier.records) == {"key"}
+        await save(store, "new", value(2))
+        await settle(tier)
+        assert all(record.segment.number > 9 for key, record in tier.records.items()
+                   if key == "new")
     assert secret.read_bytes() == b"KVSD" + bytes(BLOCK * 4)
+    assert (path / "segment-0000000009.kv").is_symlink()
+
+
+async def test_a_removal_holds_against_a_write_in_flight_and_a_restart(tmp_path: Path) -> None:
+    """A value removed while its write is queued is not indexed when the write lands,
+    and a tombstone keeps a removed value from coming back at the next start; a value
+    saved again after its removal stands (the later record wins)."""
+    config = disk_config(tmp_path / "tier")
+    async with opened(config, capacity=SIZE * 8) as (store, tier):
+        await save(store, "written", value(1))
+        await settle(tier)
+        async with writers_held(tier):
+            await save(store, "queued", value(2))
+            assert tier.writing("queued")
+            assert await store.remove(["written", "queued"]) == 2
+        await settle(tier)
+        assert not tier.has("written") and not tier.has("queued")
+        await save(store, "again", value(3))
+        await settle(tier)
+        assert await store.remove(["again"]) == 1
+        await save(store, "again", value(4))
+        await settle(tier)
+    async with opened(config) as (store, tier):
+        assert set(tier.records) == {"again"}
+        loaded = await load(store, "again")
+        assert isinstance(loaded, torch.Tensor) and torch.equal(loaded, value(4))
+        assert await store.exists(["written", "queued"], [SIZE, SIZE]) == [Presence.ABSENT] * 2
+
+
+async def test_a_queue_smaller_than_one_record_still_writes(tmp_path: Path) -> None:
+    """An empty queue takes any value that fits a batch, however small its bound."""
+    config = disk_config(tmp_path / "tier", max_queued_bytes=BLOCK)
+    async with opened(config, capacity=SIZE * 8) as (store, tier):
+        for i in range(5):
+            await save(store, f"key-{i}", value(i))
+        with anyio.fail_after(WAIT_S):
+            while len(tier.records) < 5:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+
+
+async def test_a_load_cancelled_during_a_disk_read_leaves_nothing_pinned(
+        tmp_path: Path) -> None:
+    """A lease whose caller is cancelled while its disk reads run waits for them (they
+    write into its extents) and answers whole; once released, nothing stays pinned, and
+    the value promoted from disk is readable."""
+    config = disk_config(tmp_path / "tier")
+    async with opened(config, capacity=SIZE * 4) as (store, tier):
+        for i in range(4):
+            await save(store, f"key-{i}", value(i))
+            await settle(tier)
+    async with opened(config, capacity=SIZE * 4) as (store, tier):
+        await save(store, "in-memory", value(9))
+        extents = None
+        with anyio.move_on_after(0):  # cancelled at its first wait: the reads
+            extents = await store.lease(["in-memory", "key-0", "key-1"], SIZE, scope=SCOPE)
+        assert extents is not None and list(extents.outcomes) == [LOADED] * 3
+        assert [torch.equal(view, value(seed)) for view, seed in
+                zip(value_views(extents.runs), (9, 0, 1), strict=True)] == [True] * 3
+        store.release(extents)
+        await settle(tier)  # "in-memory" is pinned until its own write lands
+        assert unpinned(store)
+        assert store.where("key-0") == "in memory and on disk"
+
+
+async def test_get_into_reads_values_from_disk(tmp_path: Path) -> None:
+    """The copying interface loads values found only on disk too, checked."""
+    config = disk_config(tmp_path / "tier")
+    async with opened(config, capacity=SIZE * 2) as (store, tier):
+        for i in range(3):
+            await save(store, f"key-{i}", value(i))
+            await settle(tier)
+    async with opened(config, capacity=SIZE * 2) as (store, tier):
+        buffers = [torch.empty(SIZE, dtype=torch.uint8) for _ in range(3)]
+        outcomes = await store.get_into([f"key-{i}" for i in range(3)], buffers)
+        assert outcomes == [LOADED] * 3
+        assert all(torch.equal(buffer, value(i)) for i, buffer in enumerate(buffers))
+
+
+async def test_a_lower_budget_at_start_drops_the_oldest_segments(tmp_path: Path) -> None:
+    """A tier that holds more than its (lowered) budget opens, dropping its oldest
+    segments until the budget holds."""
+    config = disk_config(tmp_path / "tier", bytes=64 * MiB, segment_bytes=8 * MiB)
+    async with opened(config, capacity=2 * MiB) as (store, tier):
+        for i in range(600):  # ~37 MB: five segments
+            await save(store, f"key-{i}", value(i))
+            if i % 16 == 15:
+                await settle(tier)
+        await settle(tier)
+        assert len(tier.space.segments) >= 5
+    lowered = disk_config(tmp_path / "tier", bytes=24 * MiB, segment_bytes=8 * MiB)
+    async with opened(lowered, capacity=2 * MiB) as (store, tier):
+        assert tier.used_bytes <= lowered.bytes and tier.counters.evicted > 0
+        assert "key-599" in tier.records and "key-0" not in tier.records
+        loaded = await load(store, "key-599")
+        assert isinstance(loaded, torch.Tensor) and torch.equal(loaded, value(599))
+
+
+async def test_a_record_forged_inside_a_value_is_never_taken_for_one(tmp_path: Path) -> None:
+    """An engine stores a value holding a well-formed record for another key, placed on
+    a block boundary of the file (made without the tier's secret), and the real record's
+    header is lost: the scan, looking for the next record inside that value, refuses the
+    forgery."""
+    config = disk_config(tmp_path / "tier")
+    forged = numpy.zeros(3 * BLOCK, dtype=numpy.uint8)
+    encode(forged, "victim", "tenant-b", "beef", numpy.full(100, 7, dtype=numpy.uint8), 2**40, 0)
+    value_offset = 64 + len("carrier") + len(SCOPE.tenant) + len(SCOPE.fingerprint)
+    carrier = torch.from_numpy(numpy.concatenate(
+        [numpy.zeros(BLOCK - value_offset, dtype=numpy.uint8), forged]))
+    async with opened(config, capacity=MiB) as (store, tier):
+        await save(store, "carrier", carrier)
+        await settle(tier)
+        at = tier.records["carrier"].offset
+    segment = next((tmp_path / "tier").glob("segment-*"))
+    with segment.open("r+b") as file:
+        file.seek(at + BLOCK)
+        assert file.read(4) == b"KVSD"  # the forgery lies where a scan looks
+        file.seek(at)
+        file.write(bytes(64))  # the carrier's own header, gone
+    async with opened(config) as (store, tier):
+        assert "victim" not in tier.records and "carrier" not in tier.records
+        assert tier.counters.dropped == {"checksum": 1}
+
+
+async def test_a_hot_value_whose_segment_goes_is_written_again(tmp_path: Path) -> None:
+    """A value still in memory when its record's segment is evicted is written to disk
+    again, so that it survives the next restart."""
+    config = disk_config(tmp_path / "tier", bytes=32 * MiB, segment_bytes=8 * MiB)
+    async with opened(config, capacity=2 * MiB) as (store, tier):
+        await save(store, "hot", value(0))
+        await settle(tier)
+        first = tier.records["hot"].segment.number
+        for i in range(1, 700):
+            await save(store, f"key-{i}", value(i))
+            loaded = await load(store, "hot")  # keeps it in memory
+            assert isinstance(loaded, torch.Tensor)
+            if i % 16 == 0:
+                await settle(tier)
+        await settle(tier)
+        assert tier.counters.evicted > 0 and tier.records["hot"].segment.number > first
+    async with opened(config) as (store, tier):
+        loaded = await load(store, "hot")
+        assert isinstance(loaded, torch.Tensor) and torch.equal(loaded, value(0))

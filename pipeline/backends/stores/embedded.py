@@ -47,14 +47,14 @@ from pipeline.backends.stores.embedded_index import (
     Index,
     check_bytes,
     copy_pairs,
-    follows,
     index_budget,
     index_charge,
+    lent_runs,
 )
 from pipeline.core.config import EmbeddedStoreConfig
 from pipeline.core.errors import StoreError
 from pipeline.core.outcomes import LOADED, MISSING, PRESENT, STORE_FULL, STORED, KeyOutcome, failed
-from pipeline.core.runs import VALUE_ALIGN, Run, value_span
+from pipeline.core.runs import VALUE_ALIGN, value_span
 from pipeline.core.store import Extents, Presence, ValueScope
 
 __all__ = ["EmbeddedStore", "EmbeddedStoreStats", "Moved", "index_budget", "index_charge"]
@@ -110,6 +110,8 @@ class EmbeddedStore(AsyncResource):
                             on_evicted=self._evicted)
         self._disk = (None if disk is None else DiskBehind(
             disk, self._index, self._slot, promote=promote, on_moved=on_moved))
+        if disk is not None:
+            disk.on_removed = self.disk_removed
         self._limiter = copy_limiter or anyio.CapacityLimiter(DEFAULT_COPY_THREADS)
         self._closed = False
 
@@ -120,8 +122,11 @@ class EmbeddedStore(AsyncResource):
             self._on_evicted(gone)
 
     def disk_removed(self, keys: Sequence[str]) -> None:
-        """Keys whose record left the disk: those not in memory either are gone."""
+        """Keys whose record left the disk: those not in memory either are gone; those
+        in memory are written again."""
         self._on_moved(keys, DISK, False)
+        if self._disk is not None:
+            self._disk.rewrite(keys)
         gone = [key for key in keys if key not in self._index.ready_sizes]
         if gone:
             self._on_evicted(gone)
@@ -223,22 +228,22 @@ class EmbeddedStore(AsyncResource):
                 self._index.entries.move_to_end(key)
                 reads.append((len(outcomes), entry, buffer))
                 outcomes.append(LOADED)
-        if from_disk and self._disk is not None:
+        if reads:
+            pairs = [(self._slot(entry), buffer) for _, entry, buffer in reads]
+            try:
+                errors = await anyio.to_thread.run_sync(copy_pairs, pairs,
+                                                        limiter=self._limiter)
+            finally:
+                for _, entry, _ in reads:
+                    self._index.unpin(entry)
+            for (index, _, _), error in zip(reads, errors, strict=True):
+                if error is not None:
+                    outcomes[index] = failed(error)
+        if from_disk and self._disk is not None:  # straight into the buffers: no pins
             for (index, _, _), ok in zip(from_disk, await self._disk.read(from_disk, keys),
                                          strict=True):
                 if ok:
                     outcomes[index] = LOADED
-        if not reads:
-            return outcomes
-        pairs = [(self._slot(entry), buffer) for _, entry, buffer in reads]
-        try:
-            errors = await anyio.to_thread.run_sync(copy_pairs, pairs, limiter=self._limiter)
-        finally:
-            for _, entry, _ in reads:
-                self._index.unpin(entry)
-        for (index, _, _), error in zip(reads, errors, strict=True):
-            if error is not None:
-                outcomes[index] = failed(error)
         return outcomes
 
     # -- DirectKVStore: stages copy straight into and out of the arena ---------------------
@@ -312,7 +317,11 @@ class EmbeddedStore(AsyncResource):
                 self._index.entries.move_to_end(key)
                 lent.append((entry, LOADED))
         if from_disk and self._disk is not None:
-            await self._disk.lend(from_disk, keys, size, scope, lent)
+            try:
+                await self._disk.lend(from_disk, keys, size, scope, lent)
+            except BaseException:
+                self.release(self._extents(lent))
+                raise
         return self._extents(lent)
 
     def release(self, extents: Extents) -> None:
@@ -331,26 +340,10 @@ class EmbeddedStore(AsyncResource):
     def _extents(self, lent: Lent) -> Extents:
         entries = [entry for entry, _ in lent]
         return Extents(
-            runs=self._runs(entries),
+            runs=lent_runs(entries, self._arena, self._arena_address),
             outcomes=[outcome for _, outcome in lent],
             handle=entries,
         )
-
-    def _runs(self, entries: list[Entry | None]) -> list[Run]:
-        """The entries' bytes as runs: entries back to back in the arena (a batch
-        reserved as one extent) are one run, whatever their number."""
-        result = []
-        start = 0
-        for end in range(1, len(entries) + 1):
-            first = entries[start]
-            growing = end < len(entries) and follows(entries[end], entries[end - 1])
-            if first is not None and growing:
-                continue
-            if first is not None:
-                result.append(Run.lent(start, self._arena, self._arena_address, first.offset,
-                                       end - start, first.size, first.span))
-            start = end
-        return result
 
     async def remove(self, keys: Sequence[str]) -> int:
         self._check_open()

@@ -20,10 +20,18 @@ import torch
 
 from pipeline.backends.stores.arena import ArenaAllocator
 from pipeline.core.outcomes import PRESENT, STORE_FULL, KeyOutcome, failed
-from pipeline.core.runs import value_span
+from pipeline.core.runs import Run, value_span
 from pipeline.core.store import ValueScope
 
-__all__ = ["Entry", "Index", "copy_pairs", "follows", "index_budget", "index_charge"]
+__all__ = [
+    "Entry",
+    "Index",
+    "copy_pairs",
+    "follows",
+    "index_budget",
+    "index_charge",
+    "lent_runs",
+]
 
 ENTRY_OVERHEAD_BYTES = 256
 """An index entry's memory besides its key: the entry, its slots in two dictionaries."""
@@ -79,6 +87,23 @@ def follows(entry: Entry | None, previous: Entry | None) -> bool:
     """Whether ``entry`` starts where ``previous``'s span ends, at the same size."""
     return (entry is not None and previous is not None and entry.size == previous.size
             and entry.offset == previous.offset + previous.span)
+
+
+def lent_runs(entries: list[Entry | None], arena: torch.Tensor, address: int) -> list[Run]:
+    """The entries' bytes in ``arena`` (at ``address``) as runs: entries back to back (a
+    batch reserved as one extent) are one run, whatever their number."""
+    result = []
+    start = 0
+    for end in range(1, len(entries) + 1):
+        first = entries[start]
+        growing = end < len(entries) and follows(entries[end], entries[end - 1])
+        if first is not None and growing:
+            continue
+        if first is not None:
+            result.append(Run.lent(start, arena, address, first.offset, end - start,
+                                   first.size, first.span))
+        start = end
+    return result
 
 
 def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[str | None]:

@@ -50,6 +50,14 @@ class DiskStoreConfig(Section, frozen=True):
     flush_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
     """On a graceful stop, how long values still only in memory may take to be written."""
 
+    def __post_init__(self) -> None:
+        if self.bytes < 2 * self.segment_bytes:
+            raise ValueError(f"bytes ({self.bytes}) must hold two segments of segment_bytes "
+                             f"({self.segment_bytes}): the budget drops one whole at a time")
+        if self.batch_bytes > self.segment_bytes:
+            raise ValueError(f"batch_bytes ({self.batch_bytes}) must fit a segment "
+                             f"(segment_bytes {self.segment_bytes})")
+
 
 class MooncakeStoreConfig(Section, frozen=True):
     master: str = "embedded"

@@ -4,7 +4,7 @@ checked, kept across restarts (``tier`` says how)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -24,24 +24,30 @@ log = structlog.get_logger("kvsidecar.store.disk")
 
 @contextlib.asynccontextmanager
 async def open_disk_tier(config: DiskStoreConfig, *, fault: Fault | None = None,
-                         on_removed: Callable[[Sequence[str]], None] = lambda keys: None,
                          ) -> AsyncIterator[DiskTier]:
     """The tier at ``config.path``: locked, scanned (its index rebuilt from the records
-    found), writing while the context is open; closed and unlocked on exit."""
+    found), writing while the context is open; closed and unlocked on exit. A segment
+    file that cannot be read is left alone, and logged."""
     directory = TierDirectory(Path(config.path))
     try:
-        found, segments, dropped = await anyio.to_thread.run_sync(scan, directory)
-    except OSError as exc:
+        scanned = await anyio.to_thread.run_sync(scan, directory)
+        tier = DiskTier(directory, config, fault=fault)
+        tier.adopt(scanned)
+    except BaseException as exc:
         directory.close()
-        raise StoreError(f"cannot read the disk tier at {config.path}: {exc}") from exc
-    tier = DiskTier(directory, config, fault=fault, on_removed=on_removed)
-    tier.adopt(found, segments, dropped)
+        if isinstance(exc, OSError):
+            raise StoreError(f"cannot read the disk tier at {config.path}: {exc}") from exc
+        raise
+    for number, error in scanned.unreadable.items():
+        log.warning("store.disk.segment_unreadable", path=config.path, segment=number,
+                    error=error, consequence="left in place; its values are not served")
     log.info("store.disk.opened", path=config.path, records=len(tier.index),
-             segments=len(segments), dropped=dropped or None, budget_bytes=config.bytes)
+             segments=len(tier.space.segments), dropped=scanned.dropped or None,
+             budget_bytes=config.bytes)
     try:
         async with anyio.create_task_group() as tg:
             for _ in range(config.writers):
-                tg.start_soon(tier._run_writer)
+                tg.start_soon(tier.run_writer)
             try:
                 yield tier
             finally:

@@ -66,7 +66,7 @@ class DiskBehind:
 
     def _offer(self, entry: Entry, *, force: bool = False) -> Offer | None:
         """Offer a readable entry to the disk (None: it needs no writing)."""
-        if entry.on_disk or entry.removed:
+        if entry.on_disk or entry.removed or self.tier.writing(entry.key):
             return None
         if self.tier.has(entry.key):
             entry.on_disk = True
@@ -95,6 +95,14 @@ class DiskBehind:
         if written:
             self._on_moved([entry.key], DISK, True)
 
+    def rewrite(self, keys: Sequence[str]) -> None:
+        """Keys whose record left the disk: those still in memory are written again."""
+        for key in keys:
+            entry = self._index.entries.get(key)
+            if entry is not None and key in self._index.ready_sizes:
+                entry.on_disk = False
+                self.demote(entry)
+
     def not_on_disk(self, keys: Sequence[str]) -> list[str]:
         """Of keys just evicted from memory, those that are gone from the store (a value
         the disk was behind on is counted ``skipped``)."""
@@ -115,12 +123,12 @@ class DiskBehind:
         reads: list[tuple[int, DiskRecord, Entry, bool]] = []
         for position, record in wanted:
             key = keys[position]
+            if scope is not None and record.tenant != scope.tenant:
+                continue  # another tenant's: a miss, whatever its key says
             if record.size != size:
                 lent[position] = (None, failed(f"size_mismatch: stored {record.size}, "
                                                f"want {size}"))
                 continue
-            if scope is not None and record.tenant != scope.tenant:
-                continue  # another tenant's: a miss, whatever its key says
             if scope is not None and record.fingerprint != scope.fingerprint:
                 lent[position] = (None, FOREIGN)
                 continue
@@ -129,15 +137,22 @@ class DiskBehind:
                 reads.append((position, record, *room))
         if not reads:
             return
-        good = await self.tier.read_into(
-            [(keys[position], record, self._slot(entry)) for position, record, entry, _
-             in reads])
+        try:
+            good = await self.tier.read_into(
+                [(keys[position], record, self._slot(entry)) for position, record, entry, _
+                 in reads])
+        except BaseException:
+            good = [False] * len(reads)
+            raise
+        finally:
+            for (_, _, entry, kept), ok in zip(reads, good, strict=True):
+                if not ok:
+                    if kept:
+                        self._index.abandon(entry)
+                    else:
+                        self._index.unpin(entry)
         for (position, _, entry, kept), ok in zip(reads, good, strict=True):
             if not ok:
-                if kept:
-                    self._index.abandon(entry)
-                else:
-                    self._index.unpin(entry)
                 continue
             if kept:
                 entry.on_disk = True

@@ -21,7 +21,7 @@ from pipeline.backends.stores.disk.records import (
 )
 from pipeline.backends.stores.disk.segments import AlignedBuffers, Segment, TierDirectory, aligned
 
-__all__ = ["DiskRecord", "Found", "Pending", "read_records", "scan", "write_batch"]
+__all__ = ["DiskRecord", "Found", "Pending", "Scanned", "read_records", "scan", "write_batch"]
 
 RESYNC_CHUNK = 1 << 20
 """Bytes a scan reads at a time while it looks for the next record after a bad one."""
@@ -47,6 +47,14 @@ class Pending:
     span: int
     done: Callable[[bool], None]
     """Told on the event loop whether the value became durable."""
+    cancelled: bool = False
+    """Its key was removed after it was queued: the record written is not indexed (a
+    tombstone written after it stands at the next start)."""
+
+    @property
+    def removal(self) -> bool:
+        """A tombstone (no value)."""
+        return self.value.numel() == 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,15 +64,28 @@ class Found:
     offset: int
 
 
+@dataclasses.dataclass
+class Scanned:
+    """What a scan of a tier's directory found."""
+
+    found: list[Found]
+    segments: dict[int, Segment]
+    dropped: dict[str, int]
+    """Records found bad, by reason."""
+    unreadable: dict[int, str]
+    """Segment files that could not be opened or read (left in place), and why."""
+
+
 def write_batch(segment: Segment, offset: int, batch: Sequence[Pending],
-                 sequences: Sequence[int], buffer: numpy.ndarray, failing: bool) -> list[int]:
+                sequences: Sequence[int], buffer: numpy.ndarray, seed: int,
+                failing: bool) -> list[int]:
     """Encode the batch's records back to back into ``buffer`` and write them at
     ``offset``, durably; each record's span. Runs in a writer thread."""
     spans = []
     at = 0
     for item, sequence in zip(batch, sequences, strict=True):
         span = encode(buffer[at:], item.key, item.tenant, item.fingerprint,
-                      item.value.numpy(), sequence)
+                      item.value.numpy(), sequence, seed)
         spans.append(span)
         at += span
     if failing:
@@ -74,7 +95,7 @@ def write_batch(segment: Segment, offset: int, batch: Sequence[Pending],
 
 
 def read_records(wanted: Sequence[tuple[str, DiskRecord, torch.Tensor]],
-                  buffers: AlignedBuffers, failing: bool) -> list[str | None]:
+                 buffers: AlignedBuffers, seed: int, failing: bool) -> list[str | None]:
     """Read, check and copy out each record; None or why it failed. Runs in a reader
     thread; raises ``OSError`` when the file system fails."""
     if failing:
@@ -86,7 +107,7 @@ def read_records(wanted: Sequence[tuple[str, DiskRecord, torch.Tensor]],
         if record.segment.read(view, record.offset) < record.span:
             problems.append("malformed")
             continue
-        header = parse_header(view[:BLOCK])
+        header = parse_header(view[:BLOCK], seed)
         if isinstance(header, HeaderProblem):
             problems.append(header.reason)
         elif (header.key, header.sequence, header.size, header.tenant, header.fingerprint) != (
@@ -101,32 +122,49 @@ def read_records(wanted: Sequence[tuple[str, DiskRecord, torch.Tensor]],
     return problems
 
 
-def scan(directory: TierDirectory) -> tuple[list[Found], dict[int, Segment], dict[str, int]]:
-    """Every record header in the directory's segments, in order, and the segments
-    opened; headers that fail their checks are counted by reason and skipped over.
-    Runs in a thread."""
-    found: list[Found] = []
-    segments: dict[int, Segment] = {}
-    dropped: dict[str, int] = {}
+def scan(directory: TierDirectory) -> Scanned:
+    """Every record header (tombstones too) in the directory's segments, in order, and
+    the segments opened; headers that fail their checks are counted by reason and
+    skipped over, and a segment file that cannot be opened or read is left alone. Runs
+    in a thread."""
+    scanned = Scanned([], {}, {}, {})
     chunk = aligned(RESYNC_CHUNK)
     buffer = numpy.frombuffer(chunk, dtype=numpy.uint8)
     view = memoryview(chunk)
     for number in directory.segment_numbers():
-        segment = segments[number] = directory.open_segment(number)
-        offset = 0
-        while offset + BLOCK <= segment.size:
-            if segment.read(view[:BLOCK], offset) < BLOCK:
-                break
-            header = parse_header(view[:BLOCK])
-            if isinstance(header, Header) and offset + header.span <= segment.size:
-                found.append(Found(header, number, offset))
-                offset += header.span
-                continue
-            reason = header.reason if isinstance(header, HeaderProblem) else "malformed"
-            if reason != "no_record":
-                dropped[reason] = dropped.get(reason, 0) + 1
-            offset = _next_record(segment, offset + BLOCK, buffer, view)
-    return found, segments, dropped
+        try:
+            segment = directory.open_segment(number)
+        except OSError as exc:
+            scanned.unreadable[number] = str(exc)
+            continue
+        try:
+            found = _scan_segment(segment, directory.seed, buffer, view, scanned.dropped)
+        except OSError as exc:
+            segment.close()
+            scanned.unreadable[number] = str(exc)
+            continue
+        scanned.segments[number] = segment
+        scanned.found.extend(found)
+    return scanned
+
+
+def _scan_segment(segment: Segment, seed: int, buffer: numpy.ndarray, view: memoryview,
+                  dropped: dict[str, int]) -> list[Found]:
+    found: list[Found] = []
+    offset = 0
+    while offset + BLOCK <= segment.size:
+        if segment.read(view[:BLOCK], offset) < BLOCK:
+            break
+        header = parse_header(view[:BLOCK], seed)
+        if isinstance(header, Header) and offset + header.span <= segment.size:
+            found.append(Found(header, segment.number, offset))
+            offset += header.span
+            continue
+        reason = header.reason if isinstance(header, HeaderProblem) else "malformed"
+        if reason != "no_record":
+            dropped[reason] = dropped.get(reason, 0) + 1
+        offset = _next_record(segment, offset + BLOCK, buffer, view)
+    return found
 
 
 def _next_record(segment: Segment, offset: int, buffer: numpy.ndarray,

@@ -15,18 +15,22 @@ offset bytes
 6      2     key bytes (UTF-8)
 8      2     tenant bytes (UTF-8)
 10     2     layout fingerprint bytes (ASCII)
-12     4     reserved, zero
+12     4     flags: 1 marks a removal (a tombstone, no value); other bits zero
 16     8     value bytes
 24     8     sequence: of two records under one key, the later one stands
 32     8     xxh3-64 of the value
-40     8     xxh3-64 of bytes 0 to 39 followed by the key, tenant and fingerprint
+40     8     xxh3-64 of bytes 0 to 39 and the key, tenant and fingerprint, seeded
+             with the tier's secret
 48     16    reserved, zero
 ====== ===== ==================================================================
 
 The last checksum covers the version, key, tenant, fingerprint and value (through the
 value's checksum). A record is read back only if its magic, version and header checksum
 hold and its value matches its checksum: a record cut off mid-write, with a byte flipped
-anywhere, or of another format version is dropped, never loaded.
+anywhere, or of another format version is dropped, never loaded. The header checksum is
+seeded with a secret of the tier's (a 0600 file in its directory), so that a record
+forged inside a value an engine stored never passes for a record of its own, should a
+scan look for records inside it (it does after a damaged one).
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ class Header:
     """Value bytes."""
     sequence: int
     value_checksum: int
+    removal: bool
+    """A tombstone: the key's earlier records no longer stand."""
     value_offset: int
     """Where the value starts, from the record's start."""
     span: int
@@ -98,17 +104,22 @@ def record_span(key: str, tenant: str, fingerprint: str, size: int) -> int | Non
     return -(-(HEADER.size + names + size) // BLOCK) * BLOCK
 
 
-def _header_checksum(head: bytes | memoryview, names: bytes | memoryview) -> int:
-    digest = xxhash.xxh3_64()
+REMOVAL = 1
+MAX_SEQUENCE = (1 << 63) - 1
+
+
+def _header_checksum(head: bytes | memoryview, names: bytes | memoryview, seed: int) -> int:
+    digest = xxhash.xxh3_64(seed=seed)
     digest.update(head[:_CHECKED])
     digest.update(names)
     return digest.intdigest()
 
 
 def encode(out: numpy.ndarray, key: str, tenant: str, fingerprint: str,
-           value: numpy.ndarray, sequence: int) -> int:
-    """Write a record of ``value`` (uint8) at the start of ``out`` (uint8, at least its
-    span long); its span. Runs in an I/O thread."""
+           value: numpy.ndarray, sequence: int, seed: int) -> int:
+    """Write a record of ``value`` (uint8; empty: a tombstone) at the start of ``out``
+    (uint8, at least its span long), its header checksum seeded with ``seed``; its span.
+    Runs in an I/O thread."""
     key_bytes, tenant_bytes, fingerprint_bytes = _names(key, tenant, fingerprint)
     names = key_bytes + tenant_bytes + fingerprint_bytes
     size = value.size
@@ -118,37 +129,41 @@ def encode(out: numpy.ndarray, key: str, tenant: str, fingerprint: str,
     out[value_offset + size : span] = 0
     value_checksum = xxhash.xxh3_64_intdigest(out[value_offset : value_offset + size].data)
     head = HEADER.pack(MAGIC, FORMAT_VERSION, len(key_bytes), len(tenant_bytes),
-                       len(fingerprint_bytes), 0, size, sequence, value_checksum, 0)
-    head = head[:_CHECKED] + struct.pack("<Q", _header_checksum(head, names)) + head[48:]
+                       len(fingerprint_bytes), 0 if size else REMOVAL, size, sequence,
+                       value_checksum, 0)
+    checksum = _header_checksum(head, names, seed)
+    head = head[:_CHECKED] + struct.pack("<Q", checksum) + head[48:]
     out[: HEADER.size] = numpy.frombuffer(head, dtype=numpy.uint8)
     out[HEADER.size : value_offset] = numpy.frombuffer(names, dtype=numpy.uint8)
     return span
 
 
-def parse_header(block: bytes | memoryview) -> Header | HeaderProblem:
-    """The header at the start of ``block`` (a record's first ``BLOCK`` bytes), checked."""
+def parse_header(block: bytes | memoryview, seed: int) -> Header | HeaderProblem:
+    """The header at the start of ``block`` (a record's first ``BLOCK`` bytes), checked
+    against the tier's ``seed``."""
     if len(block) < HEADER.size or bytes(block[:4]) != MAGIC:
         return HeaderProblem("no_record")
-    (_, version, key_len, tenant_len, fingerprint_len, reserved, size, sequence,
+    (_, version, key_len, tenant_len, fingerprint_len, flags, size, sequence,
      value_checksum, header_checksum) = HEADER.unpack_from(block)
     if version != FORMAT_VERSION:
         return HeaderProblem("version")
     names_end = HEADER.size + key_len + tenant_len + fingerprint_len
-    if names_end > len(block) or names_end > BLOCK or reserved:
+    if names_end > len(block) or names_end > BLOCK:
         return HeaderProblem("malformed")
     names = block[HEADER.size : names_end]
-    if _header_checksum(block, names) != header_checksum:
+    if _header_checksum(block, names, seed) != header_checksum:
         return HeaderProblem("checksum")
+    if flags & ~REMOVAL or bool(flags) == bool(size) or sequence > MAX_SEQUENCE:
+        return HeaderProblem("malformed")
     try:
         key = bytes(names[:key_len]).decode()
         tenant = bytes(names[key_len : key_len + tenant_len]).decode()
         fingerprint = bytes(names[key_len + tenant_len :]).decode("ascii")
     except UnicodeDecodeError:
         return HeaderProblem("malformed")
-    if size == 0:
-        return HeaderProblem("malformed")
     span = -(-(names_end + size) // BLOCK) * BLOCK
-    return Header(key, tenant, fingerprint, size, sequence, value_checksum, names_end, span)
+    return Header(key, tenant, fingerprint, size, sequence, value_checksum, bool(flags),
+                  names_end, span)
 
 
 def value_matches(record: numpy.ndarray, header: Header) -> bool:

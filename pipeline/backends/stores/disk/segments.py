@@ -32,6 +32,8 @@ __all__ = ["AlignedBuffers", "Segment", "TierDirectory", "aligned"]
 
 SEGMENT_NAME = re.compile(r"segment-(\d{10})\.kv")
 LOCK_NAME = "lock"
+SECRET_NAME = "secret"
+SECRET_BYTES = 8
 
 
 def aligned(size: int) -> mmap.mmap:
@@ -49,8 +51,7 @@ class AlignedBuffers:
     def get(self, size: int) -> mmap.mmap:
         buffer: mmap.mmap | None = getattr(self._local, "buffer", None)
         if buffer is None or len(buffer) < size:
-            if buffer is not None:
-                buffer.close()
+            # The old buffer is dropped, not closed: views of it may still be alive.
             buffer = self._local.buffer = aligned(max(size, 1 << 20))
         return buffer
 
@@ -100,32 +101,63 @@ class Segment:
 
 
 class TierDirectory:
-    """The tier's directory, locked for this process until ``close``."""
+    """The tier's directory, locked for this process until ``close``.
 
-    def __init__(self, path: Path) -> None:
+    ``seed``: the tier's secret (``records``), made when the directory is."""
+
+    def __init__(self, path: Path, *, create: bool = True) -> None:
+        """``create``: make the directory if it is missing (else a missing one is an
+        error: an operator's command never makes a tier where none was)."""
         self.path = path
-        _make_private_directory(path)
+        if create:
+            _make_directory(path)
         try:
-            self._fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            self._fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
-            raise StoreError(f"cannot open the disk tier's directory {path}: {exc}") from exc
+            raise StoreError(f"cannot open the disk tier's directory {path} (a symlink is not "
+                             f"followed): {exc}") from exc
+        self._lock = -1
         try:
-            self._lock = self._open_file(LOCK_NAME, os.O_RDWR | os.O_CREAT)
-        except OSError as exc:
-            os.close(self._fd)
-            raise StoreError(f"cannot open {path / LOCK_NAME}: {exc}") from exc
+            _check_private(path, os.fstat(self._fd))
+            self._lock = self._open_checked(LOCK_NAME, os.O_RDWR | os.O_CREAT)
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as exc:
+                holder = os.pread(self._lock, 32, 0).decode(errors="replace").strip()
+                raise StoreError(
+                    f"the disk tier at {path} belongs to another sidecar (pid "
+                    f"{holder or '?'}), which holds its lock; give each sidecar a "
+                    "store.disk.path of its own, or stop that one first") from exc
+            os.ftruncate(self._lock, 0)
+            os.pwrite(self._lock, f"{os.getpid()}\n".encode(), 0)
+            self.seed = self._secret()
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, OSError):
+                raise StoreError(f"cannot open the disk tier at {path}: {exc}") from exc
+            raise
+
+    def _secret(self) -> int:
+        """The tier's secret: 8 random bytes in a 0600 file, made once."""
         try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            holder = os.pread(self._lock, 32, 0).decode(errors="replace").strip()
-            os.close(self._lock)
-            os.close(self._fd)
-            raise StoreError(
-                f"the disk tier at {path} belongs to another sidecar (pid {holder or '?'}), "
-                "which holds its lock; give each sidecar a store.disk.path of its own"
-            ) from exc
-        os.ftruncate(self._lock, 0)
-        os.pwrite(self._lock, f"{os.getpid()}\n".encode(), 0)
+            fd = self._open_file(SECRET_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            pass
+        else:
+            try:
+                os.write(fd, os.urandom(SECRET_BYTES))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.fsync(self._fd)
+        fd = self._open_checked(SECRET_NAME, os.O_RDONLY)
+        try:
+            secret = os.pread(fd, SECRET_BYTES + 1, 0)
+        finally:
+            os.close(fd)
+        if len(secret) != SECRET_BYTES:
+            raise OSError(errno.EINVAL, f"{SECRET_NAME} is not {SECRET_BYTES} bytes")
+        return int.from_bytes(secret, "little")
 
     def segment_numbers(self) -> list[int]:
         """The numbers of the segment files present, in order."""
@@ -143,6 +175,7 @@ class TierDirectory:
         fd, direct = self._open_segment(name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
             os.posix_fallocate(fd, 0, size)
+            os.fsync(self._fd)  # the new name survives a power loss
         except OSError:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -157,19 +190,34 @@ class TierDirectory:
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
             os.close(fd)
             raise OSError(errno.EPERM, f"segment {number} is not a file this user owns")
-        return Segment(number, fd, info.st_size, direct=direct)
+        return Segment(number, fd, info.st_size // BLOCK * BLOCK, direct=direct)
 
     def remove_segment(self, number: int) -> None:
+        """Unlink a segment file (a symlink under its name is unlinked, not followed)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(_segment_name(number), dir_fd=self._fd)
+        os.fsync(self._fd)
 
     def close(self) -> None:
         """Unlock and close the directory."""
-        os.close(self._lock)
-        os.close(self._fd)
+        if self._lock >= 0:
+            os.close(self._lock)
+            self._lock = -1
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def _open_file(self, name: str, flags: int) -> int:
         return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._fd)
+
+    def _open_checked(self, name: str, flags: int) -> int:
+        """A file of the directory that must be a regular file of this user's."""
+        fd = self._open_file(name, flags)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            os.close(fd)
+            raise OSError(errno.EPERM, f"{name} is not a regular file this user owns")
+        return fd
 
     def _open_segment(self, name: str, flags: int) -> tuple[int, bool]:
         try:
@@ -184,9 +232,8 @@ def _segment_name(number: int) -> str:
     return f"segment-{number:010d}.kv"
 
 
-def _make_private_directory(path: Path) -> None:
-    """Create ``path`` 0700 (its parents as needed), or check that it is a directory of
-    this user's, closed to others, and not a symlink."""
+def _make_directory(path: Path) -> None:
+    """Create ``path`` 0700 (its parents as needed) unless it exists."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.mkdir(mode=0o700)
@@ -194,10 +241,10 @@ def _make_private_directory(path: Path) -> None:
         pass
     except OSError as exc:
         raise StoreError(f"cannot create the disk tier's directory {path}: {exc}") from exc
-    info = os.lstat(path)
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise StoreError(f"the disk tier's path {path} is not a directory (a symlink is "
-                         "not followed)")
+
+
+def _check_private(path: Path, info: os.stat_result) -> None:
+    """The opened directory must be this user's and closed to others."""
     if info.st_uid != os.geteuid():
         raise StoreError(f"the disk tier's directory {path} belongs to uid {info.st_uid}, "
                          f"not to this sidecar's user (uid {os.geteuid()})")

@@ -11,17 +11,19 @@ A value is *durable* once the write of its batch and the ``fdatasync`` after it
 returned: from then on it is in the index, readable, and it survives the process
 (SIGKILL included) and a restart.
 
-Space: the budget is a whole number of segments. When a new segment is needed and the
+Space: segments within the budget (``space``). When a new segment is needed and the
 budget is spent, the oldest goes whole, with every record in it. Nothing is moved or
-rewritten: a record removed or written again keeps its bytes until its segment goes.
+rewritten: a record removed or written again keeps its bytes until its segment goes. A
+removal is written as a tombstone, so that a restart does not bring the value back.
 
 Reads run on threads of their own, never behind writes. A record read back is checked
 (header, names, sequence, value checksum) before a byte of it is copied out; one that
 fails is dropped from the index and reported, and the caller recomputes it.
 
-An error of the file system on a write or a read (a full disk, EIO, a vanished mount)
-disables the tier: it logs ``store.disk.disabled`` once, counts it, answers nothing from
-disk from then on, and the memory tier goes on serving.
+An error of the file system on a write or a read (a full disk, EIO, a vanished mount),
+or any other error of the tier's own, disables the tier: it logs ``store.disk.disabled``
+once, counts it, answers nothing from disk from then on, and the memory tier goes on
+serving.
 
 The index lives on the event loop thread and is only touched there.
 """
@@ -43,8 +45,8 @@ import torch
 from pipeline.backends.stores.disk.index import DiskCounters, DiskIndex
 from pipeline.backends.stores.disk.io import (
     DiskRecord,
-    Found,
     Pending,
+    Scanned,
     read_records,
     write_batch,
 )
@@ -55,6 +57,7 @@ from pipeline.backends.stores.disk.segments import (
     TierDirectory,
     aligned,
 )
+from pipeline.backends.stores.disk.space import SegmentSpace
 from pipeline.backends.threads import WorkerThreads
 from pipeline.core.config import DiskStoreConfig
 
@@ -67,6 +70,11 @@ WRITER_NICE = 15
 (10). Writing behind memory is the most deferrable work the sidecar has; on a busy host
 the disk falls behind (values wait, then are skipped) before saves or loads slow down."""
 
+DISABLED = ("nothing is read from or written to disk until a restart; the memory tier "
+            "goes on serving")
+NO_VALUE = torch.empty(0, dtype=torch.uint8)
+"""A tombstone's value."""
+
 Offer = Literal["queued", "full", "refused"]
 Fault = Callable[[str], bool]
 """Whether the named fault point fires now (tests inject I/O errors through it)."""
@@ -76,36 +84,33 @@ class DiskTier:
     """The index of a tier directory's records, its write queue and its I/O."""
 
     def __init__(self, directory: TierDirectory, config: DiskStoreConfig, *,
-                 fault: Fault | None = None,
-                 on_removed: Callable[[Sequence[str]], None] = lambda keys: None) -> None:
-        """``on_removed`` hears keys whose record left the disk (evicted with its segment,
-        dropped as bad, or lost with a disabled tier)."""
+                 fault: Fault | None = None) -> None:
         self.path = directory.path
         self._directory = directory
+        self._seed = directory.seed
         self._config = config
         self._fault = fault or (lambda name: False)
-        self._on_removed = on_removed
+        self.on_removed: Callable[[Sequence[str]], None] = lambda keys: None
+        """Hears keys whose record left the disk (evicted with its segment, dropped as
+        bad, or lost with a disabled tier), on the event loop."""
         self.on_room: Callable[[], None] = lambda: None
         """Told (on the event loop) when the queue has taken a batch off: room for more."""
         self.enabled = True
         self.index = DiskIndex()
         self.counters = DiskCounters()
-        self.segment_bytes = config.segment_bytes
-        self.max_segments = max(2, config.bytes // config.segment_bytes)
-        self._segments: dict[int, Segment] = {}
-        self._open: Segment | None = None
-        self._open_end = 0
-        self._next_number = 1
+        self.space = SegmentSpace(directory, config.segment_bytes, config.bytes,
+                                  self._dropped_segment)
         self._sequence = 1
         self._queue: collections.deque[Pending] = collections.deque()
         self._queued_bytes = 0
+        self._pending: dict[str, Pending] = {}
+        """The value queued or being written under each key (not tombstones)."""
         self._work = anyio.Event()
         self._idle = anyio.Event()
         self._in_flight = 0
-        self._roll_lock = anyio.Lock()
         self._write_limiter = anyio.CapacityLimiter(config.writers)
         self._writers = WorkerThreads(config.writers, name="kvsidecar-disk", nice=WRITER_NICE)
-        self._read_limiter = anyio.CapacityLimiter(config.readers)
+        self._readers = WorkerThreads(config.readers, name="kvsidecar-disk-read")
         self._read_buffers = AlignedBuffers()
 
     # -- the index ---------------------------------------------------------------------
@@ -125,10 +130,13 @@ class DiskTier:
     def record(self, key: str) -> DiskRecord | None:
         return self.index.records.get(key)
 
+    def writing(self, key: str) -> bool:
+        """Whether a value under ``key`` is queued or being written."""
+        return key in self._pending
+
     @property
     def used_bytes(self) -> int:
-        """Bytes the segment files hold on disk (the budget's measure)."""
-        return len(self._segments) * self.segment_bytes
+        return self.space.used_bytes
 
     @property
     def budget_bytes(self) -> int:
@@ -139,9 +147,22 @@ class DiskTier:
         return self._queued_bytes
 
     def remove(self, keys: Sequence[str]) -> list[str]:
-        """Forget the records under ``keys`` (their bytes stay until their segment
-        goes); the keys that had one."""
-        return self.index.remove(keys)
+        """Forget the values under ``keys``, written or on their way, and write a
+        tombstone for each, so that none comes back after a restart; the keys that had
+        a record."""
+        gone = []
+        for key in keys:
+            pending = self._pending.pop(key, None)
+            if pending is not None:
+                pending.cancelled = True
+            if self.index.forget(key) is not None:
+                gone.append(key)
+            elif pending is None:
+                continue
+            span = record_span(key, "", "", 0)
+            if self.enabled and span is not None:
+                self._enqueue(Pending(key, NO_VALUE, "", "", span, lambda written: None))
+        return gone
 
     # -- writes ------------------------------------------------------------------------
 
@@ -150,29 +171,37 @@ class DiskTier:
         """Queue ``value`` (uint8, held unchanged until ``done``) to be written under
         ``key``: ``queued``; else, without calling ``done``, ``full`` (pending writes
         fill the queue: offer it again after ``on_room``; ``force`` queues it anyway) or
-        ``refused`` (the tier is off, or the record could never fit a batch)."""
+        ``refused`` (the tier is off, or the record could never fit a batch). An empty
+        queue takes any value that fits a batch."""
         if not self.enabled:
             return "refused"
         span = record_span(key, tenant, fingerprint, value.numel())
-        if span is None or span > self._config.batch_bytes:
+        if span is None or span > self._config.batch_bytes or not value.numel():
             self.counters.skipped += 1
             return "refused"
-        if not force and self._queued_bytes + span > self._config.max_queued_bytes:
+        if (not force and self._queued_bytes
+                and self._queued_bytes + span > self._config.max_queued_bytes):
             return "full"
-        self._queue.append(Pending(key, value, tenant, fingerprint, span, done))
-        self._queued_bytes += span
-        self._work.set()
+        item = Pending(key, value, tenant, fingerprint, span, done)
+        self._pending[key] = item
+        self._enqueue(item)
         return "queued"
+
+    def _enqueue(self, item: Pending) -> None:
+        self._queue.append(item)
+        self._queued_bytes += item.span
+        self._work.set()
 
     @property
     def flush_timeout_s(self) -> float:
         return self._config.flush_timeout_s
 
     async def flush(self, timeout_s: float) -> bool:
-        """Wait until every queued value is written, at most ``timeout_s``; whether all
-        were (logged if not)."""
+        """Wait until every queued value is written (or, the tier off, let go) and no
+        write is in flight, at most ``timeout_s``; whether it came to that (logged if
+        not)."""
         with anyio.move_on_after(timeout_s):
-            while self.enabled and (self._queue or self._in_flight):
+            while self._queue or self._in_flight:
                 self._idle = anyio.Event()
                 await self._idle.wait()
             return True
@@ -181,7 +210,8 @@ class DiskTier:
                     consequence="values not yet written are not kept across the restart")
         return False
 
-    async def _run_writer(self) -> None:
+    async def run_writer(self) -> None:
+        """Write batches from the queue until cancelled."""
         buffer: numpy.ndarray | None = None
         while True:
             while not self._queue:
@@ -218,12 +248,7 @@ class DiskTier:
             self._settle(batch, None)
             return
         try:
-            async with self._roll_lock:
-                if self._open is None or self._open_end + span > self._open.size:
-                    await self._roll()
-                assert self._open is not None
-                segment, offset = self._open, self._open_end
-                self._open_end += span
+            segment, offset = await self.space.place(span)
             sequences = list(range(self._sequence, self._sequence + len(batch)))
             self._sequence += len(batch)
             failing = self._fault("disk.write")
@@ -231,10 +256,11 @@ class DiskTier:
             try:
                 async with self._write_limiter:
                     (spans,) = await self._writers.run_each([functools.partial(
-                        write_batch, segment, offset, batch, sequences, buffer, failing)])
+                        write_batch, segment, offset, batch, sequences, buffer, self._seed,
+                        failing)])
             finally:
-                self._release(segment)
-        except OSError as exc:
+                self.space.release(segment)
+        except Exception as exc:
             self._settle(batch, None)
             self._disable("write", exc)
             return
@@ -247,80 +273,57 @@ class DiskTier:
         self._settle(batch, None if segment.removed or not self.enabled else records)
 
     def _settle(self, batch: list[Pending], records: list[DiskRecord] | None) -> None:
-        """Index the batch's records (None: it was not written) and tell each value."""
+        """Index the batch's records (None: it was not written) and tell each value; a
+        value removed meanwhile, or overtaken by a later record, is not indexed."""
         for index, item in enumerate(batch):
-            if records is not None:
-                self.index.add(item.key, records[index])
+            if self._pending.get(item.key) is item:
+                del self._pending[item.key]
+            if item.removal:
+                continue
+            written = records is not None and not item.cancelled
+            if records is not None and written:
+                record = records[index]
+                current = self.index.records.get(item.key)
+                if current is None or current.sequence < record.sequence:
+                    self.index.add(item.key, record)
                 self.counters.writes += 1
-                self.counters.written_bytes += records[index].span
-            item.done(records is not None)
+                self.counters.written_bytes += record.span
+            item.done(written)
 
-    async def _roll(self) -> None:
-        """Open a new segment, making room for it (the oldest goes) if the budget is spent."""
-        while len(self._segments) >= self.max_segments:
-            self._drop_segment(self._segments[min(self._segments)])
-        number = self._next_number
-        self._next_number += 1
-        segment = await anyio.to_thread.run_sync(
-            self._directory.create_segment, number, self.segment_bytes)
-        self._segments[number] = segment
-        self._open, self._open_end = segment, 0
-
-    def _drop_segment(self, segment: Segment) -> None:
-        del self._segments[segment.number]
-        segment.removed = True
-        if self._open is segment:
-            self._open = None
-        self._directory.remove_segment(segment.number)
+    def _dropped_segment(self, segment: Segment) -> None:
         gone = self.index.forget_segment(segment.number)
         self.counters.evicted += len(gone)
-        if segment.readers == 0:
-            segment.close()
         if gone:
-            self._on_removed(gone)
-
-    def _release(self, segment: Segment) -> None:
-        segment.readers -= 1
-        if segment.removed and segment.readers == 0:
-            segment.close()
+            self.on_removed(gone)
 
     # -- reads -------------------------------------------------------------------------
 
     async def read_into(self, wanted: Sequence[tuple[str, DiskRecord, torch.Tensor]]
                         ) -> list[bool]:
         """Read each record's value into its tensor (uint8, the value's size), checked
-        first; whether each was. A record that fails its checks leaves the index."""
+        first; whether each was. A record that fails its checks leaves the index. Waits
+        for the reads it started even when cancelled (they write into the tensors)."""
         if not wanted or not self.enabled:
             return [False] * len(wanted)
         failing = self._fault("disk.read")
-        chunks = [list(wanted[i :: self._config.readers]) for i in
-                  range(min(self._config.readers, len(wanted)))]
-        results: list[list[str | None]] = [[] for _ in chunks]
+        readers = self._config.readers
+        chunks = [list(wanted[i::readers]) for i in range(min(readers, len(wanted)))]
         segments = [record.segment for _, record, _ in wanted]
         for segment in segments:
             segment.readers += 1
-        error: OSError | None = None
-
-        async def read(index: int) -> None:
-            nonlocal error
-            try:
-                results[index] = await anyio.to_thread.run_sync(
-                    read_records, chunks[index], self._read_buffers, failing,
-                    limiter=self._read_limiter)
-            except OSError as exc:
-                error = exc
-                results[index] = ["io"] * len(chunks[index])
-
         try:
-            async with anyio.create_task_group() as tg:
-                for index in range(len(chunks)):
-                    tg.start_soon(read, index)
+            results = await self._readers.run_each([functools.partial(
+                read_records, chunk, self._read_buffers, self._seed, failing)
+                for chunk in chunks])
+        except Exception as exc:
+            if isinstance(exc, OSError):
+                self._disable("read", exc)
+            else:
+                log.error("store.disk.read_failed", error=repr(exc), exc_info=exc)
+            return [False] * len(wanted)
         finally:
             for segment in segments:
-                self._release(segment)
-        if error is not None:
-            self._disable("read", error)
-            return [False] * len(wanted)
+                self.space.release(segment)
         outcomes: list[bool] = [False] * len(wanted)
         for index, chunk_results in enumerate(results):
             for position, problem in enumerate(chunk_results):
@@ -340,54 +343,57 @@ class DiskTier:
                     segment=record.segment.number, offset=record.offset)
         if self.index.records.get(key) is record:
             self.index.forget(key)
-            self._on_removed([key])
+            self.on_removed([key])
 
     # -- start and failure -------------------------------------------------------------
 
-    def adopt(self, found: Sequence[Found], segments: dict[int, Segment],
-              dropped: dict[str, int]) -> None:
-        """Index what a scan of the directory found (the later of two records under one
-        key stands) and keep within the budget, oldest segments first."""
-        self._segments = dict(sorted(segments.items()))
-        for reason, count in dropped.items():
+    def adopt(self, scanned: Scanned) -> None:
+        """Index what a scan of the directory found: of the records and tombstones under
+        one key the latest stands. The oldest segments go until the budget holds. Nothing
+        is announced: nobody has heard of these keys yet."""
+        for reason, count in scanned.dropped.items():
             self.counters.dropped[reason] = self.counters.dropped.get(reason, 0) + count
-        for item in found:
+        segments = scanned.segments
+        latest: dict[str, int] = {}
+        for item in scanned.found:
             header = item.header
-            current = self.index.records.get(header.key)
-            if current is not None and current.sequence > header.sequence:
+            if header.sequence <= latest.get(header.key, 0):
+                continue
+            latest[header.key] = header.sequence
+            self._sequence = max(self._sequence, header.sequence + 1)
+            if header.removal:
+                self.index.forget(header.key)
                 continue
             self.index.add(header.key, DiskRecord(
-                self._segments[item.segment], item.offset, header.span, header.size,
+                segments[item.segment], item.offset, header.span, header.size,
                 header.tenant, header.fingerprint, header.sequence))
-            self._sequence = max(self._sequence, header.sequence + 1)
-        self._next_number = max(self._segments, default=0) + 1
-        while len(self._segments) > self.max_segments:
-            self._drop_segment(self._segments[min(self._segments)])
+        highest = max([*segments, *scanned.unreadable], default=0)
+        for segment in self.space.adopt(segments, highest):
+            self.counters.evicted += len(self.index.forget_segment(segment.number))
 
-    def _disable(self, operation: str, exc: OSError) -> None:
+    def _disable(self, operation: str, exc: Exception) -> None:
         self.counters.errors += 1
         if not self.enabled:
             return
         self.enabled = False
-        reason = errno.errorcode.get(exc.errno or 0, "error")
+        reason = (errno.errorcode.get(exc.errno or 0, "error") if isinstance(exc, OSError)
+                  else "internal")
         log.error("store.disk.disabled", path=str(self.path), operation=operation,
-                  reason=reason, error=str(exc),
-                  consequence="nothing is read from or written to disk until a restart; "
-                              "the memory tier goes on serving")
+                  reason=reason, error=repr(exc), consequence=DISABLED,
+                  exc_info=None if isinstance(exc, OSError) else exc)
         lost = self.index.clear()
         queued, self._queue = list(self._queue), collections.deque()
         self._queued_bytes = 0
         self._settle(queued, None)
         self._idle.set()
         if lost:
-            self._on_removed(lost)
+            self.on_removed(lost)
 
     def close(self) -> None:
         self._writers.close()
+        self._readers.close()
         queued, self._queue = list(self._queue), collections.deque()
         self._queued_bytes = 0
         self._settle(queued, None)
-        for segment in self._segments.values():
-            if segment.readers == 0:
-                segment.close()
+        self.space.close()
         self._directory.close()
