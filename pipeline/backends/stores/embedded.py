@@ -121,12 +121,13 @@ class EmbeddedStore(AsyncResource):
         if gone:
             self._on_evicted(gone)
 
-    def disk_removed(self, keys: Sequence[str]) -> None:
-        """Keys whose record left the disk: those not in memory either are gone; those
-        in memory are written again."""
+    def disk_removed(self, keys: Sequence[str], bad: bool) -> None:
+        """Keys whose record left the disk (``bad``: found damaged): those not in memory
+        either are gone; those in memory are written again when it was damaged, else at
+        the next stop."""
         self._on_moved(keys, DISK, False)
         if self._disk is not None:
-            self._disk.rewrite(keys)
+            self._disk.lost_copies(keys, rewrite=bad)
         gone = [key for key in keys if key not in self._index.ready_sizes]
         if gone:
             self._on_evicted(gone)

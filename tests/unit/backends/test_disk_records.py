@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 import numpy
-import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +22,7 @@ from pipeline.backends.stores.disk.records import (
     value_matches,
 )
 
-SEED = 0x5EED
+SECRET = bytes(range(32))
 names = st.text(min_size=0, max_size=80)
 fingerprints = st.text(alphabet="0123456789abcdef", max_size=32)
 values = st.binary(min_size=1, max_size=3 * BLOCK)
@@ -34,7 +34,7 @@ def encoded(key: str, tenant: str, fingerprint: str, value: bytes,
     assert span is not None
     out = numpy.full(span + BLOCK, 0xAB, dtype=numpy.uint8)  # dirty: padding must be zeroed
     written = encode(out, key, tenant, fingerprint, numpy.frombuffer(value, dtype=numpy.uint8),
-                     sequence, SEED)
+                     sequence, SECRET)
     assert written == span
     return out[:span], span
 
@@ -45,7 +45,7 @@ def test_a_record_reads_back_as_it_was_written(key: str, tenant: str, fingerprin
                                                value: bytes, sequence: int) -> None:
     """Every field and the value come back, the span is whole blocks, the tail is zeros."""
     record, span = encoded(key, tenant, fingerprint, value, sequence)
-    header = parse_header(record[:BLOCK].data, SEED)
+    header = parse_header(record[:BLOCK].data, SECRET)
     assert isinstance(header, Header)
     assert (header.key, header.tenant, header.fingerprint, header.size, header.sequence,
             header.span) == (key, tenant, fingerprint, len(value), sequence, span)
@@ -68,25 +68,25 @@ def test_any_flipped_byte_of_a_record_is_caught(key: str, fingerprint: str, valu
     if 48 <= position < HEADER.size:
         return  # the reserved tail: never read, so a flip there changes nothing read
     record[position] ^= data.draw(st.integers(1, 255))
-    header = parse_header(record[:BLOCK].data, SEED)
+    header = parse_header(record[:BLOCK].data, SECRET)
     assert isinstance(header, HeaderProblem) or not value_matches(record, header)
 
 
 def test_a_record_checks_out_only_under_its_tiers_secret() -> None:
-    """A record made under another seed (forged inside a value, say) is refused: its
+    """A record made under another secret (forged inside a value, say) is refused: its
     header checksum does not hold."""
     record, _ = encoded("key", "tenant", "ff", b"value")
-    assert parse_header(record[:BLOCK].data, SEED + 1) == HeaderProblem("checksum")
+    assert parse_header(record[:BLOCK].data, bytes(32)) == HeaderProblem("checksum")
 
 
 def test_a_tombstone_has_no_value_and_says_so() -> None:
     """An empty value is written as a removal; flags and size must agree."""
     record, span = encoded("key", "", "", b"")
-    header = parse_header(record[:BLOCK].data, SEED)
+    header = parse_header(record[:BLOCK].data, SECRET)
     assert isinstance(header, Header) and header.removal and header.size == 0
     assert span == BLOCK
     value, _ = encoded("key", "", "", b"v")
-    parsed = parse_header(value[:BLOCK].data, SEED)
+    parsed = parse_header(value[:BLOCK].data, SECRET)
     assert isinstance(parsed, Header) and not parsed.removal
 
 
@@ -95,16 +95,16 @@ def test_a_record_of_another_format_version_is_refused() -> None:
     record, _ = encoded("key", "tenant", "ff", b"value")
     record[4:6] = numpy.frombuffer(struct.pack("<H", FORMAT_VERSION + 1), dtype=numpy.uint8)
     names = bytes(record[HEADER.size : HEADER.size + 3 + 6 + 2])
-    digest = xxhash.xxh3_64(seed=SEED)
+    digest = hashlib.blake2b(digest_size=8, key=SECRET)
     digest.update(bytes(record[:40]))
     digest.update(names)
-    record[40:48] = numpy.frombuffer(struct.pack("<Q", digest.intdigest()), dtype=numpy.uint8)
-    assert parse_header(record[:BLOCK].data, SEED) == HeaderProblem("version")
+    record[40:48] = numpy.frombuffer(digest.digest(), dtype=numpy.uint8)
+    assert parse_header(record[:BLOCK].data, SECRET) == HeaderProblem("version")
 
 
 def test_nothing_written_is_no_record() -> None:
     """Zeros (a segment's unwritten tail) are no record, not a damaged one."""
-    assert parse_header(bytes(BLOCK), SEED) == HeaderProblem("no_record")
+    assert parse_header(bytes(BLOCK), SECRET) == HeaderProblem("no_record")
 
 
 def test_names_that_overflow_the_first_block_are_not_recorded() -> None:

@@ -29,11 +29,14 @@ async def open_disk_tier(config: DiskStoreConfig, *, fault: Fault | None = None,
     found), writing while the context is open; closed and unlocked on exit. A segment
     file that cannot be read is left alone, and logged."""
     directory = TierDirectory(Path(config.path))
+    scanned = None
     try:
         scanned = await anyio.to_thread.run_sync(scan, directory)
         tier = DiskTier(directory, config, fault=fault)
         tier.adopt(scanned)
     except BaseException as exc:
+        for segment in scanned.segments.values() if scanned is not None else ():
+            segment.close()
         directory.close()
         if isinstance(exc, OSError):
             raise StoreError(f"cannot read the disk tier at {config.path}: {exc}") from exc

@@ -95,13 +95,16 @@ class DiskBehind:
         if written:
             self._on_moved([entry.key], DISK, True)
 
-    def rewrite(self, keys: Sequence[str]) -> None:
-        """Keys whose record left the disk: those still in memory are written again."""
+    def lost_copies(self, keys: Sequence[str], *, rewrite: bool) -> None:
+        """Keys whose record left the disk: those still in memory are no longer on disk,
+        and are written again now (``rewrite``) or at the next stop's flush. (Rewriting
+        what the budget evicted would evict more, and write the disk in circles.)"""
         for key in keys:
             entry = self._index.entries.get(key)
             if entry is not None and key in self._index.ready_sizes:
                 entry.on_disk = False
-                self.demote(entry)
+                if rewrite:
+                    self.demote(entry)
 
     def not_on_disk(self, keys: Sequence[str]) -> list[str]:
         """Of keys just evicted from memory, those that are gone from the store (a value
@@ -151,13 +154,16 @@ class DiskBehind:
                         self._index.abandon(entry)
                     else:
                         self._index.unpin(entry)
-        for (position, _, entry, kept), ok in zip(reads, good, strict=True):
+        for (position, record, entry, kept), ok in zip(reads, good, strict=True):
             if not ok:
                 continue
             if kept:
-                entry.on_disk = True
                 self._index.make_ready(entry)
                 self._on_moved([entry.key], MEMORY, True)
+                if self.tier.record(entry.key) is record:
+                    entry.on_disk = True
+                else:  # its record went while it was read: memory holds the only copy
+                    self.demote(entry)
             lent[position] = (entry, LOADED)
 
     def _room(self, key: str, size: int, record: DiskRecord) -> tuple[Entry, bool] | None:

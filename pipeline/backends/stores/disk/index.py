@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from pipeline.backends.stores.disk.io import DiskRecord
+from pipeline.backends.stores.disk.io import DiskRecord, Found
+from pipeline.backends.stores.disk.segments import Segment
 
 __all__ = ["DiskCounters", "DiskIndex"]
 
@@ -81,6 +82,24 @@ class DiskIndex:
         self.tenant_bytes.clear()
         self._segment_keys.clear()
         return keys
+
+    def adopt(self, found: Sequence[Found], segments: Mapping[int, Segment]) -> int:
+        """Index the records a scan found, in the order found: of the records and
+        tombstones under one key, the one of the highest sequence stands. The highest
+        sequence seen (0 if none)."""
+        latest: dict[str, int] = {}
+        for item in found:
+            header = item.header
+            if header.sequence <= latest.get(header.key, 0):
+                continue
+            latest[header.key] = header.sequence
+            if header.removal:
+                self.forget(header.key)
+                continue
+            self.add(header.key, DiskRecord(
+                segments[item.segment], item.offset, header.span, header.size,
+                header.tenant, header.fingerprint, header.sequence))
+        return max(latest.values(), default=0)
 
     def remove(self, keys: Sequence[str]) -> list[str]:
         """Forget the records under ``keys``; the keys that had one."""

@@ -47,6 +47,10 @@ class Pending:
     span: int
     done: Callable[[bool], None]
     """Told on the event loop whether the value became durable."""
+    settled: bool = False
+    """Its outcome was told (``done``): never twice."""
+    queued: bool = False
+    """In the tier's queue (again, if a write of it was lost with its segment)."""
     cancelled: bool = False
     """Its key was removed after it was queued: the record written is not indexed (a
     tombstone written after it stands at the next start)."""
@@ -77,7 +81,7 @@ class Scanned:
 
 
 def write_batch(segment: Segment, offset: int, batch: Sequence[Pending],
-                sequences: Sequence[int], buffer: numpy.ndarray, seed: int,
+                sequences: Sequence[int], buffer: numpy.ndarray, secret: bytes,
                 failing: bool) -> list[int]:
     """Encode the batch's records back to back into ``buffer`` and write them at
     ``offset``, durably; each record's span. Runs in a writer thread."""
@@ -85,7 +89,7 @@ def write_batch(segment: Segment, offset: int, batch: Sequence[Pending],
     at = 0
     for item, sequence in zip(batch, sequences, strict=True):
         span = encode(buffer[at:], item.key, item.tenant, item.fingerprint,
-                      item.value.numpy(), sequence, seed)
+                      item.value.numpy(), sequence, secret)
         spans.append(span)
         at += span
     if failing:
@@ -95,7 +99,7 @@ def write_batch(segment: Segment, offset: int, batch: Sequence[Pending],
 
 
 def read_records(wanted: Sequence[tuple[str, DiskRecord, torch.Tensor]],
-                 buffers: AlignedBuffers, seed: int, failing: bool) -> list[str | None]:
+                 buffers: AlignedBuffers, secret: bytes, failing: bool) -> list[str | None]:
     """Read, check and copy out each record; None or why it failed. Runs in a reader
     thread; raises ``OSError`` when the file system fails."""
     if failing:
@@ -107,7 +111,7 @@ def read_records(wanted: Sequence[tuple[str, DiskRecord, torch.Tensor]],
         if record.segment.read(view, record.offset) < record.span:
             problems.append("malformed")
             continue
-        header = parse_header(view[:BLOCK], seed)
+        header = parse_header(view[:BLOCK], secret)
         if isinstance(header, HeaderProblem):
             problems.append(header.reason)
         elif (header.key, header.sequence, header.size, header.tenant, header.fingerprint) != (
@@ -138,7 +142,7 @@ def scan(directory: TierDirectory) -> Scanned:
             scanned.unreadable[number] = str(exc)
             continue
         try:
-            found = _scan_segment(segment, directory.seed, buffer, view, scanned.dropped)
+            found = _scan_segment(segment, directory.secret, buffer, view, scanned.dropped)
         except OSError as exc:
             segment.close()
             scanned.unreadable[number] = str(exc)
@@ -148,14 +152,14 @@ def scan(directory: TierDirectory) -> Scanned:
     return scanned
 
 
-def _scan_segment(segment: Segment, seed: int, buffer: numpy.ndarray, view: memoryview,
+def _scan_segment(segment: Segment, secret: bytes, buffer: numpy.ndarray, view: memoryview,
                   dropped: dict[str, int]) -> list[Found]:
     found: list[Found] = []
     offset = 0
     while offset + BLOCK <= segment.size:
         if segment.read(view[:BLOCK], offset) < BLOCK:
             break
-        header = parse_header(view[:BLOCK], seed)
+        header = parse_header(view[:BLOCK], secret)
         if isinstance(header, Header) and offset + header.span <= segment.size:
             found.append(Found(header, segment.number, offset))
             offset += header.span

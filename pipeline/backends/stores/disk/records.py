@@ -19,7 +19,7 @@ offset bytes
 16     8     value bytes
 24     8     sequence: of two records under one key, the later one stands
 32     8     xxh3-64 of the value
-40     8     xxh3-64 of bytes 0 to 39 and the key, tenant and fingerprint, seeded
+40     8     BLAKE2b-64 of bytes 0 to 39 and the key, tenant and fingerprint, keyed
              with the tier's secret
 48     16    reserved, zero
 ====== ===== ==================================================================
@@ -28,7 +28,7 @@ The last checksum covers the version, key, tenant, fingerprint and value (throug
 value's checksum). A record is read back only if its magic, version and header checksum
 hold and its value matches its checksum: a record cut off mid-write, with a byte flipped
 anywhere, or of another format version is dropped, never loaded. The header checksum is
-seeded with a secret of the tier's (a 0600 file in its directory), so that a record
+keyed with a secret of the tier's (a 0600 file in its directory), so that a record
 forged inside a value an engine stored never passes for a record of its own, should a
 scan look for records inside it (it does after a damaged one).
 """
@@ -36,6 +36,7 @@ scan look for records inside it (it does after a damaged one).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import struct
 
 import numpy
@@ -108,18 +109,19 @@ REMOVAL = 1
 MAX_SEQUENCE = (1 << 63) - 1
 
 
-def _header_checksum(head: bytes | memoryview, names: bytes | memoryview, seed: int) -> int:
-    digest = xxhash.xxh3_64(seed=seed)
+def _header_checksum(head: bytes | memoryview, names: bytes | memoryview,
+                     secret: bytes) -> int:
+    digest = hashlib.blake2b(digest_size=8, key=secret)
     digest.update(head[:_CHECKED])
     digest.update(names)
-    return digest.intdigest()
+    return int.from_bytes(digest.digest(), "little")
 
 
 def encode(out: numpy.ndarray, key: str, tenant: str, fingerprint: str,
-           value: numpy.ndarray, sequence: int, seed: int) -> int:
+           value: numpy.ndarray, sequence: int, secret: bytes) -> int:
     """Write a record of ``value`` (uint8; empty: a tombstone) at the start of ``out``
-    (uint8, at least its span long), its header checksum seeded with ``seed``; its span.
-    Runs in an I/O thread."""
+    (uint8, at least its span long), its header checksum keyed with ``secret``; its
+    span. Runs in an I/O thread."""
     key_bytes, tenant_bytes, fingerprint_bytes = _names(key, tenant, fingerprint)
     names = key_bytes + tenant_bytes + fingerprint_bytes
     size = value.size
@@ -131,16 +133,16 @@ def encode(out: numpy.ndarray, key: str, tenant: str, fingerprint: str,
     head = HEADER.pack(MAGIC, FORMAT_VERSION, len(key_bytes), len(tenant_bytes),
                        len(fingerprint_bytes), 0 if size else REMOVAL, size, sequence,
                        value_checksum, 0)
-    checksum = _header_checksum(head, names, seed)
+    checksum = _header_checksum(head, names, secret)
     head = head[:_CHECKED] + struct.pack("<Q", checksum) + head[48:]
     out[: HEADER.size] = numpy.frombuffer(head, dtype=numpy.uint8)
     out[HEADER.size : value_offset] = numpy.frombuffer(names, dtype=numpy.uint8)
     return span
 
 
-def parse_header(block: bytes | memoryview, seed: int) -> Header | HeaderProblem:
+def parse_header(block: bytes | memoryview, secret: bytes) -> Header | HeaderProblem:
     """The header at the start of ``block`` (a record's first ``BLOCK`` bytes), checked
-    against the tier's ``seed``."""
+    with the tier's ``secret``."""
     if len(block) < HEADER.size or bytes(block[:4]) != MAGIC:
         return HeaderProblem("no_record")
     (_, version, key_len, tenant_len, fingerprint_len, flags, size, sequence,
@@ -151,7 +153,7 @@ def parse_header(block: bytes | memoryview, seed: int) -> Header | HeaderProblem
     if names_end > len(block) or names_end > BLOCK:
         return HeaderProblem("malformed")
     names = block[HEADER.size : names_end]
-    if _header_checksum(block, names, seed) != header_checksum:
+    if _header_checksum(block, names, secret) != header_checksum:
         return HeaderProblem("checksum")
     if flags & ~REMOVAL or bool(flags) == bool(size) or sequence > MAX_SEQUENCE:
         return HeaderProblem("malformed")

@@ -33,7 +33,7 @@ __all__ = ["AlignedBuffers", "Segment", "TierDirectory", "aligned"]
 SEGMENT_NAME = re.compile(r"segment-(\d{10})\.kv")
 LOCK_NAME = "lock"
 SECRET_NAME = "secret"
-SECRET_BYTES = 8
+SECRET_BYTES = 32
 
 
 def aligned(size: int) -> mmap.mmap:
@@ -103,11 +103,11 @@ class Segment:
 class TierDirectory:
     """The tier's directory, locked for this process until ``close``.
 
-    ``seed``: the tier's secret (``records``), made when the directory is."""
+    ``secret``: the tier's secret (``records``), made with the tier."""
 
     def __init__(self, path: Path, *, create: bool = True) -> None:
-        """``create``: make the directory if it is missing (else a missing one is an
-        error: an operator's command never makes a tier where none was)."""
+        """``create``: make the directory and its secret if they are missing (else a
+        missing one is an error: an operator's command never makes a tier)."""
         self.path = path
         if create:
             _make_directory(path)
@@ -119,6 +119,7 @@ class TierDirectory:
         self._lock = -1
         try:
             _check_private(path, os.fstat(self._fd))
+            self.secret = self._secret(create=create)  # made whole, or not: no lock needed
             self._lock = self._open_checked(LOCK_NAME, os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -130,34 +131,48 @@ class TierDirectory:
                     "store.disk.path of its own, or stop that one first") from exc
             os.ftruncate(self._lock, 0)
             os.pwrite(self._lock, f"{os.getpid()}\n".encode(), 0)
-            self.seed = self._secret()
         except BaseException as exc:
             self.close()
             if isinstance(exc, OSError):
                 raise StoreError(f"cannot open the disk tier at {path}: {exc}") from exc
             raise
 
-    def _secret(self) -> int:
-        """The tier's secret: 8 random bytes in a 0600 file, made once."""
+    def _secret(self, *, create: bool) -> bytes:
+        """The tier's secret: random bytes in a 0600 file, made once. It is written
+        under a temporary name, synced, then linked into place, so that it is whole or
+        absent whatever stops the process."""
         try:
-            fd = self._open_file(SECRET_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        except FileExistsError:
-            pass
-        else:
-            try:
-                os.write(fd, os.urandom(SECRET_BYTES))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.fsync(self._fd)
-        fd = self._open_checked(SECRET_NAME, os.O_RDONLY)
+            fd = self._open_checked(SECRET_NAME, os.O_RDONLY)
+        except FileNotFoundError:
+            if not create:
+                raise StoreError(f"{self.path} is not a disk tier (no {SECRET_NAME} file)"
+                                 ) from None
+            self._make_secret()
+            fd = self._open_checked(SECRET_NAME, os.O_RDONLY)
         try:
             secret = os.pread(fd, SECRET_BYTES + 1, 0)
         finally:
             os.close(fd)
         if len(secret) != SECRET_BYTES:
             raise OSError(errno.EINVAL, f"{SECRET_NAME} is not {SECRET_BYTES} bytes")
-        return int.from_bytes(secret, "little")
+        return secret
+
+    def _make_secret(self) -> None:
+        temporary = f"{SECRET_NAME}.{os.getpid()}"
+        fd = self._open_file(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            os.write(fd, os.urandom(SECRET_BYTES))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(temporary, SECRET_NAME, src_dir_fd=self._fd, dst_dir_fd=self._fd,
+                    follow_symlinks=False)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(temporary, dir_fd=self._fd)
+        os.fsync(self._fd)
 
     def segment_numbers(self) -> list[int]:
         """The numbers of the segment files present, in order."""

@@ -25,20 +25,18 @@ class SegmentSpace:
         self.budget = budget
         self._on_dropped = on_dropped
         self.segments: dict[int, Segment] = {}
+        self.used_bytes = 0
+        """Bytes the segment files take on disk (the budget's measure)."""
         self._open: Segment | None = None
         self._open_end = 0
         self._next_number = 1
         self._lock = anyio.Lock()
 
-    @property
-    def used_bytes(self) -> int:
-        """Bytes the segment files take on disk (the budget's measure)."""
-        return sum(segment.size for segment in self.segments.values())
-
     def adopt(self, segments: dict[int, Segment], highest: int) -> list[Segment]:
         """Take the segments a scan found (numbers up to ``highest`` are taken, readable
         or not); the oldest dropped to keep within the budget, their files unlinked."""
         self.segments = dict(sorted(segments.items()))
+        self.used_bytes = sum(segment.size for segment in self.segments.values())
         self._next_number = highest + 1
         dropped = []
         while self.segments and self.used_bytes > self.budget:
@@ -73,10 +71,12 @@ class SegmentSpace:
         segment = await anyio.to_thread.run_sync(
             self._directory.create_segment, number, self.segment_bytes)
         self.segments[number] = segment
+        self.used_bytes += segment.size
         self._open, self._open_end = segment, 0
 
     def _drop_oldest(self) -> Segment:
-        segment = self.segments.pop(min(self.segments))
+        segment = self.segments.pop(next(iter(self.segments)))  # in order: the oldest
+        self.used_bytes -= segment.size
         segment.removed = True
         if self._open is segment:
             self._open = None

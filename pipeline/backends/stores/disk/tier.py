@@ -1,11 +1,10 @@
 """The disk tier: values written behind the embedded store, read back verified.
 
-Writes go through: every value the memory tier takes is offered to the tier. A bounded
-queue (``max_queued_bytes``) holds what waits, each value pinned in memory until its
-record is written; an offer to a full queue is refused at once, never waited for, and
-the caller offers again when ``on_room`` says the queue took a batch. Writers take the
-queue in batches of up to ``batch_bytes`` and write each batch with one call at the end
-of the open segment, several batches in flight.
+A bounded queue (``max_queued_bytes``) holds the values waiting to be written, each held
+unchanged by its caller until told; an offer to a full queue is refused at once, and
+the caller offers again when ``on_room`` says there is room. Writers take the queue in
+batches of up to ``batch_bytes``, each written with one call at the end of the open
+segment, several batches in flight.
 
 A value is *durable* once the write of its batch and the ``fdatasync`` after it
 returned: from then on it is in the index, readable, and it survives the process
@@ -18,14 +17,12 @@ removal is written as a tombstone, so that a restart does not bring the value ba
 
 Reads run on threads of their own, never behind writes. A record read back is checked
 (header, names, sequence, value checksum) before a byte of it is copied out; one that
-fails is dropped from the index and reported, and the caller recomputes it.
+fails is dropped (with a tombstone) and reported, and the caller recomputes it.
 
-An error of the file system on a write or a read (a full disk, EIO, a vanished mount),
-or any other error of the tier's own, disables the tier: it logs ``store.disk.disabled``
-once, counts it, answers nothing from disk from then on, and the memory tier goes on
-serving.
-
-The index lives on the event loop thread and is only touched there.
+An error of the file system (a full disk, EIO, a vanished mount), or any other error of
+the tier's own, disables the tier: it logs ``store.disk.disabled`` once, answers nothing
+from disk from then on, and the memory tier goes on serving. The index lives on the
+event loop thread and is only touched there.
 """
 
 from __future__ import annotations
@@ -47,12 +44,11 @@ from pipeline.backends.stores.disk.io import (
     DiskRecord,
     Pending,
     Scanned,
-    read_records,
     write_batch,
 )
+from pipeline.backends.stores.disk.reads import DiskReads
 from pipeline.backends.stores.disk.records import record_span
 from pipeline.backends.stores.disk.segments import (
-    AlignedBuffers,
     Segment,
     TierDirectory,
     aligned,
@@ -87,12 +83,12 @@ class DiskTier:
                  fault: Fault | None = None) -> None:
         self.path = directory.path
         self._directory = directory
-        self._seed = directory.seed
+        self._secret = directory.secret
         self._config = config
         self._fault = fault or (lambda name: False)
-        self.on_removed: Callable[[Sequence[str]], None] = lambda keys: None
-        """Hears keys whose record left the disk (evicted with its segment, dropped as
-        bad, or lost with a disabled tier), on the event loop."""
+        self.on_removed: Callable[[Sequence[str], bool], None] = lambda keys, bad: None
+        """Hears keys whose record left the disk, on the event loop, and whether it was
+        found bad (else evicted with its segment, or lost with a disabled tier)."""
         self.on_room: Callable[[], None] = lambda: None
         """Told (on the event loop) when the queue has taken a batch off: room for more."""
         self.enabled = True
@@ -102,7 +98,9 @@ class DiskTier:
                                   self._dropped_segment)
         self._sequence = 1
         self._queue: collections.deque[Pending] = collections.deque()
-        self._queued_bytes = 0
+        self.queued_bytes = 0
+        """Bytes of the records waiting in the queue."""
+        self.budget_bytes = config.bytes
         self._pending: dict[str, Pending] = {}
         """The value queued or being written under each key (not tombstones)."""
         self._work = anyio.Event()
@@ -110,8 +108,7 @@ class DiskTier:
         self._in_flight = 0
         self._write_limiter = anyio.CapacityLimiter(config.writers)
         self._writers = WorkerThreads(config.writers, name="kvsidecar-disk", nice=WRITER_NICE)
-        self._readers = WorkerThreads(config.readers, name="kvsidecar-disk-read")
-        self._read_buffers = AlignedBuffers()
+        self._reads = DiskReads(config.readers, directory.secret)
 
     # -- the index ---------------------------------------------------------------------
 
@@ -138,14 +135,6 @@ class DiskTier:
     def used_bytes(self) -> int:
         return self.space.used_bytes
 
-    @property
-    def budget_bytes(self) -> int:
-        return self._config.bytes
-
-    @property
-    def queued_bytes(self) -> int:
-        return self._queued_bytes
-
     def remove(self, keys: Sequence[str]) -> list[str]:
         """Forget the values under ``keys``, written or on their way, and write a
         tombstone for each, so that none comes back after a restart; the keys that had
@@ -159,10 +148,14 @@ class DiskTier:
                 gone.append(key)
             elif pending is None:
                 continue
-            span = record_span(key, "", "", 0)
-            if self.enabled and span is not None:
-                self._enqueue(Pending(key, NO_VALUE, "", "", span, lambda written: None))
+            self._tombstone(key)
         return gone
+
+    def _tombstone(self, key: str) -> None:
+        """Queue a tombstone for ``key``: its earlier records stand no more."""
+        span = record_span(key, "", "", 0)
+        if self.enabled and span is not None:
+            self._enqueue(Pending(key, NO_VALUE, "", "", span, lambda written: None))
 
     # -- writes ------------------------------------------------------------------------
 
@@ -179,8 +172,8 @@ class DiskTier:
         if span is None or span > self._config.batch_bytes or not value.numel():
             self.counters.skipped += 1
             return "refused"
-        if (not force and self._queued_bytes
-                and self._queued_bytes + span > self._config.max_queued_bytes):
+        if (not force and self.queued_bytes
+                and self.queued_bytes + span > self._config.max_queued_bytes):
             return "full"
         item = Pending(key, value, tenant, fingerprint, span, done)
         self._pending[key] = item
@@ -188,8 +181,9 @@ class DiskTier:
         return "queued"
 
     def _enqueue(self, item: Pending) -> None:
+        item.queued = True
         self._queue.append(item)
-        self._queued_bytes += item.span
+        self.queued_bytes += item.span
         self._work.set()
 
     @property
@@ -206,7 +200,7 @@ class DiskTier:
                 await self._idle.wait()
             return True
         log.warning("store.disk.flush_unfinished", queued=len(self._queue),
-                    queued_bytes=self._queued_bytes, timeout_s=timeout_s,
+                    queued_bytes=self.queued_bytes, timeout_s=timeout_s,
                     consequence="values not yet written are not kept across the restart")
         return False
 
@@ -220,17 +214,28 @@ class DiskTier:
                 if self._work is work:
                     self._work = anyio.Event()
             batch, span = self._take()
-            self.on_room()
             self._in_flight += 1
             try:
+                self.on_room()
                 if buffer is None or buffer.size < span:
                     buffer = numpy.frombuffer(aligned(max(span, self._config.batch_bytes)),
                                               dtype=numpy.uint8)
                 await self._write(batch, span, buffer)
+            except Exception as exc:
+                self._disable("write", exc)
             finally:
+                self._settle(batch, None)  # whatever is left untold (cancelled, failed)
                 self._in_flight -= 1
                 if not self._queue and not self._in_flight:
                     self._idle.set()
+
+    def _drain(self) -> list[Pending]:
+        """Everything queued, taken out of the queue."""
+        queued, self._queue = list(self._queue), collections.deque()
+        self.queued_bytes = 0
+        for item in queued:
+            item.queued = False
+        return queued
 
     def _take(self) -> tuple[list[Pending], int]:
         batch: list[Pending] = []
@@ -238,9 +243,10 @@ class DiskTier:
         while self._queue and (not batch or span + self._queue[0].span
                                <= self._config.batch_bytes):
             item = self._queue.popleft()
+            item.queued = False
             batch.append(item)
             span += item.span
-        self._queued_bytes -= span
+        self.queued_bytes -= span
         return batch, span
 
     async def _write(self, batch: list[Pending], span: int, buffer: numpy.ndarray) -> None:
@@ -256,13 +262,18 @@ class DiskTier:
             try:
                 async with self._write_limiter:
                     (spans,) = await self._writers.run_each([functools.partial(
-                        write_batch, segment, offset, batch, sequences, buffer, self._seed,
+                        write_batch, segment, offset, batch, sequences, buffer, self._secret,
                         failing)])
             finally:
                 self.space.release(segment)
         except Exception as exc:
-            self._settle(batch, None)
             self._disable("write", exc)
+            return
+        if segment.removed and self.enabled:
+            # Another writer's roll dropped the segment under this write: write again.
+            for item in batch:
+                if not item.cancelled:
+                    self._enqueue(item)
             return
         records = []
         at = offset
@@ -270,12 +281,15 @@ class DiskTier:
             records.append(DiskRecord(segment, at, item_span, item.value.numel(),
                                       item.tenant, item.fingerprint, sequence))
             at += item_span
-        self._settle(batch, None if segment.removed or not self.enabled else records)
+        self._settle(batch, records if self.enabled else None)
 
     def _settle(self, batch: list[Pending], records: list[DiskRecord] | None) -> None:
         """Index the batch's records (None: it was not written) and tell each value; a
         value removed meanwhile, or overtaken by a later record, is not indexed."""
         for index, item in enumerate(batch):
+            if item.settled or item.queued:
+                continue
+            item.settled = True
             if self._pending.get(item.key) is item:
                 del self._pending[item.key]
             if item.removal:
@@ -288,13 +302,16 @@ class DiskTier:
                     self.index.add(item.key, record)
                 self.counters.writes += 1
                 self.counters.written_bytes += record.span
-            item.done(written)
+            try:
+                item.done(written)
+            except Exception as exc:  # a caller's bug: the other values must be told
+                log.error("store.disk.done_failed", key=item.key, exc_info=exc)
 
     def _dropped_segment(self, segment: Segment) -> None:
         gone = self.index.forget_segment(segment.number)
         self.counters.evicted += len(gone)
         if gone:
-            self.on_removed(gone)
+            self.on_removed(gone, False)
 
     # -- reads -------------------------------------------------------------------------
 
@@ -303,18 +320,21 @@ class DiskTier:
         """Read each record's value into its tensor (uint8, the value's size), checked
         first; whether each was. A record that fails its checks leaves the index. Waits
         for the reads it started even when cancelled (they write into the tensors)."""
-        if not wanted or not self.enabled:
+        if not self.enabled:
             return [False] * len(wanted)
-        failing = self._fault("disk.read")
-        readers = self._config.readers
-        chunks = [list(wanted[i::readers]) for i in range(min(readers, len(wanted)))]
+        standing = [self.index.records.get(key) is record and not record.segment.removed
+                    for key, record, _ in wanted]
+        if not all(standing):  # gone since the caller looked: a miss, never a stale read
+            chosen = [item for item, ok in zip(wanted, standing, strict=True) if ok]
+            read = iter(await self.read_into(chosen) if chosen else [])
+            return [ok and next(read) for ok in standing]
+        if not wanted:
+            return []
         segments = [record.segment for _, record, _ in wanted]
         for segment in segments:
             segment.readers += 1
         try:
-            results = await self._readers.run_each([functools.partial(
-                read_records, chunk, self._read_buffers, self._seed, failing)
-                for chunk in chunks])
+            problems = await self._reads.read(wanted, failing=self._fault("disk.read"))
         except Exception as exc:
             if isinstance(exc, OSError):
                 self._disable("read", exc)
@@ -324,18 +344,13 @@ class DiskTier:
         finally:
             for segment in segments:
                 self.space.release(segment)
-        outcomes: list[bool] = [False] * len(wanted)
-        for index, chunk_results in enumerate(results):
-            for position, problem in enumerate(chunk_results):
-                at = index + position * len(chunks)
-                key, record, _ = wanted[at]
-                if problem is None:
-                    outcomes[at] = True
-                    self.counters.reads += 1
-                    self.counters.read_bytes += record.span
-                else:
-                    self._drop_bad(key, record, problem)
-        return outcomes
+        for (key, record, _), problem in zip(wanted, problems, strict=True):
+            if problem is None:
+                self.counters.reads += 1
+                self.counters.read_bytes += record.span
+            else:
+                self._drop_bad(key, record, problem)
+        return [problem is None for problem in problems]
 
     def _drop_bad(self, key: str, record: DiskRecord, reason: str) -> None:
         self.counters.dropped[reason] = self.counters.dropped.get(reason, 0) + 1
@@ -343,33 +358,21 @@ class DiskTier:
                     segment=record.segment.number, offset=record.offset)
         if self.index.records.get(key) is record:
             self.index.forget(key)
-            self.on_removed([key])
+            self._tombstone(key)  # else the next start would index it again
+            self.on_removed([key], True)
 
     # -- start and failure -------------------------------------------------------------
 
     def adopt(self, scanned: Scanned) -> None:
-        """Index what a scan of the directory found: of the records and tombstones under
-        one key the latest stands. The oldest segments go until the budget holds. Nothing
-        is announced: nobody has heard of these keys yet."""
+        """Index what a scan of the directory found (the latest record or tombstone
+        under a key stands); the oldest segments go until the budget holds. Called
+        before anyone is told of removals (``on_removed``): nobody has heard of these
+        keys yet."""
         for reason, count in scanned.dropped.items():
             self.counters.dropped[reason] = self.counters.dropped.get(reason, 0) + count
-        segments = scanned.segments
-        latest: dict[str, int] = {}
-        for item in scanned.found:
-            header = item.header
-            if header.sequence <= latest.get(header.key, 0):
-                continue
-            latest[header.key] = header.sequence
-            self._sequence = max(self._sequence, header.sequence + 1)
-            if header.removal:
-                self.index.forget(header.key)
-                continue
-            self.index.add(header.key, DiskRecord(
-                segments[item.segment], item.offset, header.span, header.size,
-                header.tenant, header.fingerprint, header.sequence))
-        highest = max([*segments, *scanned.unreadable], default=0)
-        for segment in self.space.adopt(segments, highest):
-            self.counters.evicted += len(self.index.forget_segment(segment.number))
+        self._sequence = self.index.adopt(scanned.found, scanned.segments) + 1
+        self.space.adopt(scanned.segments,
+                         max([*scanned.segments, *scanned.unreadable], default=0))
 
     def _disable(self, operation: str, exc: Exception) -> None:
         self.counters.errors += 1
@@ -382,18 +385,14 @@ class DiskTier:
                   reason=reason, error=repr(exc), consequence=DISABLED,
                   exc_info=None if isinstance(exc, OSError) else exc)
         lost = self.index.clear()
-        queued, self._queue = list(self._queue), collections.deque()
-        self._queued_bytes = 0
-        self._settle(queued, None)
+        self._settle(self._drain(), None)
         self._idle.set()
         if lost:
-            self.on_removed(lost)
+            self.on_removed(lost, False)
 
     def close(self) -> None:
         self._writers.close()
-        self._readers.close()
-        queued, self._queue = list(self._queue), collections.deque()
-        self._queued_bytes = 0
-        self._settle(queued, None)
+        self._reads.close()
+        self._settle(self._drain(), None)
         self.space.close()
         self._directory.close()
