@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
@@ -27,6 +26,7 @@ import zmq.utils.z85
 
 from pipeline.core.config import ServerConfig, runtime_dir
 from pipeline.core.errors import TransportError
+from pipeline.core.private import not_private
 from pipeline.core.tenancy import Peer, Tenancy
 from transport.auth import (
     MAX_KNOWN_PEERS,
@@ -83,14 +83,9 @@ def private_directory(path: Path) -> Path:
         status = path.lstat()
     except OSError as exc:
         raise TransportError(f"cannot create the sidecar's directory {path}: {exc}") from exc
-    if not stat.S_ISDIR(status.st_mode):
-        raise TransportError(f"{path} is not a directory")
-    if status.st_uid != os.getuid():
-        raise TransportError(f"{path} belongs to uid {status.st_uid}, not to this user "
-                             f"({os.getuid()}): refusing to put sockets in it")
-    if status.st_mode & 0o077:
-        raise TransportError(f"{path} is open to other users (mode "
-                             f"{stat.S_IMODE(status.st_mode):o}); make it 0700")
+    problem = not_private(status)
+    if problem is not None:
+        raise TransportError(f"{path} {problem}: refusing to put sockets in it")
     return path
 
 

@@ -92,6 +92,13 @@ async def settle(tier: DiskTier) -> None:
     assert await tier.flush(WAIT_S)
 
 
+async def fill(store: EmbeddedStore, tier: DiskTier, count: int) -> None:
+    """Save ``key-0`` .. ``key-{count - 1}``, each durable before the next is saved."""
+    for i in range(count):
+        await save(store, f"key-{i}", value(i))
+        await settle(tier)
+
+
 @contextlib.asynccontextmanager
 async def writers_held(tier: DiskTier) -> AsyncIterator[None]:
     """Every writer thread's slot taken: nothing is written until the block ends."""
@@ -181,9 +188,7 @@ async def test_loads_from_disk_do_not_wait_behind_writes(tmp_path: Path) -> None
     their own."""
     config = disk_config(tmp_path / "tier")
     async with opened(config, capacity=SIZE * 3) as (store, tier):
-        for i in range(10):
-            await save(store, f"key-{i}", value(i))
-            await settle(tier)
+        await fill(store, tier, 10)
         async with writers_held(tier):
             await save(store, "queued", value(99))  # its write waits for a writer
             with anyio.fail_after(5):
@@ -255,9 +260,7 @@ async def test_a_record_of_an_unknown_version_is_dropped(tmp_path: Path) -> None
     """A record written by another format version is never loaded; the rest are."""
     config = disk_config(tmp_path / "tier")
     async with opened(config, capacity=SIZE * 2) as (store, tier):
-        for i in range(3):
-            await save(store, f"key-{i}", value(i))
-            await settle(tier)
+        await fill(store, tier, 3)
         at = tier.records["key-1"].offset
     segment = next((tmp_path / "tier").glob("segment-*"))
     with segment.open("r+b") as file:
@@ -273,9 +276,7 @@ async def test_a_write_cut_off_is_never_loaded(tmp_path: Path) -> None:
     the disk) fails its checksum: missing, never wrong."""
     config = disk_config(tmp_path / "tier")
     async with opened(config, capacity=SIZE * 2) as (store, tier):
-        for i in range(3):
-            await save(store, f"key-{i}", value(i))
-            await settle(tier)
+        await fill(store, tier, 3)
         record = tier.records["key-2"]
     segment = next((tmp_path / "tier").glob("segment-*"))
     with segment.open("r+b") as file:
@@ -399,7 +400,7 @@ async def test_the_directory_is_private_and_locked(tmp_path: Path) -> None:
             async with open_disk_tier(config):
                 pass
     path.chmod(0o755)
-    with pytest.raises(StoreError, match="chmod 700"):
+    with pytest.raises(StoreError, match="make it 0700"):
         async with open_disk_tier(config):
             pass
     link = tmp_path / "link"
@@ -475,9 +476,7 @@ async def test_a_load_cancelled_during_a_disk_read_leaves_nothing_pinned(
     the value promoted from disk is readable."""
     config = disk_config(tmp_path / "tier")
     async with opened(config, capacity=SIZE * 4) as (store, tier):
-        for i in range(4):
-            await save(store, f"key-{i}", value(i))
-            await settle(tier)
+        await fill(store, tier, 4)
     async with opened(config, capacity=SIZE * 4) as (store, tier):
         await save(store, "in-memory", value(9))
         extents = None
@@ -496,9 +495,7 @@ async def test_get_into_reads_values_from_disk(tmp_path: Path) -> None:
     """The copying interface loads values found only on disk too, checked."""
     config = disk_config(tmp_path / "tier")
     async with opened(config, capacity=SIZE * 2) as (store, tier):
-        for i in range(3):
-            await save(store, f"key-{i}", value(i))
-            await settle(tier)
+        await fill(store, tier, 3)
     async with opened(config, capacity=SIZE * 2) as (store, tier):
         buffers = [torch.empty(SIZE, dtype=torch.uint8) for _ in range(3)]
         outcomes = await store.get_into([f"key-{i}" for i in range(3)], buffers)

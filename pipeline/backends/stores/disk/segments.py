@@ -27,6 +27,7 @@ from pathlib import Path
 
 from pipeline.backends.stores.disk.records import BLOCK
 from pipeline.core.errors import StoreError
+from pipeline.core.private import not_private
 
 __all__ = ["AlignedBuffers", "Segment", "TierDirectory", "aligned"]
 
@@ -260,9 +261,6 @@ def _make_directory(path: Path) -> None:
 
 def _check_private(path: Path, info: os.stat_result) -> None:
     """The opened directory must be this user's and closed to others."""
-    if info.st_uid != os.geteuid():
-        raise StoreError(f"the disk tier's directory {path} belongs to uid {info.st_uid}, "
-                         f"not to this sidecar's user (uid {os.geteuid()})")
-    if info.st_mode & 0o077:
-        raise StoreError(f"the disk tier's directory {path} is open to other users "
-                         f"(mode {stat.S_IMODE(info.st_mode):o}); chmod 700 it")
+    problem = not_private(info)
+    if problem is not None:
+        raise StoreError(f"the disk tier's directory {path} {problem}")
