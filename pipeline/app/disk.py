@@ -8,7 +8,6 @@ starts cold.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.backends.stores.disk.io import Found, scan
+from pipeline.backends.stores.disk.index import DiskIndex
+from pipeline.backends.stores.disk.io import scan
 from pipeline.backends.stores.disk.records import FORMAT_VERSION
 from pipeline.backends.stores.disk.segments import TierDirectory
 from pipeline.core.config import load_config
@@ -44,16 +44,6 @@ def _path(args: argparse.Namespace) -> Path:
     return Path(path)
 
 
-def _standing(found: list[Found]) -> dict[str, Found]:
-    """The record that stands under each key (the latest, unless a later tombstone)."""
-    latest: dict[str, Found] = {}
-    for item in found:
-        current = latest.get(item.header.key)
-        if current is None or current.header.sequence < item.header.sequence:
-            latest[item.header.key] = item
-    return {key: item for key, item in latest.items() if not item.header.removal}
-
-
 def run_disk(args: argparse.Namespace) -> int:
     """Show or clear the tier; the exit code."""
     path = _path(args)
@@ -61,15 +51,15 @@ def run_disk(args: argparse.Namespace) -> int:
     try:
         scanned = scan(directory)
         segments, dropped = scanned.segments, scanned.dropped
-        standing = _standing(scanned.found)
-        by_tenant: collections.Counter[str] = collections.Counter()
-        for item in standing.values():
-            by_tenant[item.header.tenant or "-"] += item.header.span
+        index = DiskIndex()
+        index.adopt(scanned.found, segments)
         summary: dict[str, Any] = {
             "path": str(path), "format_version": FORMAT_VERSION,
             "segments": len(segments),
             "segment_bytes": sum(segment.size for segment in segments.values()),
-            "values": len(standing), "value_bytes": dict(by_tenant), "dropped": dropped,
+            "values": len(index),
+            "value_bytes": {tenant or "-": held for tenant, held in index.tenant_bytes.items()},
+            "dropped": dropped,
         }
         for segment in segments.values():
             segment.close()
@@ -96,7 +86,7 @@ def _print(summary: dict[str, Any], *, as_json: bool) -> None:
                   f"{summary['segments']} ({summary['segment_bytes'] / 2**20:.0f} MiB)")
     table.add_row("values", str(summary["values"]))
     for tenant, held in summary["value_bytes"].items():
-        table.add_row(f"  of tenant {tenant}", f"{held / 2**20:.1f} MiB")
+        table.add_row(f"  of tenant {tenant}", f"{held / 2**20:.1f} MiB on disk")
     table.add_row("records dropped as bad", json.dumps(summary["dropped"]))
     if summary.get("cleared"):
         table.add_row("cleared", "every segment removed: the next sidecar starts cold")

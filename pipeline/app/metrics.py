@@ -139,7 +139,8 @@ def _disk_metrics(disk: DiskTier) -> Iterator[Metric]:
     yield GaugeMetricFamily("kvsidecar_disk_values", "Values durable on disk",
                             value=len(disk.sizes))
     by_tenant = GaugeMetricFamily("kvsidecar_disk_value_bytes",
-                                  "Bytes of the values on disk, by tenant", labels=["tenant"])
+                                  "Bytes on disk of the records that stand, by tenant",
+                                  labels=["tenant"])
     for tenant, held in dict(disk.index.tenant_bytes).items():
         by_tenant.add_metric([tenant], held)
     yield by_tenant
@@ -148,11 +149,11 @@ def _disk_metrics(disk: DiskTier) -> Iterator[Metric]:
                             value=disk.queued_bytes)
     for name, help_text, count in (
             ("writes", "Values written to disk (durable)", counters.writes),
-            ("written_bytes", "Bytes written to disk", counters.written_bytes),
+            ("written_bytes", "Bytes of records written to disk", counters.written_bytes),
             ("reads", "Values read back from disk, checked", counters.reads),
-            ("read_bytes", "Bytes read back from disk", counters.read_bytes),
-            ("skipped", "Values not written: the disk fell behind (its queue was full)",
-             counters.skipped),
+            ("read_bytes", "Bytes of records read back from disk", counters.read_bytes),
+            ("skipped", "Values never written: evicted from memory while the disk was "
+             "behind, or too large for a batch", counters.skipped),
             ("errors", "Disk errors (the first turns the tier off)", counters.errors),
             ("evicted", "Values on disk dropped with their segment to keep the budget",
              counters.evicted)):

@@ -33,6 +33,7 @@ from pipeline.app.metrics import BackendGauges, Metrics
 from pipeline.backends.cpu_copy import copy_features
 from pipeline.backends.cuda_kernels import KernelForms, compile_kernels, kernel_forms
 from pipeline.backends.faults import Faults
+from pipeline.backends.stores.disk.behind import DISK
 from pipeline.core.config import Config
 from pipeline.core.errors import InternalFailure, StoreError
 from pipeline.core.geometry import StoreGroupGeometry
@@ -231,7 +232,8 @@ class Sidecar:
                     # The store starts empty but for what its disk tier kept.
                     self.events.cleared()
                     if self.backends.disk is not None:
-                        self.events.moved(list(self.backends.disk.records), "disk", True)
+                        root.start_soon(self.events.announce,
+                                        list(self.backends.disk.records), DISK)
             root.start_soon(receiver.run, name="receive")
             if self.desk is not None:
                 root.start_soon(self.desk.run, name="handover")

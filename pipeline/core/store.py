@@ -32,6 +32,7 @@ __all__ = [
     "ValueScope",
 ]
 
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ValueScope:
     """Whose a value is and what it means, beside its key: the tenant that stored it and

@@ -77,7 +77,7 @@ class KVEventLog:
             ))
 
     def removed(self, keys: Sequence[str]) -> None:
-        """Keys gone from the store (evicted, or removed after failing integrity)."""
+        """Keys removed from the store after failing integrity (medium ``events.medium``)."""
         if not self.enabled:
             return
         for key in keys:
@@ -90,26 +90,37 @@ class KVEventLog:
 
     def moved(self, keys: Sequence[str], medium: str, present: bool) -> None:
         """Keys that arrived in (``present``) or left a medium of the store: ``memory``
-        (named ``events.medium``) or ``disk``. A block announced from disk carries the
-        block size and kind its group had when an engine last saved under its key
+        (named ``events.medium``) or ``disk``. A block announced present carries the
+        block size and kind its group had when an engine first saved under its key
         prefix in this process, or 0 and none if none has."""
-        if not self.enabled:
-            return
+        if self.enabled:
+            for key in keys:
+                event = self._medium_event(key, medium, present)
+                if event is not None:
+                    self._put(event)
+
+    async def announce(self, keys: Sequence[str], medium: str) -> None:
+        """``moved(keys, medium, True)``, waiting for the publisher where the queue is
+        full instead of dropping: what a start finds in the store, however much."""
+        if self.enabled:
+            for key in keys:
+                event = self._medium_event(key, medium, True)
+                if event is not None:
+                    await self._send.send(event)
+
+    def _medium_event(self, key: str, medium: str, present: bool) -> KVCacheEvent | None:
+        parsed = parse_key(key)
+        if parsed is None:
+            return None
+        group, block_hash = parsed
         name = self._config.medium if medium == "memory" else medium
-        for key in keys:
-            parsed = parse_key(key)
-            if parsed is None:
-                continue
-            group, block_hash = parsed
-            if not present:
-                self._put(BlockRemoved([self._hash(block_hash)], medium=name, group_idx=group))
-                continue
-            block_size, kind, window = self._shapes.get(key.rpartition("@")[0], (0, None, None))
-            self._put(BlockStored(
-                block_hashes=[self._hash(block_hash)], parent_block_hash=None, token_ids=[],
-                block_size=block_size, lora_id=None, medium=name, lora_name=None,
-                group_idx=group, kv_cache_spec_kind=kind,
-                kv_cache_spec_sliding_window=window))
+        if not present:
+            return BlockRemoved([self._hash(block_hash)], medium=name, group_idx=group)
+        block_size, kind, window = self._shapes.get(key.rpartition("@")[0], (0, None, None))
+        return BlockStored(
+            block_hashes=[self._hash(block_hash)], parent_block_hash=None, token_ids=[],
+            block_size=block_size, lora_id=None, medium=name, lora_name=None,
+            group_idx=group, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window)
 
     def cleared(self) -> None:
         if self.enabled:

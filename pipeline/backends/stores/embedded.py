@@ -139,10 +139,6 @@ class EmbeddedStore(AsyncResource):
         return " and ".join(p for p, here in (("in memory", memory), ("on disk", disk)) if here)
 
     @property
-    def disk(self) -> DiskTier | None:
-        return None if self._disk is None else self._disk.tier
-
-    @property
     def memory(self) -> torch.Tensor:
         """The arena every value lives in (for pinning it, say)."""
         return self._arena
@@ -165,7 +161,7 @@ class EmbeddedStore(AsyncResource):
             # The usual hit: every block present, in one comparison.
             return [Presence.PRESENT] * len(keys)
         if self._disk is not None and self._disk.tier.enabled:
-            stored = self._disk.presence(keys, sizes, stored)
+            stored = self._disk.presence(keys, stored)
         absent, present, foreign = Presence.ABSENT, Presence.PRESENT, Presence.FOREIGN
         return [absent if have is None else present if have == want else foreign
                 for have, want in zip(stored, sizes, strict=True)]
@@ -252,7 +248,9 @@ class EmbeddedStore(AsyncResource):
     async def reserve(self, keys: Sequence[str], size: int, *,
                       scope: ValueScope | None = None) -> Extents:
         self._check_open()
-        fresh = len({key for key in keys if key not in self._index.entries})
+        on_disk = self._disk.holds if self._disk is not None else (lambda key: False)
+        fresh = len({key for key in keys if key not in self._index.entries
+                     and not on_disk(key)})
         span = value_span(size, self._index.align)
         # One extent for the whole batch (evicting as needed), so the caller copies the
         # batch as one matrix; if none can be had, one extent per key.

@@ -22,6 +22,9 @@ Probability = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
 
 class FaultPointConfig(Section, frozen=True):
+    """What one point does. ``disk.write`` and ``disk.read`` only fail (an I/O error, at
+    ``error_rate``): they neither delay nor corrupt."""
+
     error_rate: Probability = 0.0
     """Probability that one call at this point fails."""
     delay_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0

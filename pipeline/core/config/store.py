@@ -42,7 +42,8 @@ class DiskStoreConfig(Section, frozen=True):
     batch_bytes: Annotated[int, msgspec.Meta(ge=4096, multiple_of=4096)] = 8 * MiB
     """The most one write takes; a record longer than it is not written."""
     max_queued_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 128 * MiB
-    """Values waiting to be written, held in memory meanwhile; one more is skipped."""
+    """Bytes of values queued to be written, each held in memory meanwhile; a value past
+    it waits unpinned for room, and is skipped if memory evicts it first."""
     writers: Positive = 2
     """Batches written at once."""
     readers: Positive = 4

@@ -48,8 +48,7 @@ class DiskBehind:
         self._slot = slot
         self._promote = promote
 
-    def presence(self, keys: Sequence[str], sizes: Sequence[int],
-                 stored: list[int | None]) -> list[int | None]:
+    def presence(self, keys: Sequence[str], stored: list[int | None]) -> list[int | None]:
         """``stored`` (memory's sizes, None where absent) with the disk's sizes filled in."""
         on_disk = self.tier.sizes
         return [size if size is not None else on_disk.get(key)

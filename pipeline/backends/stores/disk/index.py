@@ -43,10 +43,6 @@ class DiskIndex:
     def __len__(self) -> int:
         return len(self.records)
 
-    @property
-    def live_bytes(self) -> int:
-        return sum(self.tenant_bytes.values())
-
     def add(self, key: str, record: DiskRecord) -> None:
         """``record`` stands under ``key`` from now on."""
         self.forget(key)
@@ -100,7 +96,3 @@ class DiskIndex:
                 segments[item.segment], item.offset, header.span, header.size,
                 header.tenant, header.fingerprint, header.sequence))
         return max(latest.values(), default=0)
-
-    def remove(self, keys: Sequence[str]) -> list[str]:
-        """Forget the records under ``keys``; the keys that had one."""
-        return [key for key in keys if self.forget(key) is not None]

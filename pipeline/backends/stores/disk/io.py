@@ -26,6 +26,7 @@ __all__ = ["DiskRecord", "Found", "Pending", "Scanned", "read_records", "scan", 
 RESYNC_CHUNK = 1 << 20
 """Bytes a scan reads at a time while it looks for the next record after a bad one."""
 
+
 @dataclasses.dataclass(eq=False, slots=True)
 class DiskRecord:
     segment: Segment

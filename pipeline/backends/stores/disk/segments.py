@@ -65,9 +65,9 @@ class Segment:
         self.fd = fd
         self.size = size
         self.direct = direct
-        self.readers = 0
-        """Reads in flight (counted on the event loop); a removed segment's file is
-        closed when the last one ends."""
+        self.users = 0
+        """Reads and writes in flight (counted on the event loop); a removed segment's
+        file is closed when the last one ends."""
         self.removed = False
         self.closed = False
 

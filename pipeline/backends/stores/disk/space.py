@@ -43,7 +43,7 @@ class SegmentSpace:
             dropped.append(self._drop_oldest())
         for segment in dropped:
             self._directory.remove_segment(segment.number)
-            if segment.readers == 0:
+            if segment.users == 0:
                 segment.close()
         return dropped
 
@@ -63,9 +63,13 @@ class SegmentSpace:
         dropped = []
         while self.segments and self.used_bytes + self.segment_bytes > self.budget:
             dropped.append(self._drop_oldest())
-        closing = [segment for segment in dropped if segment.readers == 0]
-        if dropped:
-            await anyio.to_thread.run_sync(self._unlink, dropped, closing)
+        closing = [segment for segment in dropped if segment.users == 0]
+        try:
+            if dropped:
+                await anyio.to_thread.run_sync(self._unlink, dropped)
+        finally:
+            for segment in closing:  # freeing a large file's blocks: off the event loop
+                await anyio.to_thread.run_sync(segment.close)
         number = self._next_number
         self._next_number += 1
         segment = await anyio.to_thread.run_sync(
@@ -83,21 +87,19 @@ class SegmentSpace:
         self._on_dropped(segment)
         return segment
 
-    def _unlink(self, dropped: list[Segment], closing: list[Segment]) -> None:
-        """Unlink the dropped segments' files, and close those no read holds (freeing a
-        large file's blocks takes a while: off the event loop)."""
+    def _unlink(self, dropped: list[Segment]) -> None:
         for segment in dropped:
             self._directory.remove_segment(segment.number)
-        for segment in closing:
-            segment.close()
 
     def release(self, segment: Segment) -> None:
         """A read or write of ``segment`` ended; a dropped one is closed by the last."""
-        segment.readers -= 1
-        if segment.removed and segment.readers == 0:
+        segment.users -= 1
+        if segment.removed and segment.users == 0:
             segment.close()
 
     def close(self) -> None:
+        """Close every segment; one still in use is closed by its last user."""
         for segment in self.segments.values():
-            if segment.readers == 0:
+            segment.removed = True
+            if segment.users == 0:
                 segment.close()

@@ -62,9 +62,10 @@ __all__ = ["DiskCounters", "DiskRecord", "DiskTier"]
 log = structlog.get_logger("kvsidecar.store.disk")
 
 WRITER_NICE = 15
-"""How much lower the writers' CPU priority is than the sidecar's: below a save's copies
-(10). Writing behind memory is the most deferrable work the sidecar has; on a busy host
-the disk falls behind (values wait, then are skipped) before saves or loads slow down."""
+"""How much lower the writers' CPU priority is than the sidecar's, below a save's copies
+(``stages.transfer.save_nice``): writing behind memory is the most deferrable work the
+sidecar has, so where cores are contended the disk falls behind (values wait, then are
+skipped) first."""
 
 DISABLED = ("nothing is read from or written to disk until a restart; the memory tier "
             "goes on serving")
@@ -107,6 +108,7 @@ class DiskTier:
         self._idle = anyio.Event()
         self._in_flight = 0
         self._write_limiter = anyio.CapacityLimiter(config.writers)
+        """Writes in flight (one per writer task); held whole, it stops every write."""
         self._writers = WorkerThreads(config.writers, name="kvsidecar-disk", nice=WRITER_NICE)
         self._reads = DiskReads(config.readers, directory.secret)
 
@@ -258,7 +260,7 @@ class DiskTier:
             sequences = list(range(self._sequence, self._sequence + len(batch)))
             self._sequence += len(batch)
             failing = self._fault("disk.write")
-            segment.readers += 1
+            segment.users += 1
             try:
                 async with self._write_limiter:
                     (spans,) = await self._writers.run_each([functools.partial(
@@ -332,14 +334,11 @@ class DiskTier:
             return []
         segments = [record.segment for _, record, _ in wanted]
         for segment in segments:
-            segment.readers += 1
+            segment.users += 1
         try:
             problems = await self._reads.read(wanted, failing=self._fault("disk.read"))
         except Exception as exc:
-            if isinstance(exc, OSError):
-                self._disable("read", exc)
-            else:
-                log.error("store.disk.read_failed", error=repr(exc), exc_info=exc)
+            self._disable("read", exc)
             return [False] * len(wanted)
         finally:
             for segment in segments:
