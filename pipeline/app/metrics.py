@@ -135,7 +135,7 @@ def _disk_metrics(disk: DiskTier) -> Iterator[Metric]:
                             "Bytes the disk tier's segment files take", value=disk.used_bytes)
     yield GaugeMetricFamily("kvsidecar_disk_capacity_bytes",
                             "Bytes the disk tier may take (store.disk.bytes)",
-                            value=disk.budget_bytes)
+                            value=disk.space.budget)
     yield GaugeMetricFamily("kvsidecar_disk_values", "Values durable on disk",
                             value=len(disk.sizes))
     by_tenant = GaugeMetricFamily("kvsidecar_disk_value_bytes",

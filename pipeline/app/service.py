@@ -13,7 +13,7 @@ import contextlib
 import functools
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 
 import anyio
 import structlog
@@ -306,16 +306,13 @@ async def run_sidecar(
     events = KVEventLog(config.events)
     history = BlockHistory(config.explain.max_blocks)
 
-    def moved(keys: Sequence[str], medium: str, present: bool) -> None:
-        events.moved(keys, medium, present)
-
     tenancy = Tenancy(config.tenants, config.server.operators,
                       insecure=config.server.allow_insecure_tcp)
     # The endpoint's lock first and last: while it is held, no other sidecar binds the
     # endpoint, and engines know this one may still touch their memory.
     with hold_endpoint_of(config.server):
         async with open_backends(config, faults, on_evicted=history.evicted,
-                                 on_moved=moved) as backends:
+                                 on_moved=events.moved) as backends:
             with open_server_socket(config.server, tenancy) as socket, open_handover_desk(
                     socket, config.server) as desk:
                 sidecar = Sidecar(config, backends, socket, faults, events, history,

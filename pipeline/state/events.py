@@ -78,15 +78,7 @@ class KVEventLog:
 
     def removed(self, keys: Sequence[str]) -> None:
         """Keys removed from the store after failing integrity (medium ``events.medium``)."""
-        if not self.enabled:
-            return
-        for key in keys:
-            parsed = parse_key(key)
-            if parsed is not None:
-                group, block_hash = parsed
-                self._put(BlockRemoved(
-                    [self._hash(block_hash)], medium=self._config.medium, group_idx=group
-                ))
+        self.moved(keys, "memory", False)
 
     def moved(self, keys: Sequence[str], medium: str, present: bool) -> None:
         """Keys that arrived in (``present``) or left a medium of the store: ``memory``

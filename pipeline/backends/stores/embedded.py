@@ -262,7 +262,7 @@ class EmbeddedStore(AsyncResource):
                 self._index.entries.move_to_end(key)
                 lent.append((None, PRESENT))
                 continue
-            if self._disk is not None and self._disk.holds(key):
+            if on_disk(key):
                 lent.append((None, PRESENT))
                 continue
             charge = index_charge(key)

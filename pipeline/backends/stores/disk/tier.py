@@ -101,7 +101,6 @@ class DiskTier:
         self._queue: collections.deque[Pending] = collections.deque()
         self.queued_bytes = 0
         """Bytes of the records waiting in the queue."""
-        self.budget_bytes = config.bytes
         self._pending: dict[str, Pending] = {}
         """The value queued or being written under each key (not tombstones)."""
         self._work = anyio.Event()
@@ -253,8 +252,7 @@ class DiskTier:
 
     async def _write(self, batch: list[Pending], span: int, buffer: numpy.ndarray) -> None:
         if not self.enabled:
-            self._settle(batch, None)
-            return
+            return  # the caller tells the batch it was not written
         try:
             segment, offset = await self.space.place(span)
             sequences = list(range(self._sequence, self._sequence + len(batch)))
